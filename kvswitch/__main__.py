@@ -1,0 +1,3 @@
+from kvswitch.cli import main
+
+raise SystemExit(main())

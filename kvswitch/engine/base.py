@@ -1,0 +1,212 @@
+"""The contract between the gRPC servicer and an engine backend.
+
+The servicer (`kvswitch.engine.servicer`) converts protobuf to these plain types and back; a
+backend (`kvswitch.engine.sim.SimEngine`, later a Hugging Face one) never sees protobuf or gRPC.
+Output follows vLLM's DELTA semantics: each `GenerationUpdate` carries only the tokens produced
+since the previous update. When the consumer falls behind, a backend merges pending deltas into
+one update (as vLLM's output collector does), so a slow stream never stalls the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+FinishReason = str  # "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """vLLM's SamplingParams, already validated by the servicer."""
+
+    max_tokens: int | None = None
+    """None: generate until an eos token or the context limit."""
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    """Top logprobs per output token (0: only the sampled token's); None: no logprobs."""
+    prompt_logprobs: int | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    constraint: tuple[str, str] | None = None
+    """Structured-output constraint as (kind, value), e.g. ("json_schema", "{...}")."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingOptions
+    arrival_time: float = 0.0
+    """Wall-clock arrival (time.time()), for queue-time metrics."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """The top alternatives as (token_id, logprob), best first."""
+
+
+@dataclass(slots=True)
+class SequenceDelta:
+    """New output of one of the request's n sequences."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    """Set on the delta that finishes the sequence."""
+    matched_stop: int | str | None = None
+    """The stop token id or stop string that ended it, if any."""
+
+
+@dataclass(slots=True)
+class GenerationUpdate:
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens served from the prefix cache."""
+    sequences: list[SequenceDelta]
+    finished: bool
+    """True on the last update of the request (every sequence has finished)."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Only on the first update when asked; the first prompt token has none."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """What GetModelInfo / GetServerInfo report about the served model."""
+
+    served_model_name: str
+    model_path: str
+    tokenizer_path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int = -1
+    pad_token_id: int = -1
+    is_generation: bool = True
+    embedding_dim: int = 1024
+    model_type: str = "qwen3"
+    architectures: tuple[str, ...] = ("Qwen3ForCausalLM",)
+    block_size: int = 16
+    num_gpu_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoadSnapshot:
+    """The scheduler's state at one instant (GetLoads, KV event batches, /metrics)."""
+
+    running: int
+    waiting: int
+    waiting_uncached_tokens: int
+    used_blocks: int
+    total_blocks: int
+    block_size: int
+    max_running: int
+    gen_throughput: float
+    """Output tokens per (simulated) second over the recent past."""
+    cache_hit_rate: float
+    """Prefix-cache hits / queries, in tokens, since start."""
+
+    @property
+    def used_tokens(self) -> int:
+        return self.used_blocks * self.block_size
+
+    @property
+    def total_tokens(self) -> int:
+        return self.total_blocks * self.block_size
+
+    @property
+    def token_usage(self) -> float:
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvBlockStored:
+    block_hash: int
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatchData:
+    """One scheduler step's KV events: stored blocks, removed block hashes, or a full clear."""
+
+    sequence_number: int
+    timestamp: float
+    stored: tuple[KvBlockStored, ...] = ()
+    removed: tuple[int, ...] = ()
+    cleared: bool = False
+    load: EngineLoadSnapshot | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """Monotonic counters since start, for Prometheus (vLLM metric names in the servicer)."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    requests_finished: dict[str, int]
+    """Finished requests by finish reason."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A model-server backend. All methods run on the server's event loop."""
+
+    @property
+    def model(self) -> ModelCard: ...
+
+    async def start(self) -> None:
+        """Start background work (the scheduler loop)."""
+
+    async def stop(self) -> None:
+        """Abort what is left and stop background work."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        """Run a request. Closing the iterator (or cancelling its consumer) aborts the request
+        and frees its batch slot and KV blocks at once. Raises `InvalidRequest` for bad input."""
+        ...
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """End these requests with finish_reason "abort"; unknown ids are ignored."""
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    async def embed(self, request_id: str, token_ids: Sequence[int]) -> list[float]: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def load(self) -> EngineLoadSnapshot: ...
+
+    def counters(self) -> EngineCounters: ...
+
+    def kv_events(self, start_sequence_number: int = 0) -> AsyncIterator[KvEventBatchData]:
+        """Batches from `start_sequence_number` on (as far back as the engine still holds), then
+        live ones as scheduler steps produce them."""
+        ...
+
+    async def flush_cache(self) -> bool:
+        """Drop every cached block not in use (AllBlocksCleared); False if requests are running."""
+        ...

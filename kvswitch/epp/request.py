@@ -1,0 +1,116 @@
+"""The seams of the endpoint picker, between the request path and the scheduling side.
+
+Request path (ext_proc stream -> parser -> `InferenceRequest`) and scheduling side (flow control,
+filters/scorers/pickers, the data layer) meet only through the types here:
+
+    parser.parse(headers, body) -> ParsedBody        (kvswitch.epp.parsers.*)
+    router.route(InferenceRequest, subset) -> RoutingDecision
+    router.request_finished(InferenceRequest, RequestOutcome)
+
+`kvswitch.epp.config` builds an `EndpointPicker` (parsers + router) from an
+EndpointPickerConfig and an InferencePool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+Protocol_ = Literal["grpc", "http"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedBody:
+    """What a parser learned from one request body."""
+
+    model: str | None = None
+    """Model name (OpenAI `model`); gRPC requests carry none."""
+    prompt_token_ids: tuple[int, ...] | None = None
+    """Token ids when the request is tokenized (gRPC `tokenized`, OpenAI token prompts)."""
+    prompt_text: str | None = None
+    """Prompt text when not tokenized (chat messages rendered or concatenated)."""
+    stream: bool = False
+    max_tokens: int | None = None
+    request_id: str | None = None
+    """The id the body carries (GenerateRequest.request_id), if any."""
+
+
+@runtime_checkable
+class Parser(Protocol):
+    """Decodes request bodies of the paths it claims. One plugin per module in `epp/parsers/`."""
+
+    name: str
+
+    def matches(self, path: str, content_type: str) -> bool: ...
+
+    def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> ParsedBody:
+        """Raise `InvalidRequest` (malformed) or `PayloadTooLarge`; never anything else."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One request as the scheduling side sees it."""
+
+    request_id: str
+    protocol: Protocol_
+    path: str
+    body: ParsedBody
+    objective: str | None = None
+    """`x-llm-d-inference-objective`, names an objective (with a priority) from config."""
+    fairness_id: str = "default-flow"
+    """`x-llm-d-inference-fairness-id`, the tenant."""
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body_size: int = 0
+    received_at: float = 0.0
+    """time.monotonic() when the EPP saw the request headers."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """Where to send a request, or why not."""
+
+    endpoints: tuple[str, ...] = ()
+    """`ip:port` addresses, the pick first and fallbacks after it."""
+    status: int = 200
+    """200 to route; 503 when nothing is ready or eligible; 429 when flow control sheds."""
+    reason: str = ""
+    """For `x-llm-d-request-dropped-reason` when status != 200."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """How a routed request ended, as the EPP saw it (response headers/trailers only)."""
+
+    endpoint: str
+    ok: bool
+    grpc_status: int | None = None
+    http_status: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+@runtime_checkable
+class Router(Protocol):
+    async def route(
+        self, request: InferenceRequest, subset: Sequence[str] | None
+    ) -> RoutingDecision:
+        """Apply flow control and scheduling. `subset` is the proxy's hint (None: no hint)."""
+        ...
+
+    def request_finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
+        """The response ended (or the stream broke): release in-flight counts, record usage."""
+        ...
+
+
+@dataclass(frozen=True)
+class EndpointPicker:
+    """Everything the ext_proc server needs, built from config."""
+
+    parsers: Sequence[Parser]
+    router: Router
+    max_body_bytes: int = 16 * 1024 * 1024

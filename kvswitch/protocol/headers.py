@@ -1,0 +1,34 @@
+"""Header names of the endpoint-picker protocol (GAIE v1.0.0) and llm-d request headers."""
+
+from __future__ import annotations
+
+# Where the EPP tells the proxy to send a request (header and `envoy.lb` metadata key).
+DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
+DESTINATION_METADATA_NAMESPACE = "envoy.lb"
+# The subset of endpoints the proxy allows (metadata namespace and header).
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"
+# Why flow control or scheduling dropped a request.
+DROPPED_REASON = "x-llm-d-request-dropped-reason"
+
+OBJECTIVE = "x-llm-d-inference-objective"
+FAIRNESS_ID = "x-llm-d-inference-fairness-id"
+SLO_TTFT_MS = "x-llm-d-slo-ttft-ms"
+SLO_TPOT_MS = "x-llm-d-slo-tpot-ms"
+DEFAULT_FAIRNESS_ID = "default-flow"
+
+# Older gateway-api-inference-extension names, accepted as aliases of the ones above.
+ALIASES: dict[str, str] = {
+    "x-gateway-inference-objective": OBJECTIVE,
+    "x-gateway-inference-fairness-id": FAIRNESS_ID,
+    "x-gateway-slo-ttft-ms": SLO_TTFT_MS,
+    "x-gateway-slo-tpot-ms": SLO_TPOT_MS,
+}
+
+# The request id kvswitch assigns and propagates (Envoy's own header).
+REQUEST_ID = "x-request-id"
+
+# Trailing metadata the kvswitch engine adds to Generate/Embed responses so the EPP can account
+# usage from response trailers without reading the body:
+# "prompt_tokens=12;completion_tokens=64;cached_tokens=0".
+USAGE_TRAILER = "x-kvswitch-usage"
