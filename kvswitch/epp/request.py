@@ -96,6 +96,11 @@ class RequestOutcome:
 
 @runtime_checkable
 class Router(Protocol):
+    async def start(self) -> None:
+        """Start background work (endpoint refresh, KV-event subscriptions)."""
+
+    async def stop(self) -> None: ...
+
     async def route(
         self, request: InferenceRequest, subset: Sequence[str] | None
     ) -> RoutingDecision:
