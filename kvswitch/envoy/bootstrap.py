@@ -1,0 +1,297 @@
+"""The Envoy bootstrap kvswitch runs: one listener, HTTP/1.1 and h2c, routed by the EPP.
+
+Three shapes, all from `GatewayOptions`:
+
+* **kvswitch** (default): `header_mutation` (drop any client-supplied destination header) →
+  `ext_proc` (the EPP: request headers + full-duplex request body in, response headers and
+  trailers back, never the response body) → `router` to the pool cluster.
+* **with a frontend**: HTTP OpenAI paths (`/v1/*`, `/health`) go to a STATIC cluster of frontend
+  processes with ext_proc disabled on that route; the frontend calls back into this same listener
+  over gRPC with tokenized input, and that call goes through the EPP.
+* **round robin** (`round_robin=True`): no ext_proc; a STATIC ROUND_ROBIN cluster of the engines.
+  The benchmarks' "Envoy round robin" baseline.
+
+How the pool cluster honours the EPP's pick (`routing`), as measured on Envoy 1.40:
+
+* `override-host` (default): a STATIC cluster of the pool's endpoints with the
+  `envoy.load_balancing_policies.override_host` policy reading `x-gateway-destination-endpoint`
+  and the `envoy.lb` metadata key. It splits a comma-separated list into the pick and its
+  fallbacks; the route's retry policy (connect failure / refused stream / reset before request)
+  moves to the next fallback on each retry, then to round robin. Endpoints must be known up
+  front (the pool file); a pick outside the cluster falls back to round robin.
+* `original-dst` (DESIGN §3): ORIGINAL_DST + CLUSTER_PROVIDED +
+  `original_dst_lb_config.use_http_header` on the same header; any `ip:port` works, no endpoint
+  list needed. Envoy parses the header as exactly one address: a comma list does not parse
+  (`original_dst_host_invalid`) and the request fails with 503 "no healthy upstream", so with
+  this cluster the EPP must send its first pick only, and fallbacks are not honoured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvswitch.protocol.headers import (
+    DESTINATION_ENDPOINT,
+    DESTINATION_METADATA_NAMESPACE,
+)
+
+__all__ = ["GatewayOptions", "PoolTarget", "Routing", "build_bootstrap"]
+
+Routing = Literal["original-dst", "override-host"]
+
+H2C = "kubernetes.io/h2c"
+POOL_CLUSTER = "kvswitch_pool"
+EPP_CLUSTER = "kvswitch_epp"
+FRONTEND_CLUSTER = "kvswitch_frontend"
+
+_T = "type.googleapis.com/"
+_HCM = _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_HEADER_MUTATION = _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+_ROUTER = _T + "envoy.extensions.filters.http.router.v3.Router"
+_HTTP_OPTIONS = _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_OVERRIDE_HOST = _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+_ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+_STDOUT_LOG = _T + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
+
+# HTTP/2 windows: 1 MiB per stream, 16 MiB per connection. Big enough that a token stream or a
+# long prompt never waits on WINDOW_UPDATE round trips; small enough to bound memory per client.
+_H2_OPTIONS = {
+    "initial_stream_window_size": 1 << 20,
+    "initial_connection_window_size": 16 << 20,
+    "max_concurrent_streams": 4096,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolTarget:
+    """What Envoy needs to know about the model-server pool."""
+
+    endpoints: tuple[str, ...]
+    """`ip:port` of every replica (STATIC clusters; ORIGINAL_DST ignores it)."""
+    app_protocol: str = H2C
+    """`kubernetes.io/h2c` → HTTP/2 upstream; `http` → HTTP/1.1 upstream."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayOptions:
+    pool: PoolTarget
+    epp: str | None = "127.0.0.1:9002"
+    """The EPP's ext_proc `host:port`; ignored when `round_robin`."""
+    port: int = 8000
+    host: str = "127.0.0.1"
+    admin_port: int = 9901
+    frontends: Sequence[str] = ()
+    """OpenAI frontend processes (`host:port`), served on `/v1/*` and `/health`."""
+    round_robin: bool = False
+    routing: Routing = "override-host"
+    message_timeout_s: float = 30.0
+    """How long ext_proc waits for each EPP reply. The EPP holds the headers reply until it has
+    parsed the body and scheduled, which includes flow-control queueing; keep it above the flow
+    control queue TTL."""
+    fallback_retries: int = 2
+    """Retries onto fallback endpoints (`override-host` routing only)."""
+    access_log: bool = False
+    frontend_paths: tuple[str, ...] = field(default=("/v1/", "/health"))
+
+
+def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
+    """The bootstrap as a plain dict (render with JSON or YAML)."""
+    clusters = [_pool_cluster(options)]
+    if not options.round_robin:
+        if not options.epp:
+            raise ValueError("an EPP address is required unless round_robin is set")
+        clusters.append(_static_cluster(EPP_CLUSTER, [options.epp], http2=True))
+    if options.frontends:
+        clusters.append(_static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False))
+    return {
+        "admin": {"address": _socket("127.0.0.1", options.admin_port)},
+        "static_resources": {"listeners": [_listener(options)], "clusters": clusters},
+        # Loopback gateway: no overload manager, but cap downstream connections sanely.
+        "layered_runtime": {"layers": [{"name": "static", "static_layer": {
+            "overload": {"global_downstream_max_connections": 50000},
+        }}]},
+    }
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _listener(options: GatewayOptions) -> dict[str, Any]:
+    hcm: dict[str, Any] = {
+        "@type": _HCM,
+        "stat_prefix": "kvswitch",
+        # AUTO: HTTP/1.1 (curl, OpenAI SDK) and prior-knowledge h2c (gRPC) on the same port.
+        "codec_type": "AUTO",
+        "http2_protocol_options": _H2_OPTIONS,
+        # Token streams may sit idle through a long prefill; only a dead peer should end them.
+        "stream_idle_timeout": "3600s",
+        "request_timeout": "0s",
+        "route_config": _route_config(options),
+        "http_filters": _http_filters(options),
+        # The request id the EPP and engines log; Envoy generates it when the client sends none.
+        "generate_request_id": True,
+    }
+    if options.access_log:
+        hcm["access_log"] = [{"name": "envoy.access_loggers.stdout",
+                              "typed_config": {"@type": _STDOUT_LOG}}]
+    return {
+        "name": "kvswitch",
+        "address": _socket(options.host, options.port),
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm,
+        }]}],
+    }
+
+
+def _route_config(options: GatewayOptions) -> dict[str, Any]:
+    routes: list[dict[str, Any]] = []
+    if options.frontends:
+        no_ext_proc = {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE,
+                                                       "disabled": True}}
+        for path in options.frontend_paths:
+            match = {"prefix": path} if path.endswith("/") else {"path": path}
+            routes.append({
+                "match": match,
+                "route": {"cluster": FRONTEND_CLUSTER, "timeout": "0s"},
+                "typed_per_filter_config": no_ext_proc,
+            })
+    pool_route: dict[str, Any] = {"cluster": POOL_CLUSTER, "timeout": "0s"}
+    if options.routing == "override-host" and not options.round_robin:
+        pool_route["retry_policy"] = {
+            # Only failures where the replica certainly did no work: safe to replay elsewhere.
+            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "num_retries": options.fallback_retries,
+        }
+    routes.append({"match": {"prefix": "/"}, "route": pool_route})
+    return {"name": "kvswitch", "virtual_hosts": [
+        {"name": "kvswitch", "domains": ["*"], "routes": routes},
+    ]}
+
+
+def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
+    router = {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}
+    if options.round_robin:
+        return [router]
+    strip_destination = {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {"@type": _HEADER_MUTATION, "mutations": {"request_mutations": [
+            # A client must never choose its replica: drop the header before the EPP sets it.
+            {"remove": DESTINATION_ENDPOINT},
+        ]}},
+    }
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _EXT_PROC,
+            "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+            "failure_mode_allow": False,
+            "allow_mode_override": False,
+            "message_timeout": f"{options.message_timeout_s:g}s",
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                # Full-duplex body mode requires trailers to be sent; gRPC clients send none,
+                # so nothing extra reaches the EPP in practice.
+                "request_trailer_mode": "SEND",
+                "response_header_mode": "SEND",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SEND",
+            },
+            "metadata_options": {"receiving_namespaces": {
+                "untyped": [DESTINATION_METADATA_NAMESPACE],
+            }},
+            # The route does not depend on anything the EPP sets: skip re-matching it.
+            "disable_clear_route_cache": True,
+            # EPP unreachable or broken: the caller sees 503 / UNAVAILABLE, not 500.
+            "status_on_error": {"code": "ServiceUnavailable"},
+        },
+    }
+    return [strip_destination, ext_proc, router]
+
+
+def _protocol_options(http2: bool) -> dict[str, Any]:
+    http_config: dict[str, Any] = (
+        {"http2_protocol_options": _H2_OPTIONS} if http2 else {"http_protocol_options": {}}
+    )
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": _HTTP_OPTIONS, "explicit_http_config": http_config,
+    }}
+
+
+def _load_assignment(name: str, addresses: Sequence[str]) -> dict[str, Any]:
+    lb_endpoints = []
+    for address in addresses:
+        host, port = _split(address)
+        lb_endpoints.append({"endpoint": {"address": _socket(host, port)}})
+    return {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
+
+
+def _static_cluster(name: str, addresses: Sequence[str], *, http2: bool) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": _load_assignment(name, addresses),
+        "typed_extension_protocol_options": _protocol_options(http2),
+        "circuit_breakers": _no_circuit_breaking(),
+    }
+
+
+def _no_circuit_breaking() -> dict[str, Any]:
+    # Envoy's defaults (1024 requests / pending) would shed a benchmark before the EPP does;
+    # admission is flow control's job.
+    big = 1_000_000
+    return {"thresholds": [{"max_connections": big, "max_pending_requests": big,
+                            "max_requests": big, "max_retries": big}]}
+
+
+def _pool_cluster(options: GatewayOptions) -> dict[str, Any]:
+    http2 = options.pool.app_protocol == H2C
+    if options.round_robin:
+        return _static_cluster(POOL_CLUSTER, options.pool.endpoints, http2=http2)
+    if options.routing == "override-host":
+        cluster = _static_cluster(POOL_CLUSTER, options.pool.endpoints, http2=http2)
+        del cluster["lb_policy"]
+        cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": _OVERRIDE_HOST,
+                "override_host_sources": [
+                    {"header": DESTINATION_ENDPOINT},
+                    {"metadata": {"key": DESTINATION_METADATA_NAMESPACE,
+                                  "path": [{"key": DESTINATION_ENDPOINT}]}},
+                ],
+                # Only reached when the EPP set nothing usable; the EPP always sets a pick or
+                # answers locally, so this is a safety net.
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": _ROUND_ROBIN},
+                }}]},
+            },
+        }}]}
+        return cluster
+    return {
+        "name": POOL_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "1s",
+        "original_dst_lb_config": {"use_http_header": True,
+                                   "http_header_name": DESTINATION_ENDPOINT},
+        # Forget replicas nobody routes to after a while (they are re-created on demand).
+        "cleanup_interval": "60s",
+        "typed_extension_protocol_options": _protocol_options(http2),
+        "circuit_breakers": _no_circuit_breaking(),
+    }

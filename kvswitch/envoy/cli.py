@@ -1,0 +1,86 @@
+"""`kvswitch envoy-config`: write the Envoy bootstrap for a pool and an EPP."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvswitch.envoy.bootstrap import H2C, GatewayOptions, PoolTarget, build_bootstrap
+
+__all__ = ["add_arguments", "run", "read_pool", "render"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool", required=True, help="InferencePool YAML listing the endpoints")
+    parser.add_argument("--epp", default="127.0.0.1:9002", help="EPP ext_proc host:port")
+    parser.add_argument("--port", type=int, default=8000, help="public listener port")
+    parser.add_argument("--host", default="127.0.0.1", help="public listener address")
+    parser.add_argument("--admin-port", type=int, default=9901)
+    parser.add_argument("--frontend", action="append", default=[], metavar="HOST:PORT",
+                        help="OpenAI frontend served on /v1/* and /health (repeatable)")
+    parser.add_argument("--round-robin", action="store_true",
+                        help="no EPP: plain round robin over the pool (benchmark baseline)")
+    parser.add_argument("--routing", choices=["original-dst", "override-host"],
+                        default="override-host", help="how the pool cluster honours the pick")
+    parser.add_argument("--message-timeout", type=float, default=30.0,
+                        help="seconds ext_proc waits for each EPP reply")
+    parser.add_argument("--access-log", action="store_true", help="access log to stdout")
+    parser.add_argument("-o", "--output", help="file to write (.yaml or .json); default stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = GatewayOptions(
+        pool=read_pool(args.pool), epp=args.epp, port=args.port, host=args.host,
+        admin_port=args.admin_port, frontends=tuple(args.frontend),
+        round_robin=args.round_robin, routing=args.routing,
+        message_timeout_s=args.message_timeout, access_log=args.access_log,
+    )
+    text = render(build_bootstrap(options), json_format=bool(args.output and
+                                                             args.output.endswith(".json")))
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def render(bootstrap: dict[str, Any], *, json_format: bool = False) -> str:
+    if json_format:
+        return json.dumps(bootstrap, indent=2) + "\n"
+    return str(yaml.safe_dump(bootstrap, sort_keys=False))
+
+
+def read_pool(path: str | Path) -> PoolTarget:
+    """The endpoints and appProtocol of a pool file.
+
+    Accepts an InferencePool document whose endpoints are listed under `spec.endpoints` or a
+    top-level `endpoints` (entries `ip:port`, `{address: ip:port}` or `{ip, port}`; a bare ip
+    takes the first target port).
+    """
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if isinstance(d, dict)]
+    if not docs:
+        raise ValueError(f"{path}: no pool document")
+    doc = next((d for d in docs if d.get("kind") == "InferencePool"), docs[0])
+    spec = doc.get("spec") or {}
+    ports = spec.get("targetPorts") or [{}]
+    default_port = ports[0].get("number")
+    app_protocol = str(ports[0].get("appProtocol") or "http")
+    raw = spec.get("endpoints") or doc.get("endpoints") or []
+    endpoints = tuple(_endpoint(entry, default_port) for entry in raw)
+    return PoolTarget(endpoints=endpoints, app_protocol=H2C if app_protocol == H2C else "http")
+
+
+def _endpoint(entry: Any, default_port: int | None) -> str:
+    if isinstance(entry, dict):
+        if "address" in entry and ":" in str(entry["address"]):
+            return str(entry["address"])
+        ip = entry.get("ip") or entry.get("address") or entry.get("host")
+        port = entry.get("port", default_port)
+        return f"{ip}:{port}"
+    text = str(entry)
+    return text if ":" in text else f"{text}:{default_port}"

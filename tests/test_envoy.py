@@ -1,0 +1,157 @@
+"""The Envoy bootstrap: every shape passes `envoy --mode validate`, and the pool cluster routes
+by the destination header as documented (real Envoy, HTTP/1.1 backends on loopback)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvswitch import cli
+from kvswitch.envoy import (
+    EnvoyProcess,
+    GatewayOptions,
+    PoolTarget,
+    build_bootstrap,
+    read_pool,
+    render,
+    validate_config,
+)
+from kvswitch.protocol.headers import DESTINATION_ENDPOINT
+from tests.support.processes import free_port
+
+POOL_YAML = """\
+apiVersion: inference.networking.k8s.io/v1
+kind: InferencePool
+metadata: {name: tiny}
+spec:
+  selector: {matchLabels: {app: tiny}}
+  targetPorts: [{number: 8001, appProtocol: kubernetes.io/h2c}]
+  endpoints: ["127.0.0.1:8001", {address: "127.0.0.1:8002"}, {ip: 127.0.0.1, port: 8003}]
+"""
+
+
+@pytest.fixture
+def pool_file(tmp_path: Path) -> Path:
+    path = tmp_path / "pool.yaml"
+    path.write_text(POOL_YAML)
+    return path
+
+
+def test_read_pool_accepts_every_endpoint_form(pool_file: Path) -> None:
+    pool = read_pool(pool_file)
+    assert pool.endpoints == ("127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003")
+    assert pool.app_protocol == "kubernetes.io/h2c"
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--routing", "original-dst"],
+    ["--round-robin"],
+    ["--frontend", "127.0.0.1:7001", "--frontend", "127.0.0.1:7002"],
+    ["--access-log", "--port", "18000", "--admin-port", "19901"],
+])
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_envoy_config_command_output_validates(
+    pool_file: Path, tmp_path: Path, extra: list[str], suffix: str
+) -> None:
+    out = tmp_path / f"envoy{suffix}"
+    assert cli.main(["envoy-config", "--pool", str(pool_file), *extra, "-o", str(out)]) == 0
+    result = validate_config(out)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _filters(bootstrap: dict[str, Any]) -> list[str]:
+    listener = bootstrap["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return [f["name"] for f in hcm["http_filters"]]
+
+
+def test_shapes() -> None:
+    pool = PoolTarget(("127.0.0.1:1",))
+    assert _filters(build_bootstrap(GatewayOptions(pool=pool))) == [
+        "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router"]
+    assert _filters(build_bootstrap(GatewayOptions(pool=pool, round_robin=True))) == [
+        "envoy.filters.http.router"]
+    with pytest.raises(ValueError):
+        build_bootstrap(GatewayOptions(pool=pool, epp=None))
+
+
+class _PortEcho(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        body = str(self.server.server_address[1]).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[tuple[int, int, int]]:
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PortEcho) for _ in range(2)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    dead = free_port()
+    yield servers[0].server_address[1], servers[1].server_address[1], dead
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _header_routed_envoy(tmp_path: Path, routing: str, ports: tuple[int, ...]) -> tuple[
+        EnvoyProcess, int]:
+    """The pool route with the EPP's filters removed, so the test's header plays the EPP."""
+    port, admin = free_port(), free_port()
+    options = GatewayOptions(
+        pool=PoolTarget(tuple(f"127.0.0.1:{p}" for p in ports), app_protocol="http"),
+        port=port, admin_port=admin, routing=routing,  # type: ignore[arg-type]
+    )
+    bootstrap = build_bootstrap(options)
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm["typed_config"]["http_filters"] = hcm["typed_config"]["http_filters"][-1:]
+    path = tmp_path / f"{routing}.yaml"
+    path.write_text(render(bootstrap))
+    return EnvoyProcess(path, admin), port
+
+
+def _get(port: int, destination: str) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/",
+                                     headers={DESTINATION_ENDPOINT: destination})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_override_host_honours_pick_and_fallbacks(
+    tmp_path: Path, backends: tuple[int, int, int]
+) -> None:
+    a, b, dead = backends
+    envoy, port = _header_routed_envoy(tmp_path, "override-host", (a, b, dead))
+    with envoy:
+        assert _get(port, f"127.0.0.1:{a}") == (200, str(a))
+        assert _get(port, f"127.0.0.1:{b},127.0.0.1:{a}") == (200, str(b))
+        # The pick refuses connections: the retry goes to the first fallback.
+        assert _get(port, f"127.0.0.1:{dead},127.0.0.1:{a}") == (200, str(a))
+
+
+def test_original_dst_takes_one_address_only(
+    tmp_path: Path, backends: tuple[int, int, int]
+) -> None:
+    a, b, _ = backends
+    envoy, port = _header_routed_envoy(tmp_path, "original-dst", (a, b))
+    with envoy:
+        assert _get(port, f"127.0.0.1:{b}") == (200, str(b))
+        status, _ = _get(port, f"127.0.0.1:{a},127.0.0.1:{b}")
+        assert status == 503
