@@ -86,8 +86,8 @@ def test_special_tokens_and_raise_exception_reach_custom_templates() -> None:
         load_tokenizer(None),
         override="{{ eos_token }}{% if messages|length > 1 %}{{ raise_exception('one only') }}"
                  "{% endif %}\n  {% for m in messages %}\n{{ m.content }}\n{% endfor %}")
-    # lstrip_blocks drops the indent before a block tag, trim_blocks the newline after it.
-    assert template.render([{"role": "user", "content": "a"}]) == "<|im_end|>\na\n"
+    # trim_blocks drops the newline after a block tag, lstrip_blocks the indent before one.
+    assert template.render([{"role": "user", "content": "a"}]) == "<|im_end|>a\n"
     with pytest.raises(TemplateError, match="one only"):
         template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
