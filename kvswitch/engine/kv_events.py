@@ -1,0 +1,149 @@
+"""One `SubscribeKvEvents` stream: engine KV batches -> `smg.grpc.common.KvEventBatch`.
+
+Each batch carries an `EngineLoad` record (push-based load telemetry). While the engine is quiet
+the stream sends `load_only` heartbeats repeating the last sequence number sent, and with
+`load_records_before_first_batch` it starts with a load-only batch numbered 0, as
+`common.proto` specifies. Stored blocks are grouped into one `KvBlocksStored` event per run of
+chained blocks (each block's parent is the previous block), vLLM's BlockStored shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from kvswitch.engine.base import Engine, EngineLoadSnapshot, KvEventBatchData
+from kvswitch.protocol import common_pb2
+
+HEARTBEAT_SECONDS = 1.0
+_QUEUE_LIMIT = 4096
+_END = object()
+
+
+def to_int64(block_hash: int) -> int:
+    """The proto's hashes are int64: wrap an unsigned 64-bit engine hash into that range."""
+    block_hash &= (1 << 64) - 1
+    return block_hash - (1 << 64) if block_hash >= 1 << 63 else block_hash
+
+
+def load_record(load: EngineLoadSnapshot, sample: int, *, load_only: bool, full: bool
+                ) -> common_pb2.EngineLoad:
+    record = common_pb2.EngineLoad(
+        running_requests=load.running,
+        waiting_requests=load.waiting,
+        waiting_uncached_tokens=load.waiting_uncached_tokens,
+        token_usage=load.token_usage,
+        gen_throughput=load.gen_throughput,
+        max_running_requests=load.max_running,
+        age_ms=0,
+        sample=sample,
+        load_only=load_only,
+    )
+    if full:
+        # Telemetry beyond the routing core goes on the heartbeat cadence only (common.proto).
+        record.cache_hit_rate = load.cache_hit_rate
+        record.num_used_tokens = load.used_tokens
+        record.max_total_num_tokens = load.total_tokens
+    return record
+
+
+def batch_events(data: KvEventBatchData, block_size: int, first_event_id: int
+                 ) -> list[common_pb2.KvCacheEvent]:
+    """Events in the order they take effect: a clear, evictions, then new blocks."""
+    events: list[common_pb2.KvCacheEvent] = []
+    if data.cleared:
+        events.append(common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared()))
+    if data.removed:
+        events.append(common_pb2.KvCacheEvent(removed=common_pb2.KvBlocksRemoved(
+            block_hashes=[to_int64(h) for h in data.removed])))
+    current: common_pb2.KvBlocksStored | None = None
+    previous_hash: int | None = None
+    for block in data.stored:
+        if current is None or block.parent_block_hash != previous_hash:
+            current = common_pb2.KvBlocksStored()
+            if block.parent_block_hash is not None:
+                current.parent_block_hash = to_int64(block.parent_block_hash)
+            events.append(common_pb2.KvCacheEvent(stored=current))
+            current = events[-1].stored  # the message now lives inside the event
+        current.blocks.append(common_pb2.KvBlock(
+            block_hash=to_int64(block.block_hash), token_ids=block.token_ids,
+            block_size=block_size))
+        previous_hash = block.block_hash
+    for offset, event in enumerate(events):
+        event.event_id = first_event_id + offset
+    return events
+
+
+class KvEventStream:
+    def __init__(self, engine: Engine, start_sequence_number: int, *, load_first: bool):
+        self.engine = engine
+        self.start = start_sequence_number
+        self.load_first = load_first
+        self.block_size = engine.model.block_size
+        self._sample = 0
+        self._next_event_id = 1
+        self._last_sequence: int | None = 0 if load_first else None
+
+    async def run(self, stop: asyncio.Event) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """Batches until `stop` is set (server draining) or the engine's stream ends."""
+        queue: asyncio.Queue[object] = asyncio.Queue(_QUEUE_LIMIT)
+        pump = asyncio.create_task(self._pump(queue))
+        stopper = asyncio.create_task(self._end_on(stop, queue))
+        try:
+            if self.load_first:
+                yield self._load_only()
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), HEARTBEAT_SECONDS)
+                except asyncio.TimeoutError:
+                    if self._last_sequence is not None:
+                        yield self._load_only()
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, KvEventBatchData)
+                yield self._batch(item)
+        finally:
+            for task in (pump, stopper):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _pump(self, queue: asyncio.Queue[object]) -> None:
+        events = self.engine.kv_events(self.start)
+        try:
+            async for data in events:
+                await queue.put(data)
+            await queue.put(_END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the RPC, which reports INTERNAL
+            await queue.put(exc)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    @staticmethod
+    async def _end_on(stop: asyncio.Event, queue: asyncio.Queue[object]) -> None:
+        await stop.wait()
+        await queue.put(_END)
+
+    def _batch(self, data: KvEventBatchData) -> common_pb2.KvEventBatch:
+        events = batch_events(data, self.block_size, self._next_event_id)
+        self._next_event_id += len(events)
+        self._sample += 1
+        first_record = self._last_sequence is None
+        self._last_sequence = data.sequence_number
+        load = data.load if data.load is not None else self.engine.load()
+        return common_pb2.KvEventBatch(
+            sequence_number=data.sequence_number, timestamp=data.timestamp, events=events,
+            dp_rank=0, load=load_record(load, self._sample, load_only=False, full=first_record))
+
+    def _load_only(self) -> common_pb2.KvEventBatch:
+        self._sample += 1
+        return common_pb2.KvEventBatch(
+            sequence_number=self._last_sequence or 0, timestamp=time.time(), dp_rank=0,
+            load=load_record(self.engine.load(), self._sample, load_only=True, full=True))

@@ -1,0 +1,159 @@
+"""The engine process: grpc.aio server (VllmEngine, grpc.health.v1, reflection), the /metrics
+HTTP server, and graceful shutdown.
+
+Shutdown (SIGTERM/SIGINT or `stop()`): health goes NOT_SERVING, KV-event subscriptions end,
+the gRPC server stops accepting RPCs, in-flight ones get `grace` seconds to finish, then the
+rest are cancelled (which aborts them in the engine) and the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvswitch.engine.base import Engine
+from kvswitch.engine.metrics import EngineMetrics, MetricsHttpServer
+from kvswitch.engine.servicer import VllmEngineServicer
+from kvswitch.protocol import SERVICE_NAME, vllm_engine_pb2_grpc
+from kvswitch.tokenization import TokenizerBundle
+
+logger = logging.getLogger(__name__)
+
+_MiB = 1024 * 1024
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    # Long prompts (100k+ token ids) and embeddings exceed gRPC's 4 MiB default.
+    ("grpc.max_send_message_length", 256 * _MiB),
+    ("grpc.max_receive_message_length", 256 * _MiB),
+    # Fail on a port someone else holds instead of silently sharing it.
+    ("grpc.so_reuseport", 0),
+    # Proxies (Envoy) keep long-lived HTTP/2 connections with pings; allow them.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_concurrent_streams", 10_000),
+]
+_HEALTH_POLL_SECONDS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    http_port: int | None = None
+    """Port of /metrics and /health; None: no HTTP server."""
+    grace_period: float = 30.0
+    tokenizer_dir: str | None = None
+    description: str = ""
+    """Extra words for the startup log line (profile, time scale)."""
+
+
+class EngineServer:
+    """One engine served over gRPC (and HTTP for metrics); start(), then stop() or
+    run_until_signal()."""
+
+    def __init__(self, engine: Engine, tokenizer: TokenizerBundle, options: ServerOptions):
+        self.engine = engine
+        self.options = options
+        self.metrics = EngineMetrics(engine)
+        self.servicer = VllmEngineServicer(engine, tokenizer, tokenizer_dir=options.tokenizer_dir,
+                                           metrics=self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.http = MetricsHttpServer(self.metrics.render, self._serving)
+        self.port = 0
+        self.http_port = 0
+        self._stopped = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
+
+    def _serving(self) -> bool:
+        return self.engine.is_healthy() and not self.servicer.draining.is_set()
+
+    async def start(self) -> int:
+        """Start the engine and both servers; returns the bound gRPC port."""
+        await self.engine.start()
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        address = f"{self.options.host}:{self.options.port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind the gRPC server to {address}")
+        await self.server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._health_task = asyncio.create_task(self._follow_engine_health())
+        if self.options.http_port is not None:
+            await self.http.start(self.options.host, self.options.http_port)
+            sockets = self.http._server.sockets if self.http._server else []
+            self.http_port = sockets[0].getsockname()[1] if sockets else 0
+        card = self.engine.model
+        logger.info("kvswitch engine serving %s on %s:%d (gRPC%s) %s; max_model_len=%d, "
+                    "block_size=%d, num_gpu_blocks=%d, max_num_seqs=%d",
+                    card.served_model_name, self.options.host, self.port,
+                    f", metrics on :{self.http_port}/metrics" if self.http_port else "",
+                    self.options.description, card.max_model_len, card.block_size,
+                    card.num_gpu_blocks, card.max_num_seqs)
+        return self.port
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def _follow_engine_health(self) -> None:
+        # gRPC health mirrors engine liveness until shutdown takes it over.
+        serving = True
+        while not self.servicer.draining.is_set():
+            await asyncio.sleep(_HEALTH_POLL_SECONDS)
+            now = self._serving()
+            if now != serving and not self.servicer.draining.is_set():
+                serving = now
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING if now
+                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop (idempotent)."""
+        if self.servicer.draining.is_set():
+            await self._stopped.wait()
+            return
+        grace = self.options.grace_period if grace is None else grace
+        self.servicer.draining.set()
+        await self.health.enter_graceful_shutdown()
+        logger.info("Draining: NOT_SERVING; waiting up to %.1f s for %d in-flight request(s)",
+                    grace, self.servicer.active_requests)
+        await self.server.stop(grace)
+        logger.info("gRPC server stopped")
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.engine.stop()
+        logger.info("Engine stopped")
+        await self.http.stop()
+        logger.info("Shutdown complete")
+        self._stopped.set()
+
+    async def run_until_signal(self) -> None:
+        """Serve until SIGTERM or SIGINT, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        requested = asyncio.Event()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if not requested.is_set():
+                logger.info("Received %s, shutting down", sig.name)
+            requested.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            await requested.wait()
+            await self.stop()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
