@@ -1,0 +1,543 @@
+"""The ext_proc request path as a sans-IO state machine: one `ExtProcStream` per Envoy stream.
+
+    stream.receive(ProcessingRequest) -> [ProcessingResponse | NeedRouting | RequestFinished]
+    stream.routed(RoutingDecision)     -> [ProcessingResponse | RequestFinished]
+    stream.close()                     -> [RequestFinished]     (the gRPC stream ended)
+
+The driver (`kvswitch.epp.server`) sends responses, resolves `NeedRouting` with
+`router.route()` and hands `RequestFinished` to `router.request_finished()`.
+
+Envoy's request body mode decides the reply order (it arrives in `protocol_config`):
+- FULL_DUPLEX_STREAMED (default): Envoy streams the body without waiting for the headers
+  reply, so the headers reply is held until the body is parsed and routed; it then carries the
+  destination, and the body is echoed back as `streamed_response` (else the upstream gets none).
+- BUFFERED / STREAMED: the headers are answered at once; the reply to the last body chunk
+  carries the destination.
+Requests no parser claims (or whose parser needs no body) are routed on their headers.
+
+Response side: only response headers and trailers are expected (never the body; see DESIGN
+section 3). They yield the status and the usage trailer; the routed request is reported
+finished exactly once -- at its trailers, at headers with end_of_stream, or at `close()`.
+Nothing here raises on input: a malformed request becomes an ImmediateResponse for its stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Union
+
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+import orjson
+
+from kvswitch.epp.parsers import needs_body, select_parser
+from kvswitch.epp.request import (
+    EndpointPicker,
+    InferenceRequest,
+    ParsedBody,
+    Parser,
+    RequestOutcome,
+    RoutingDecision,
+)
+from kvswitch.errors import (
+    InternalError,
+    InvalidRequest,
+    KvswitchError,
+    PayloadTooLarge,
+    grpc_code_for_http,
+    openai_type_for_http,
+)
+from kvswitch.protocol import headers as h
+
+__all__ = ["ExtProcStream", "NeedRouting", "RequestFinished", "Action"]
+
+logger = logging.getLogger(__name__)
+
+_FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+_EMPTY_BODY = ParsedBody()
+
+
+@dataclass(frozen=True, slots=True)
+class NeedRouting:
+    """Ask the router where `request` goes; feed the answer to `ExtProcStream.routed()`."""
+
+    request: InferenceRequest
+    subset: tuple[str, ...] | None
+    """The proxy's subset hint (None: no hint, pick from the whole pool)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    """A routed request ended: pass to `router.request_finished()`."""
+
+    request: InferenceRequest
+    outcome: RequestOutcome
+
+
+Action = Union[ep.ProcessingResponse, NeedRouting, RequestFinished]
+
+
+class _Phase(Enum):
+    HEADERS = "awaiting request headers"
+    BODY = "reading request body"
+    ROUTING = "awaiting routing decision"
+    FORWARDING = "forwarding"
+    DONE = "done"
+
+
+class ExtProcStream:
+    """One ext_proc stream, i.e. one HTTP request through Envoy."""
+
+    def __init__(
+        self,
+        picker: EndpointPicker,
+        *,
+        default_body_mode: int = _FULL_DUPLEX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._picker = picker
+        self._body_mode = default_body_mode
+        self._clock = clock
+        self._phase = _Phase.HEADERS
+        self._headers: dict[str, str] = {}
+        self._grpc = False
+        self._parser_needs_body = False
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._body_messages = 0
+        self._body_ended = False
+        self._request_trailers = False
+        self._received_at = 0.0
+        self._parser: Parser | None = None
+        self._subset: tuple[str, ...] | None = None
+        self.request: InferenceRequest | None = None
+        self.endpoints: tuple[str, ...] = ()
+        self._routed = False
+        self._finished = False
+        self._http_status: int | None = None
+        self._grpc_status: int | None = None
+        self._usage: dict[str, int] = {}
+
+    @property
+    def full_duplex(self) -> bool:
+        return self._body_mode == _FULL_DUPLEX
+
+    # -- input ------------------------------------------------------------------------------
+
+    def receive(self, message: ep.ProcessingRequest) -> list[Action]:
+        """Feed one message from Envoy; never raises."""
+        try:
+            kind = message.WhichOneof("request")
+            if kind == "request_headers":
+                return self._on_request_headers(message)
+            if kind == "request_body":
+                return self._on_request_body(message.request_body)
+            if kind == "request_trailers":
+                return self._on_request_trailers()
+            if kind == "response_headers":
+                return self._on_response_headers(message.response_headers)
+            if kind == "response_trailers":
+                return self._on_response_trailers(message.response_trailers)
+            if kind == "response_body":
+                return self._on_response_body(message.response_body)
+            raise InvalidRequest(f"unexpected ext_proc message {kind!r}")
+        except KvswitchError as exc:
+            return self._fail(exc)
+        except Exception as exc:  # a bug must cost one request, not the stream task
+            logger.exception("ext_proc stream failed on %s", message.WhichOneof("request"))
+            return self._fail(InternalError(f"endpoint picker error: {exc}"))
+
+    def routed(self, decision: RoutingDecision) -> list[Action]:
+        """The router's answer to the last `NeedRouting`; never raises."""
+        if self._phase is not _Phase.ROUTING or self.request is None:
+            return []
+        if decision.status != 200 or not decision.endpoints:
+            status = decision.status if decision.status != 200 else 503
+            reason = decision.reason or "no endpoint picked"
+            return self._reply_error(status, reason, reason)
+        self._routed = True
+        self.endpoints = decision.endpoints
+        self._phase = _Phase.FORWARDING
+        destination = ",".join(decision.endpoints)
+        mutation = destination_mutation(destination, grpc=self._grpc)
+        metadata = destination_metadata(destination)
+        if not self.full_duplex and self._parser_needs_body:
+            # Buffered: the headers were answered already; the body reply carries the pick.
+            return [body_with_destination(mutation, metadata)]
+        out: list[Action] = [headers_with_destination(mutation, metadata)]
+        if self.full_duplex:
+            out.extend(self._echo_body())
+        elif self._chunks:
+            out.append(BODY_CONTINUE)
+        return out
+
+    def close(self) -> list[Action]:
+        """The gRPC stream ended (end of request, client cancel, upstream reset)."""
+        out = self._finish() if self._routed and not self._finished else []
+        self._phase = _Phase.DONE
+        return out
+
+    # -- request side ------------------------------------------------------------------------
+
+    def _on_request_headers(self, message: ep.ProcessingRequest) -> list[Action]:
+        if self._phase is not _Phase.HEADERS:
+            raise InvalidRequest("request headers received twice")
+        if message.HasField("protocol_config"):
+            self._body_mode = message.protocol_config.request_body_mode
+        self._received_at = self._clock()
+        headers = self._headers = header_dict(message.request_headers.headers)
+        self._grpc = headers.get("content-type", "").startswith("application/grpc")
+        if int(headers.get("content-length") or 0) > self._picker.max_body_bytes:
+            raise _too_large(self._picker.max_body_bytes)
+        parser = select_parser(
+            self._picker.parsers, headers.get(":path", "/"), headers.get("content-type", "")
+        )
+        self._parser_needs_body = needs_body(parser) and not message.request_headers.end_of_stream
+        self._body_ended = message.request_headers.end_of_stream
+        self._subset = subset_hint(message, headers)
+        if not self._parser_needs_body:
+            return self._need_routing(_EMPTY_BODY)
+        self._parser = parser
+        self._phase = _Phase.BODY
+        return [] if self.full_duplex else [HEADERS_CONTINUE]
+
+    def _on_request_body(self, body: ep.HttpBody) -> list[Action]:
+        if self._body_ended:
+            raise InvalidRequest("request body after end of stream")
+        self._size += len(body.body)
+        self._body_messages += 1
+        if self._size > self._picker.max_body_bytes:
+            raise _too_large(self._picker.max_body_bytes)
+        self._body_ended = body.end_of_stream or body.end_of_stream_without_message
+        if self._phase is _Phase.FORWARDING:  # routed on headers: stream it straight through
+            if self.full_duplex:
+                return [streamed_body(body.body, self._body_ended)]
+            return [BODY_CONTINUE]
+        if body.body:
+            self._chunks.append(body.body)
+        if self._phase is _Phase.BODY and self._body_ended:
+            return self._parse_and_route()
+        if not self.full_duplex and self._phase is _Phase.BODY:
+            return [BODY_CONTINUE]  # STREAMED mode answers every chunk
+        return []
+
+    def _on_request_trailers(self) -> list[Action]:
+        self._request_trailers = True
+        if self._phase is _Phase.BODY and not self._body_ended:
+            self._body_ended = True
+            return self._parse_and_route()
+        if self._phase is _Phase.FORWARDING:
+            return [TRAILERS_CONTINUE]
+        return []  # answered with the body echo once routed
+
+    def _parse_and_route(self) -> list[Action]:
+        body = b"".join(self._chunks)
+        self._chunks = [body] if body else []
+        assert self._parser is not None
+        parsed = self._parser.parse(self._headers[":path"].split("?", 1)[0], self._headers, body)
+        return self._need_routing(parsed)
+
+    def _need_routing(self, parsed: ParsedBody) -> list[Action]:
+        headers = self._headers
+        request_id = headers.get(h.REQUEST_ID) or parsed.request_id or uuid.uuid4().hex
+        self.request = inference_request(
+            headers, parsed, request_id, grpc=self._grpc, size=self._size,
+            received_at=self._received_at,
+        )
+        if self._subset is not None and not self._subset:
+            reason = "subset hint lists no endpoints"
+            return self._reply_error(503, reason, reason)
+        self._phase = _Phase.ROUTING
+        return [NeedRouting(self.request, self._subset)]
+
+    def _echo_body(self) -> list[Action]:
+        """Full duplex: give Envoy back the body it streamed to us (and the trailers reply)."""
+        out: list[Action] = []
+        if self._body_messages:  # a header-only request gets no body reply (Envoy: spurious)
+            body = b"".join(self._chunks)
+            end = self._body_ended and not self._request_trailers
+            out.extend(streamed_body_chunks(body, end))
+        self._chunks = []
+        if self._request_trailers:
+            out.append(TRAILERS_CONTINUE)
+        return out
+
+    # -- response side -----------------------------------------------------------------------
+
+    def _on_response_headers(self, headers_msg: ep.HttpHeaders) -> list[Action]:
+        headers = header_dict(headers_msg.headers)
+        status = headers.get(":status")
+        self._http_status = int(status) if status and status.isdigit() else None
+        self._read_grpc_status(headers)
+        if headers_msg.end_of_stream:
+            return [RESPONSE_HEADERS_CONTINUE, *self._finish()]
+        return [RESPONSE_HEADERS_CONTINUE]
+
+    def _on_response_body(self, body: ep.HttpBody) -> list[Action]:
+        # Not configured (response_body NONE); answered correctly anyway.
+        out: list[Action]
+        if self.full_duplex:
+            out = [streamed_body(body.body, body.end_of_stream, response=True)]
+        else:
+            out = [RESPONSE_BODY_CONTINUE]
+        return out
+
+    def _on_response_trailers(self, trailers: ep.HttpTrailers) -> list[Action]:
+        self._read_grpc_status(header_dict(trailers.trailers))
+        return [RESPONSE_TRAILERS_CONTINUE, *self._finish()]
+
+    def _read_grpc_status(self, headers: dict[str, str]) -> None:
+        code = headers.get("grpc-status")
+        if code is not None and code.isdigit():
+            self._grpc_status = int(code)
+        usage = headers.get(h.USAGE_TRAILER)
+        if usage:
+            self._usage = parse_usage(usage)
+
+    def _finish(self) -> list[Action]:
+        if not self._routed or self._finished or self.request is None:
+            return []
+        self._finished = True
+        http_ok = self._http_status is not None and self._http_status < 400
+        if self._grpc:
+            ok = http_ok and self._grpc_status == 0
+        else:
+            ok = http_ok and self._grpc_status in (None, 0)
+        outcome = RequestOutcome(
+            endpoint=self.endpoints[0],
+            ok=ok,
+            grpc_status=self._grpc_status,
+            http_status=self._http_status,
+            prompt_tokens=self._usage.get("prompt_tokens"),
+            completion_tokens=self._usage.get("completion_tokens"),
+            cached_tokens=self._usage.get("cached_tokens"),
+        )
+        return [RequestFinished(self.request, outcome)]
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def _fail(self, exc: KvswitchError) -> list[Action]:
+        if self._phase is _Phase.DONE:
+            return []
+        if self._http_status is not None:
+            # The response has started; a local reply is no longer possible.
+            logger.warning("ext_proc error after response started: %s", exc.message)
+            return []
+        reason = type(exc).__name__
+        return self._reply_error(exc.http_status, exc.message, reason, param=exc.param)
+
+    def _reply_error(
+        self, status: int, message: str, reason: str, *, param: str | None = None
+    ) -> list[Action]:
+        if status >= 500:
+            logger.warning("request dropped (%d): %s", status, message)
+        else:
+            logger.debug("request rejected (%d): %s", status, message)
+        self._phase = _Phase.DONE
+        reply = immediate_error(status, message, reason, grpc=self._grpc, param=param)
+        # A request routed on its headers and failed later still reports its end.
+        return [reply, *self._finish()]
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body exceeds the endpoint picker's {limit}-byte limit")
+
+
+# -- reading Envoy's messages ------------------------------------------------------------------
+
+
+def header_dict(header_map: HeaderMap) -> dict[str, str]:
+    """Envoy headers as {lowercase name: value}; Envoy sends `raw_value` (bytes) by default."""
+    out: dict[str, str] = {}
+    for header in header_map.headers:
+        raw = header.raw_value
+        out[header.key] = raw.decode("utf-8", "replace") if raw else header.value
+    return out
+
+
+def subset_hint(message: ep.ProcessingRequest, headers: dict[str, str]) -> tuple[str, ...] | None:
+    """The proxy's subset hint: `envoy.lb.subset_hint` filter metadata, else the header."""
+    namespace = message.metadata_context.filter_metadata.get(h.SUBSET_HINT_NAMESPACE)
+    if namespace is not None and h.DESTINATION_SUBSET in namespace.fields:
+        value = namespace.fields[h.DESTINATION_SUBSET]
+        if value.WhichOneof("kind") == "list_value":
+            return tuple(v.string_value for v in value.list_value.values if v.string_value)
+        return _split_addresses(value.string_value)
+    header = headers.get(h.DESTINATION_SUBSET)
+    return None if header is None else _split_addresses(header)
+
+
+def _split_addresses(value: str) -> tuple[str, ...]:
+    return tuple(a for a in (p.strip() for p in value.split(",")) if a)
+
+
+def _slo(headers: dict[str, str], name: str) -> float | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        slo = float(value)
+    except ValueError:
+        slo = -1.0
+    if not slo >= 0:  # also rejects NaN
+        raise InvalidRequest(f"header {name} must be a non-negative number of ms, got {value!r}")
+    return slo
+
+
+def inference_request(
+    headers: dict[str, str], parsed: ParsedBody, request_id: str, *, grpc: bool, size: int,
+    received_at: float,
+) -> InferenceRequest:
+    for alias, name in h.ALIASES.items():  # the current names win over the old ones
+        if alias in headers and name not in headers:
+            headers[name] = headers[alias]
+    return InferenceRequest(
+        request_id=request_id,
+        protocol="grpc" if grpc else "http",
+        path=headers.get(":path", "/").split("?", 1)[0],
+        body=parsed,
+        objective=headers.get(h.OBJECTIVE) or None,
+        fairness_id=headers.get(h.FAIRNESS_ID) or h.DEFAULT_FAIRNESS_ID,
+        slo_ttft_ms=_slo(headers, h.SLO_TTFT_MS),
+        slo_tpot_ms=_slo(headers, h.SLO_TPOT_MS),
+        headers=headers,
+        body_size=size,
+        received_at=received_at,
+    )
+
+
+def parse_usage(value: str) -> dict[str, int]:
+    """`prompt_tokens=12;completion_tokens=64;cached_tokens=0` -> dict; bad items are skipped."""
+    usage: dict[str, int] = {}
+    for item in value.split(";"):
+        key, _, number = item.partition("=")
+        number = number.strip()
+        if number.isdigit():
+            usage[key.strip()] = int(number)
+    return usage
+
+
+# -- building replies --------------------------------------------------------------------------
+
+HEADERS_CONTINUE = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+BODY_CONTINUE = ep.ProcessingResponse(request_body=ep.BodyResponse())
+TRAILERS_CONTINUE = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+RESPONSE_HEADERS_CONTINUE = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+RESPONSE_BODY_CONTINUE = ep.ProcessingResponse(response_body=ep.BodyResponse())
+RESPONSE_TRAILERS_CONTINUE = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# Envoy's ext_proc client has no small message limit, but keep each echoed chunk modest.
+_ECHO_CHUNK_BYTES = 1024 * 1024
+
+
+def _header(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(
+        header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+_TE_TRAILERS = _header("te", "trailers")
+
+
+def destination_mutation(destination: str, *, grpc: bool) -> ep.HeaderMutation:
+    """Set the destination (overwriting any client-supplied copy: it is never trusted)."""
+    sets = [_header(h.DESTINATION_ENDPOINT, destination)]
+    if grpc:  # gRPC upstreams reject requests without `te: trailers`
+        sets.append(_TE_TRAILERS)
+    return ep.HeaderMutation(set_headers=sets)
+
+
+def destination_metadata(destination: str) -> Struct:
+    metadata = Struct()
+    metadata.fields[h.DESTINATION_METADATA_NAMESPACE].struct_value.fields[
+        h.DESTINATION_ENDPOINT
+    ].string_value = destination
+    return metadata
+
+
+def headers_with_destination(mutation: ep.HeaderMutation, metadata: Struct) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=False)
+        ),
+        dynamic_metadata=metadata,
+    )
+
+
+def body_with_destination(mutation: ep.HeaderMutation, metadata: Struct) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=ep.CommonResponse(header_mutation=mutation)),
+        dynamic_metadata=metadata,
+    )
+
+
+def streamed_body(body: bytes, end: bool, *, response: bool = False) -> ep.ProcessingResponse:
+    reply = ep.BodyResponse(
+        response=ep.CommonResponse(
+            body_mutation=ep.BodyMutation(
+                streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end)
+            )
+        )
+    )
+    if response:
+        return ep.ProcessingResponse(response_body=reply)
+    return ep.ProcessingResponse(request_body=reply)
+
+
+def streamed_body_chunks(body: bytes, end: bool) -> list[ep.ProcessingResponse]:
+    if len(body) <= _ECHO_CHUNK_BYTES:
+        return [streamed_body(body, end)]
+    starts = range(0, len(body), _ECHO_CHUNK_BYTES)
+    return [
+        streamed_body(body[i : i + _ECHO_CHUNK_BYTES], end and i + _ECHO_CHUNK_BYTES >= len(body))
+        for i in starts
+    ]
+
+
+# gRPC percent-encodes grpc-message bytes outside printable ASCII, and '%' itself.
+_GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+
+
+def _grpc_message(message: str) -> str:
+    return urllib.parse.quote(message, safe=_GRPC_MESSAGE_SAFE)
+
+
+def immediate_error(
+    status: int, message: str, reason: str, *, grpc: bool, param: str | None = None
+) -> ep.ProcessingResponse:
+    """A local reply: trailers-only gRPC status for gRPC calls, OpenAI-style JSON for HTTP."""
+    dropped = _header(h.DROPPED_REASON, reason)
+    if grpc:
+        code = grpc_code_for_http(status).value[0]
+        headers = [
+            _header("content-type", "application/grpc"),
+            _header("grpc-status", str(code)),
+            _header("grpc-message", _grpc_message(message)),
+            dropped,
+        ]
+        immediate = ep.ImmediateResponse(
+            status=HttpStatus(code=200),
+            headers=ep.HeaderMutation(set_headers=headers),
+            grpc_status=ep.GrpcStatus(status=code),
+        )
+    else:
+        error = {"message": message, "type": openai_type_for_http(status), "param": param,
+                 "code": status}
+        immediate = ep.ImmediateResponse(
+            status=HttpStatus(code=status),  # type: ignore[arg-type]
+            headers=ep.HeaderMutation(
+                set_headers=[_header("content-type", "application/json"), dropped]
+            ),
+            body=orjson.dumps({"error": error}),
+        )
+    return ep.ProcessingResponse(immediate_response=immediate)

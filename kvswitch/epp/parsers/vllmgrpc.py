@@ -1,0 +1,83 @@
+"""`vllmgrpc-parser`: decodes vLLM gRPC engine requests (`VllmEngine/Generate` and `/Embed`).
+
+The body is gRPC-framed (`kvswitch.protocol.frames`); compressed frames are inflated per the
+call's `grpc-encoding`. Both methods are unary-request, so the body must hold exactly one
+message. Tokenized input yields `prompt_token_ids` (exact prefix routing); text input yields
+`prompt_text`.
+
+Parameters: `maxMessageBytes` (default 16 MiB) bounds one decompressed message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from kvswitch.epp.request import ParsedBody
+from kvswitch.errors import InvalidRequest
+from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, vllm_engine_pb2
+from kvswitch.protocol.frames import decode_all
+
+__all__ = ["TYPE", "VllmGrpcParser", "create"]
+
+TYPE = "vllmgrpc-parser"
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class VllmGrpcParser:
+    def __init__(self, name: str = TYPE, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.name = name
+        self.max_message_bytes = max_message_bytes
+
+    def matches(self, path: str, content_type: str) -> bool:
+        return path == GENERATE_PATH or path == EMBED_PATH
+
+    def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> ParsedBody:
+        messages = decode_all(
+            body, encoding=headers.get("grpc-encoding"), max_message_bytes=self.max_message_bytes
+        )
+        if len(messages) != 1:
+            raise InvalidRequest(
+                f"{path} takes exactly one request message, the body holds {len(messages)}"
+            )
+        if path == EMBED_PATH:
+            return _parse_embed(messages[0])
+        return _parse_generate(messages[0])
+
+
+def _parse_generate(message: bytes) -> ParsedBody:
+    request = vllm_engine_pb2.GenerateRequest()
+    try:
+        request.ParseFromString(message)
+    except DecodeError as exc:
+        raise InvalidRequest(f"malformed GenerateRequest: {exc}") from exc
+    kind = request.WhichOneof("input")
+    params = request.sampling_params
+    return ParsedBody(
+        prompt_token_ids=tuple(request.tokenized.input_ids) if kind == "tokenized" else None,
+        prompt_text=request.text if kind == "text" else None,
+        stream=request.stream,
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+        request_id=request.request_id or None,
+    )
+
+
+def _parse_embed(message: bytes) -> ParsedBody:
+    request = vllm_engine_pb2.EmbedRequest()
+    try:
+        request.ParseFromString(message)
+    except DecodeError as exc:
+        raise InvalidRequest(f"malformed EmbedRequest: {exc}") from exc
+    return ParsedBody(
+        prompt_token_ids=tuple(request.tokenized.input_ids),
+        request_id=request.request_id or None,
+    )
+
+
+def create(name: str, parameters: Mapping[str, Any], handle: Any) -> VllmGrpcParser:
+    limit = parameters.get("maxMessageBytes", DEFAULT_MAX_MESSAGE_BYTES)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        raise ValueError(f"{name}: maxMessageBytes must be a positive integer, got {limit!r}")
+    return VllmGrpcParser(name, max_message_bytes=limit)
