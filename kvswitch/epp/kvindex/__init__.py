@@ -1,0 +1,31 @@
+"""Precise prefix-cache index for the EPP, fed by the engines' KV events (DESIGN §4).
+
+- `PrefixIndex` (sans-IO): per endpoint, the full blocks it holds under kvswitch's own chained
+  content hash; `match(hashes)` gives each endpoint's leading matched blocks.
+- `SequenceTracker` (sans-IO): sequence numbers of one stream -> apply / skip / resync verdicts.
+- `KvEventSubscriber` / `KvEventSubscriptions`: thin grpc.aio loops that feed the index and keep
+  each engine's pushed `EngineLoad` record.
+"""
+
+from __future__ import annotations
+
+from kvswitch.epp.kvindex.events import (
+    BlocksRemoved,
+    BlocksStored,
+    CacheCleared,
+    EventBatch,
+    KvEvent,
+    LoadRecord,
+    SnapshotInfo,
+    StoredBlock,
+    batch_from_proto,
+)
+from kvswitch.epp.kvindex.index import ApplyStats, PrefixIndex, block_hashes, root_hash
+from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
+from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscriptions
+
+__all__ = [
+    "ApplyStats", "BlocksRemoved", "BlocksStored", "CacheCleared", "EventBatch", "KvEvent",
+    "KvEventSubscriber", "KvEventSubscriptions", "LoadRecord", "PrefixIndex", "SequenceTracker",
+    "SnapshotInfo", "StoredBlock", "Verdict", "batch_from_proto", "block_hashes", "root_hash",
+]

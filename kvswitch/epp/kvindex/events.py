@@ -1,0 +1,151 @@
+"""KV events as the index consumes them: small frozen records, and the protobuf conversion.
+
+The engine API streams `smg.grpc.common.KvEventBatch` messages (DESIGN §4). The index never
+sees protobuf: `batch_from_proto` turns one message into an `EventBatch` whose `events` keep
+the engine's order (a batch may remove a block and store it again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvswitch.protocol import common_pb2
+
+# Tiers/localities a per-worker prefix index holds: blocks on the device of this worker.
+_DEVICE_TIERS = (common_pb2.KV_CACHE_TIER_UNSPECIFIED, common_pb2.KV_CACHE_TIER_DEVICE)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    engine_hash: int
+    """The engine's block hash (only used to apply later removals)."""
+    token_ids: tuple[int, ...]
+    """The block's tokens; the index folds them into its own chained hash."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """A chain of full blocks: `blocks[0]`'s parent is `parent_engine_hash`, then each the next."""
+
+    blocks: tuple[StoredBlock, ...]
+    parent_engine_hash: int | None
+    """None: the chain starts at the root (the request's first block)."""
+    block_size: int
+    """The engine's block size as the event states it (0: not stated)."""
+    namespace: tuple[str, str] = ("", "")
+    """(lora_name, cache_salt): different namespaces never share blocks."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    engine_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheCleared:
+    """AllBlocksCleared: the engine dropped every cached block."""
+
+
+KvEvent = BlocksStored | BlocksRemoved | CacheCleared
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRecord:
+    """`EngineLoad`: the engine's load at one scheduler step (push-based telemetry)."""
+
+    running: int
+    waiting: int
+    waiting_uncached_tokens: int | None
+    """Prompt tokens of waiting requests not served from cache; None when not known."""
+    token_usage: float
+    """KV-cache utilisation in [0, 1]."""
+    gen_throughput: float
+    max_running: int
+    sample: int
+    """Monotonic per stream."""
+    cache_hit_rate: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """Set when the batch is one chunk of a relay's state snapshot."""
+
+    index: int
+    count: int
+    unknown_before: int
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    sequence_number: int
+    events: tuple[KvEvent, ...] = ()
+    load: LoadRecord | None = None
+    load_only: bool = False
+    """A load record with no events; its sequence number only repeats the last one sent."""
+    snapshot: SnapshotInfo | None = None
+
+
+def load_from_proto(load: Any) -> LoadRecord:
+    return LoadRecord(
+        running=load.running_requests,
+        waiting=load.waiting_requests,
+        waiting_uncached_tokens=(
+            load.waiting_uncached_tokens if load.HasField("waiting_uncached_tokens") else None),
+        token_usage=load.token_usage,
+        gen_throughput=load.gen_throughput,
+        max_running=load.max_running_requests,
+        sample=load.sample,
+        cache_hit_rate=load.cache_hit_rate if load.HasField("cache_hit_rate") else None,
+    )
+
+
+def _stored_from_proto(stored: Any) -> BlocksStored | None:
+    if stored.HasField("tier") and stored.tier not in _DEVICE_TIERS:
+        return None
+    if stored.HasField("locality") and stored.locality == common_pb2.KV_CACHE_LOCALITY_REMOTE:
+        return None
+    if stored.HasField("group_idx") and stored.group_idx != 0:
+        return None
+    blocks = tuple(StoredBlock(b.block_hash, tuple(b.token_ids)) for b in stored.blocks)
+    block_size = stored.blocks[0].block_size if stored.blocks else 0
+    parent = stored.parent_block_hash if stored.HasField("parent_block_hash") else None
+    return BlocksStored(blocks, parent, block_size, (stored.lora_name, stored.cache_salt))
+
+
+def _removed_from_proto(removed: Any) -> BlocksRemoved | None:
+    if removed.HasField("tier") and removed.tier not in _DEVICE_TIERS:
+        return None
+    if removed.HasField("group_idx") and removed.group_idx != 0:
+        return None
+    return BlocksRemoved(tuple(removed.block_hashes))
+
+
+def batch_from_proto(message: Any) -> EventBatch:
+    """Convert one `common_pb2.KvEventBatch` (events of other tiers/groups are dropped)."""
+    events: list[KvEvent] = []
+    for event in message.events:
+        kind = event.WhichOneof("data")
+        converted: KvEvent | None
+        if kind == "stored":
+            converted = _stored_from_proto(event.stored)
+        elif kind == "removed":
+            converted = _removed_from_proto(event.removed)
+        elif kind == "cleared":
+            converted = CacheCleared()
+        else:
+            converted = None
+        if converted is not None:
+            events.append(converted)
+    load = load_from_proto(message.load) if message.HasField("load") else None
+    snapshot = None
+    if message.HasField("snapshot"):
+        s = message.snapshot
+        snapshot = SnapshotInfo(s.index, s.count, s.unknown_before)
+    return EventBatch(
+        sequence_number=message.sequence_number,
+        events=tuple(events),
+        load=load,
+        load_only=bool(load is not None and message.load.load_only),
+        snapshot=snapshot,
+    )

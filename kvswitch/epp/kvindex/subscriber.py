@@ -1,0 +1,153 @@
+"""Thin asyncio loops that feed a `PrefixIndex` from the engines' `SubscribeKvEvents` streams.
+
+`KvEventSubscriber` follows one endpoint: it reads `GetServerInfo.block_size` (an engine whose
+block size differs from the index's is never indexed: its blocks could not match), opens the
+stream at `SequenceTracker.resume_from()`, converts and applies every batch as the tracker says,
+resubscribes on a gap or a dropped stream (bounded exponential backoff), and keeps the latest
+`EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback).
+
+`KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+
+from kvswitch.epp.kvindex.events import EventBatch, LoadRecord, batch_from_proto
+from kvswitch.epp.kvindex.index import PrefixIndex
+from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
+from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+LoadCallback = Callable[[str, LoadRecord], None]
+
+
+class KvEventSubscriber:
+    """Follows one endpoint's KV-event stream into `index` until `stop()`."""
+
+    def __init__(self, address: str, index: PrefixIndex, *, on_load: LoadCallback | None = None,
+                 retry_delay: float = 0.1, max_retry_delay: float = 2.0,
+                 rpc_timeout: float = 2.0) -> None:
+        self.address = address
+        self.index = index
+        self.on_load = on_load
+        self.retry_delay = retry_delay
+        self.max_retry_delay = max_retry_delay
+        self.rpc_timeout = rpc_timeout
+        self.tracker = SequenceTracker()
+        self.load: LoadRecord | None = None
+        """The latest load record the engine pushed."""
+        self.load_at = 0.0
+        """time.monotonic() when `load` arrived."""
+        self.connected = False
+        self.compatible = True
+        """False when the engine's block size differs from the index's (never indexed)."""
+        self.streams_opened = 0
+        self._task: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self.index.add_endpoint(self.address)
+            self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.address}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def _run(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.address)
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
+        delay = self.retry_delay
+        while True:
+            try:
+                if await self._follow(stub):
+                    delay = self.retry_delay  # a gap: resubscribe at once
+                    continue
+            except grpc.aio.AioRpcError as exc:
+                log.debug("kv events %s: %s", self.address, exc.code().name)
+            self.connected = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.max_retry_delay)
+
+    async def _follow(self, stub: vllm_engine_pb2_grpc.VllmEngineStub) -> bool:
+        """One stream, until it ends (False) or skips a sequence number (True)."""
+        info = await stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(),
+                                        timeout=self.rpc_timeout)
+        compatible = not info.block_size or info.block_size == self.index.block_size
+        if not compatible:
+            if self.compatible:
+                log.warning("%s: block size %d != index block size %d; not indexed",
+                            self.address, info.block_size, self.index.block_size)
+            self.index.clear(self.address)
+        self.compatible = compatible
+        start = self.tracker.resume_from()
+        call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=start, load_records_before_first_batch=True))
+        self.tracker.stream_opened(start)
+        self.streams_opened += 1
+        self.connected = True
+        try:
+            async for message in call:
+                if self.handle(batch_from_proto(message)) is Verdict.GAP:
+                    return True
+        finally:
+            call.cancel()
+        return False
+
+    def handle(self, batch: EventBatch) -> Verdict:
+        """Apply one batch as the tracker says (the loop's only effect on the index)."""
+        if batch.load is not None:
+            self.load = batch.load
+            self.load_at = time.monotonic()
+            if self.on_load is not None:
+                self.on_load(self.address, batch.load)
+        verdict = self.tracker.receive(batch)
+        if verdict is Verdict.RESET:
+            self.index.clear(self.address)
+        if verdict in (Verdict.APPLY, Verdict.RESET) and self.compatible:
+            self.index.apply(self.address, batch.events)
+        return verdict
+
+
+class KvEventSubscriptions:
+    """One `KvEventSubscriber` per endpoint of a set that changes (discovery)."""
+
+    def __init__(self, index: PrefixIndex, *, on_load: LoadCallback | None = None,
+                 **subscriber_options: float) -> None:
+        self.index = index
+        self.on_load = on_load
+        self._options = subscriber_options
+        self.subscribers: dict[str, KvEventSubscriber] = {}
+
+    async def set_endpoints(self, addresses: Iterable[str]) -> None:
+        wanted = set(addresses)
+        for address in [a for a in self.subscribers if a not in wanted]:
+            await self.subscribers.pop(address).stop()
+            self.index.remove_endpoint(address)
+        for address in wanted - self.subscribers.keys():
+            subscriber = KvEventSubscriber(address, self.index, on_load=self.on_load,
+                                           **self._options)
+            self.subscribers[address] = subscriber
+            await subscriber.start()
+
+    def loads(self) -> dict[str, LoadRecord]:
+        return {a: s.load for a, s in self.subscribers.items() if s.load is not None}
+
+    async def stop(self) -> None:
+        for subscriber in self.subscribers.values():
+            await subscriber.stop()
+        self.subscribers.clear()
