@@ -1,0 +1,123 @@
+"""Per-request output collection with vLLM's merge-when-behind delivery.
+
+The scheduler pushes every new token into the request's `OutputStream`. If the consumer has
+taken the previous update, the push starts a new one; otherwise it is appended to the pending
+update (a merge), so the scheduler never waits for a slow gRPC stream and the consumer always
+gets everything since its last read in one update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvswitch.engine.base import GenerationUpdate, SequenceDelta, TokenLogprob
+from kvswitch.engine.sim.request import SimSequence
+
+__all__ = ["OutputStream"]
+
+
+class OutputStream:
+    __slots__ = (
+        "request_id",
+        "sequences",
+        "pending",
+        "waiter",
+        "error",
+        "done",
+        "index_done",
+        "num_done",
+        "prompt_logprobs",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        sequences: list[SimSequence],
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sequences = sequences
+        self.pending: GenerationUpdate | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+        self.done = False
+        """Every sequence has finished (the last update may still be pending)."""
+        self.index_done = [False] * len(sequences)
+        self.num_done = 0
+        self.prompt_logprobs = prompt_logprobs
+        """Sent once, on the first update."""
+
+    def _update(self) -> GenerationUpdate:
+        u = self.pending
+        if u is None:
+            first = self.sequences[0]
+            u = self.pending = GenerationUpdate(
+                self.request_id,
+                first.num_prompt_tokens,
+                max(0, first.num_cached_tokens),
+                [],
+                False,
+                self.prompt_logprobs,
+            )
+            self.prompt_logprobs = None
+            w = self.waiter
+            if w is not None and not w.done():
+                w.set_result(None)
+        return u
+
+    def _delta(self, u: GenerationUpdate, index: int) -> SequenceDelta:
+        for d in u.sequences:
+            if d.index == index:
+                return d
+        d = SequenceDelta(index, [])
+        u.sequences.append(d)
+        return d
+
+    def push(self, seq: SimSequence) -> None:
+        """Add `seq`'s newest token (and its finish, if it finished)."""
+        index = seq.index
+        if self.index_done[index]:
+            return  # ended by an abort while the step that produced this token ran
+        u = self._update()
+        d = self._delta(u, index)
+        d.token_ids.append(seq.token_ids[-1])
+        if seq.last_logprob is not None:
+            if d.logprobs is None:
+                d.logprobs = []
+            d.logprobs.append(seq.last_logprob)
+        if seq.finish_reason is not None:
+            self._end(u, d, seq.finish_reason, seq.matched_stop)
+
+    def push_finish(self, seq: SimSequence, reason: str) -> None:
+        """End a sequence without a new token (abort)."""
+        if self.index_done[seq.index]:
+            return
+        u = self._update()
+        self._end(u, self._delta(u, seq.index), reason, None)
+
+    def _end(self, u: GenerationUpdate, d: SequenceDelta, reason: str, matched: int | str | None) -> None:
+        d.finish_reason, d.matched_stop = reason, matched
+        self.index_done[d.index] = True
+        self.num_done += 1
+        if self.num_done == len(self.sequences):
+            u.finished = True
+            self.done = True
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self) -> GenerationUpdate:
+        """The next (possibly merged) update; raises the engine's error if it failed."""
+        while self.pending is None:
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        u, self.pending = self.pending, None
+        return u
