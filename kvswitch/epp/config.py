@@ -1,0 +1,453 @@
+"""Load an EndpointPickerConfig and an InferencePool and build the endpoint picker.
+
+Two phases, as upstream: `parse_config` / `parse_pool` read YAML documents STRICTLY into frozen
+specs (unknown fields, unknown plugin types, dangling refs -> `ConfigError` naming the field
+path); `build_endpoint_picker` fills defaults (in `apply_defaults`, the one place) and
+instantiates plugins. Accepted documents:
+
+- `EndpointPickerConfig` (apiVersion llm-d.ai/v1alpha1, or upstream's older
+  inference.networking.x-k8s.io/v1alpha1): plugins, schedulingProfiles, requestHandler,
+  saturationDetector, flowControl, featureGates, plus kvswitch's `dataLayer.refreshInterval`.
+- `InferencePool` (inference.networking.k8s.io/v1): selector, targetPorts, endpointPickerRef.
+- `EndpointList` (kvswitch.dev/v1alpha1): the pool's endpoints outside Kubernetes, `ip:port` or
+  `ip` (one endpoint per targetPort). Lives in the pool file next to the InferencePool.
+- `InferenceObjective` (inference.networking.x-k8s.io/v1alpha2): metadata.name, spec.priority
+  (negative = sheddable); in either file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvswitch.epp.datalayer import Datalayer, Refresher, StaticDiscovery
+from kvswitch.epp.datalayer.pool import ObjectiveSpec, PoolSpec, parse_objective, parse_pool
+from kvswitch.epp.flowcontrol import FlowControlConfig, FlowGate, SaturationConfig
+from kvswitch.epp.framework import (
+    ConfigError,
+    Filter,
+    Picker,
+    PluginHandle,
+    ProfileHandler,
+    Scheduler,
+    SchedulerProfile,
+    Scorer,
+    duration,
+    fields,
+    known_types,
+    load_factory,
+    typed,
+)
+from kvswitch.epp.metrics import EppMetrics, default_metrics
+from kvswitch.epp.request import EndpointPicker, Parser
+from kvswitch.epp.router import EppRouter
+
+__all__ = [
+    "ConfigError", "ConfigSpec", "PluginSpec", "ProfileSpec", "ProfilePluginRef", "PoolSpec", "load_documents", "parse_config", "parse_pool",
+    "apply_defaults", "build_endpoint_picker", "build_router", "static_pool",
+    "DEFAULT_PROFILE_WEIGHTS",
+]
+
+CONFIG_API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")
+_TOP = ("apiVersion", "kind", "metadata", "plugins", "schedulingProfiles", "requestHandler",
+        "saturationDetector", "flowControl", "featureGates", "dataLayer")
+
+
+# ---- specs (phase 1 output) --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PluginSpec:
+    """One entry of `plugins`."""
+
+    name: str
+    """Unique; defaults to the type (upstream allows omitting it)."""
+    type: str
+    """A registered plugin type, e.g. `queue-scorer`."""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+    """Handed to the plugin's factory as is."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePluginRef:
+    """One entry of `schedulingProfiles[].plugins`."""
+
+    plugin_ref: str
+    """Name of a plugin in `plugins`."""
+    weight: float | None = None
+    """Scorers only; None means 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileSpec:
+    """A scheduling profile: its filters, weighted scorers and one picker, by reference."""
+
+    name: str
+    """Unique profile name."""
+    plugins: tuple[ProfilePluginRef, ...] = ()
+    """In order; filters run in this order."""
+
+
+@dataclass(frozen=True, slots=True)
+class DataLayerSpec:
+    """kvswitch's data-layer settings."""
+
+    refresh_interval: float = 0.05
+    """Seconds between two refreshes of one endpoint (upstream refreshes every 50 ms)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigSpec:
+    """A parsed EndpointPickerConfig (phase 1), before defaults."""
+
+    plugins: tuple[PluginSpec, ...] = ()
+    """Every configured plugin, in file order."""
+    profiles: tuple[ProfileSpec, ...] = ()
+    """schedulingProfiles."""
+    parsers: tuple[str, ...] = ()
+    """requestHandler.parsers[].pluginRef, in order of precedence."""
+    saturation: SaturationConfig = SaturationConfig()
+    """saturationDetector."""
+    flow_control: FlowControlConfig = FlowControlConfig()
+    """flowControl."""
+    queueing: bool = False
+    """Queue non-sheddable requests under saturation: the `flowControl` feature gate or a
+    flowControl section; otherwise only sheddable requests are shed (upstream's legacy path)."""
+    feature_gates: tuple[str, ...] = ()
+    """featureGates, as given."""
+    data_layer: DataLayerSpec = DataLayerSpec()
+    """dataLayer."""
+    objectives: tuple[ObjectiveSpec, ...] = ()
+    """InferenceObjective documents in the config file."""
+
+
+# ---- phase 1: parse strictly -------------------------------------------------------------------
+def _parse_plugins(raw: object) -> tuple[PluginSpec, ...]:
+    out: list[PluginSpec] = []
+    names: set[str] = set()
+    types = known_types()
+    for i, item in enumerate(typed(raw, "plugins", list)):
+        path = f"plugins[{i}]"
+        p = fields(item, path, ("type",), ("name", "parameters"))
+        type_name = typed(p["type"], f"{path}.type", str)
+        if type_name not in types:
+            raise ConfigError(f"{path}.type: unknown plugin type {type_name!r}")
+        name = typed(p.get("name", type_name), f"{path}.name", str)
+        if name in names:
+            raise ConfigError(f"{path}.name: duplicate plugin name {name!r}")
+        names.add(name)
+        params = p.get("parameters") or {}
+        out.append(PluginSpec(name, type_name, dict(typed(params, f"{path}.parameters", dict))))
+    return tuple(out)
+
+
+def _parse_profiles(raw: object, names: set[str]) -> tuple[ProfileSpec, ...]:
+    out: list[ProfileSpec] = []
+    seen: set[str] = set()
+    for i, item in enumerate(typed(raw, "schedulingProfiles", list)):
+        path = f"schedulingProfiles[{i}]"
+        p = fields(item, path, ("name",), ("plugins",))
+        name = typed(p["name"], f"{path}.name", str)
+        if name in seen:
+            raise ConfigError(f"{path}.name: duplicate profile name {name!r}")
+        seen.add(name)
+        refs = []
+        for j, ref_raw in enumerate(typed(p.get("plugins") or [], f"{path}.plugins", list)):
+            rpath = f"{path}.plugins[{j}]"
+            r = fields(ref_raw, rpath, ("pluginRef",), ("weight",))
+            ref = typed(r["pluginRef"], f"{rpath}.pluginRef", str)
+            if ref not in names:
+                raise ConfigError(f"{rpath}.pluginRef: no plugin named {ref!r}")
+            weight = r.get("weight")
+            if weight is not None:
+                weight = float(typed(weight, f"{rpath}.weight", (int, float)))
+                if weight < 0:
+                    raise ConfigError(f"{rpath}.weight: must not be negative")
+            refs.append(ProfilePluginRef(ref, weight))
+        out.append(ProfileSpec(name, tuple(refs)))
+    return tuple(out)
+
+
+def _parse_parsers(raw: object, names: set[str]) -> tuple[str, ...]:
+    handler = fields(raw, "requestHandler", (), ("parsers",))
+    out = []
+    for i, item in enumerate(typed(handler.get("parsers") or [], "requestHandler.parsers", list)):
+        path = f"requestHandler.parsers[{i}]"
+        ref = typed(fields(item, path, ("pluginRef",))["pluginRef"], f"{path}.pluginRef", str)
+        if ref not in names:
+            raise ConfigError(f"{path}.pluginRef: no plugin named {ref!r}")
+        out.append(ref)
+    return tuple(out)
+
+
+def _parse_saturation(raw: object) -> SaturationConfig:
+    d = SaturationConfig()
+    s = fields(raw, "saturationDetector", (),
+               ("queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold"))
+    kv = float(typed(s.get("kvCacheUtilThreshold", d.kv_cache_util_threshold),
+                     "saturationDetector.kvCacheUtilThreshold", (int, float)))
+    if not 0.0 < kv <= 1.0:
+        raise ConfigError("saturationDetector.kvCacheUtilThreshold: must be in (0, 1]")
+    return SaturationConfig(
+        queue_depth_threshold=typed(s.get("queueDepthThreshold", d.queue_depth_threshold),
+                                    "saturationDetector.queueDepthThreshold", int),
+        kv_cache_util_threshold=kv,
+        metrics_staleness=duration(s.get("metricsStalenessThreshold", d.metrics_staleness),
+                                   "saturationDetector.metricsStalenessThreshold"))
+
+
+def _parse_flow_control(raw: object) -> FlowControlConfig:
+    d = FlowControlConfig()
+    f = fields(raw, "flowControl", (),
+               ("maxQueuedPerFlow", "maxWait", "fairness", "fairnessWeights"))
+    fairness = f.get("fairness", d.fairness)
+    if fairness not in ("round-robin", "weighted"):
+        raise ConfigError(f"flowControl.fairness: expected round-robin or weighted, "
+                          f"got {fairness!r}")
+    weights = typed(f.get("fairnessWeights", {}), "flowControl.fairnessWeights", dict)
+    for key, w in weights.items():
+        if typed(w, f"flowControl.fairnessWeights.{key}", int) < 1:
+            raise ConfigError(f"flowControl.fairnessWeights.{key}: must be >= 1")
+    return FlowControlConfig(
+        max_queued_per_flow=typed(f.get("maxQueuedPerFlow", d.max_queued_per_flow),
+                                  "flowControl.maxQueuedPerFlow", int),
+        max_wait=duration(f.get("maxWait", d.max_wait), "flowControl.maxWait"),
+        fairness=fairness, fairness_weights={str(k): v for k, v in weights.items()})
+
+
+def parse_config(docs: Sequence[Mapping[str, Any]]) -> ConfigSpec:
+    """An EndpointPickerConfig (+ InferenceObjective docs) -> ConfigSpec; no documents -> {}."""
+    configs = [(i, d) for i, d in enumerate(docs) if d.get("kind") != "InferenceObjective"]
+    objectives = tuple(parse_objective(d, f"config[{i}]") for i, d in enumerate(docs)
+                       if d.get("kind") == "InferenceObjective")
+    if len(configs) > 1:
+        raise ConfigError(f"config: expected one EndpointPickerConfig, got {len(configs)}")
+    if not configs:
+        return ConfigSpec(objectives=objectives)
+    doc = fields(configs[0][1], "", ("apiVersion", "kind"), _TOP)
+    if doc["kind"] != "EndpointPickerConfig":
+        raise ConfigError(f"kind: expected EndpointPickerConfig, got {doc['kind']!r}")
+    if doc["apiVersion"] not in CONFIG_API_VERSIONS:
+        raise ConfigError(f"apiVersion: expected one of {', '.join(CONFIG_API_VERSIONS)}, "
+                          f"got {doc['apiVersion']!r}")
+    plugins = _parse_plugins(doc.get("plugins") or [])
+    names = {p.name for p in plugins}
+    gates = tuple(typed(g, f"featureGates[{i}]", str)
+                  for i, g in enumerate(typed(doc.get("featureGates") or [], "featureGates", list)))
+    data = fields(doc.get("dataLayer") or {}, "dataLayer", (), ("refreshInterval",))
+    interval = duration(data.get("refreshInterval", 0.05), "dataLayer.refreshInterval")
+    if interval <= 0:
+        raise ConfigError("dataLayer.refreshInterval: must be positive")
+    return ConfigSpec(
+        plugins=plugins,
+        profiles=_parse_profiles(doc.get("schedulingProfiles") or [], names),
+        parsers=_parse_parsers(doc.get("requestHandler") or {}, names),
+        saturation=_parse_saturation(doc.get("saturationDetector") or {}),
+        flow_control=_parse_flow_control(doc.get("flowControl") or {}),
+        queueing="flowControl" in gates or "flowControl" in doc,
+        feature_gates=gates, data_layer=DataLayerSpec(interval), objectives=objectives)
+
+
+# ---- defaults (the one place) ------------------------------------------------------------------
+# Upstream's default profile (the GAIE chart's default config): prefix 3, queue 2, kv-util 2.
+DEFAULT_PROFILE_WEIGHTS: tuple[tuple[str, float], ...] = (
+    ("prefix-cache-scorer", 3.0), ("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0))
+DEFAULT_PICKER = "max-score-picker"
+DEFAULT_HANDLER = "single-profile-handler"
+DEFAULT_PARSERS = ("vllmgrpc-parser", "openai-parser")
+DEFAULT_PROFILE = "default"
+
+
+def _ensure(plugins: list[PluginSpec], type_name: str) -> str:
+    """The name of a plugin of `type_name`, adding one (named after the type) if none exists."""
+    for p in plugins:
+        if p.type == type_name:
+            return p.name
+    plugins.append(PluginSpec(type_name, type_name, {}))
+    return type_name
+
+
+def apply_defaults(spec: ConfigSpec, plugin_roles: Mapping[str, str] | None = None) -> ConfigSpec:
+    """Fill what the config leaves out:
+    - no schedulingProfiles: one "default" profile; with no scheduling plugins either, it is
+      upstream's default (prefix-cache 3, queue 2, kv-cache-utilization 2, max-score-picker),
+      else it references every filter/scorer/picker plugin (weight 1);
+    - a profile without a picker gets a max-score-picker;
+    - no profile handler: single-profile-handler;
+    - no requestHandler.parsers: vllmgrpc-parser and openai-parser.
+    `plugin_roles` (name -> "filter"|"scorer"|"picker"|"handler"|"parser"|"other") comes from
+    instantiating the configured plugins; without it only the role-free defaults apply.
+    """
+    roles = dict(plugin_roles or {})
+    plugins = list(spec.plugins)
+    profiles = list(spec.profiles)
+    if not profiles:
+        schedulable = [p.name for p in plugins if roles.get(p.name) in ("filter", "scorer",
+                                                                          "picker")]
+        if schedulable:
+            refs = tuple(ProfilePluginRef(n, 1.0 if roles[n] == "scorer" else None)
+                         for n in schedulable)
+        else:
+            refs = tuple(ProfilePluginRef(_ensure(plugins, t), w)
+                         for t, w in DEFAULT_PROFILE_WEIGHTS)
+        profiles.append(ProfileSpec(DEFAULT_PROFILE, refs))
+    fixed = []
+    for profile in profiles:
+        if plugin_roles is not None and not any(roles.get(r.plugin_ref) == "picker" for r in profile.plugins):
+            ref = ProfilePluginRef(_ensure(plugins, DEFAULT_PICKER), None)
+            profile = ProfileSpec(profile.name, profile.plugins + (ref,))
+        fixed.append(profile)
+    if plugin_roles is not None and not any(r == "handler" for r in roles.values()):
+        _ensure(plugins, DEFAULT_HANDLER)
+    parsers = spec.parsers or tuple(_ensure(plugins, t) for t in DEFAULT_PARSERS)
+    return ConfigSpec(plugins=tuple(plugins), profiles=tuple(fixed), parsers=parsers,
+                      saturation=spec.saturation, flow_control=spec.flow_control,
+                      queueing=spec.queueing, feature_gates=spec.feature_gates,
+                      data_layer=spec.data_layer, objectives=spec.objectives)
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def load_documents(source: Path | str | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+                   what: str) -> list[Mapping[str, Any]]:
+    """YAML documents from a path, YAML text (a str with a newline), one mapping or a list."""
+    if isinstance(source, Mapping):
+        return [source]
+    if isinstance(source, (str, Path)):
+        if isinstance(source, str) and "\n" in source:
+            text = source
+        else:
+            try:
+                text = Path(source).read_text()
+            except OSError as exc:
+                raise ConfigError(f"{what}: cannot read {source}: {exc}") from exc
+        try:
+            docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{what}: invalid YAML: {exc}") from exc
+    else:
+        docs = list(source)
+    for i, doc in enumerate(docs):
+        if not isinstance(doc, Mapping):
+            raise ConfigError(f"{what}: document {i}: expected a mapping")
+    return docs
+
+
+def static_pool(addresses: Sequence[str], app_protocol: str = "kubernetes.io/h2c",
+                name: str = "kvswitch") -> list[Mapping[str, Any]]:
+    """Pool documents for a fixed list of `ip:port` endpoints (for `kvswitch up` and tests)."""
+    port = int(addresses[0].rpartition(":")[2]) if addresses else 8000
+    return [
+        {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+         "metadata": {"name": name},
+         "spec": {"selector": {"matchLabels": {"app": name}},
+                  "targetPorts": [{"number": port, "appProtocol": app_protocol}],
+                  "endpointPickerRef": {"name": f"{name}-epp"}}},
+        {"apiVersion": "kvswitch.dev/v1alpha1", "kind": "EndpointList",
+         "metadata": {"name": name}, "endpoints": list(addresses)},
+    ]
+
+
+# ---- instantiation -----------------------------------------------------------------------------
+def _role(plugin: object) -> str:
+    if isinstance(plugin, Picker) and hasattr(plugin, "pick"):
+        return "picker"
+    if isinstance(plugin, ProfileHandler):
+        return "handler"
+    if isinstance(plugin, Scorer):
+        return "scorer"
+    if isinstance(plugin, Filter):
+        return "filter"
+    if isinstance(plugin, Parser):
+        return "parser"
+    return "other"
+
+
+def _instantiate(specs: Sequence[PluginSpec], handle: PluginHandle,
+                 built: dict[str, object]) -> dict[str, object]:
+    """Build the plugins not built yet, in order (a factory may look up earlier ones)."""
+    for i, spec in enumerate(specs):
+        if spec.name in built:
+            continue
+        try:
+            plugin = load_factory(spec.type)(spec.name, spec.parameters, handle)
+        except ConfigError as exc:
+            raise ConfigError(f"plugins[{i}] ({spec.name}): {exc}") from exc
+        built[spec.name] = plugin
+        handle.add_plugin(spec.name, plugin)
+    return built
+
+
+def _profiles(spec: ConfigSpec, built: Mapping[str, object]) -> dict[str, SchedulerProfile]:
+    profiles: dict[str, SchedulerProfile] = {}
+    for i, profile in enumerate(spec.profiles):
+        filters: list[Filter] = []
+        scorers: list[tuple[Scorer, float]] = []
+        pickers: list[Picker] = []
+        for j, ref in enumerate(profile.plugins):
+            path = f"schedulingProfiles[{i}].plugins[{j}]"
+            plugin = built[ref.plugin_ref]
+            role = _role(plugin)
+            if role == "scorer":
+                scorers.append((plugin, 1.0 if ref.weight is None else ref.weight))  # type: ignore[arg-type]
+            elif ref.weight is not None:
+                raise ConfigError(f"{path}.weight: {ref.plugin_ref!r} is a {role}, not a scorer")
+            elif role == "filter":
+                filters.append(plugin)  # type: ignore[arg-type]
+            elif role == "picker":
+                pickers.append(plugin)  # type: ignore[arg-type]
+            else:
+                raise ConfigError(f"{path}.pluginRef: {ref.plugin_ref!r} is a {role}, "
+                                  "not a filter, scorer or picker")
+        if len(pickers) != 1:
+            raise ConfigError(f"schedulingProfiles[{i}]: expected one picker, got {len(pickers)}")
+        profiles[profile.name] = SchedulerProfile(profile.name, filters, scorers, pickers[0])
+    return profiles
+
+
+def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = None,
+                 handle: PluginHandle | None = None) -> tuple[EppRouter, list[Parser]]:
+    """Instantiate a parsed config against a parsed pool."""
+    dl = spec.data_layer
+    staleness = spec.saturation.metrics_staleness
+    datalayer = Datalayer(staleness=staleness)
+    handle = handle or PluginHandle(datalayer)
+    built = _instantiate(spec.plugins, handle, {})
+    spec = apply_defaults(spec, {n: _role(p) for n, p in built.items()})
+    built = _instantiate(spec.plugins, handle, built)
+    handlers = [p for p in built.values() if _role(p) == "handler"]
+    if len(handlers) != 1:
+        raise ConfigError(f"plugins: expected one profile handler, got {len(handlers)}")
+    handler: ProfileHandler = handlers[0]  # type: ignore[assignment]
+    if getattr(handler, "max_profiles", None) == 1 and len(spec.profiles) != 1:
+        raise ConfigError(f"schedulingProfiles: {handler.name} needs exactly one profile, "
+                          f"got {len(spec.profiles)}")
+    parsers: list[Parser] = []
+    for i, name in enumerate(spec.parsers):
+        if not isinstance(built[name], Parser):
+            raise ConfigError(f"requestHandler.parsers[{i}].pluginRef: {name!r} is not a parser")
+        parsers.append(built[name])  # type: ignore[arg-type]
+    plugins = [*built.values(), *handle.shared_objects()]
+    scheduler = Scheduler(handler, _profiles(spec, built),
+                          [p for p in plugins if _role(p) != "parser"])
+    refresher = Refresher(datalayer, StaticDiscovery(pool.endpoints), interval=dl.refresh_interval)
+    gate = FlowGate(datalayer.ready, spec.saturation, spec.flow_control,
+                    tick=dl.refresh_interval, queueing=spec.queueing)
+    objectives = {o.name: o.priority for o in (*pool.objectives, *spec.objectives)}
+    router = EppRouter(scheduler, datalayer, gate, refresher, objectives,
+                       metrics if metrics is not None else default_metrics())
+    return router, parsers
+
+
+def build_endpoint_picker(config: Path | str | Mapping[str, Any] | None,
+                          pool: Path | str | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+                          metrics: EppMetrics | None = None) -> EndpointPicker:
+    """The EPP's parsers and router from an EndpointPickerConfig (None: all defaults) and a pool.
+
+    Paths are read as YAML (several documents allowed); a str containing a newline is YAML text.
+    """
+    spec = parse_config(load_documents(config, "config") if config is not None else [])
+    pool_spec = parse_pool(load_documents(pool, "pool"))
+    router, parsers = build_router(spec, pool_spec, metrics)
+    return EndpointPicker(parsers=parsers, router=router)

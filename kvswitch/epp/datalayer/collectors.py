@@ -1,0 +1,170 @@
+"""Collectors: one refresh of one endpoint's load.
+
+- `GrpcCollector` (h2c pools): `GetLoads` every refresh, `HealthCheck` + `GetServerInfo` every
+  `health_every` refreshes, over one grpc.aio channel per endpoint. Loads of several DP ranks are
+  summed; kv usage = sum(num_used_tokens) / sum(max_total_num_tokens) when capacity is known,
+  else the mean of `token_usage`.
+- `PrometheusCollector` (http pools): `GET /metrics` over a plain asyncio stream (HTTP/1.1,
+  `Connection: close`), vLLM names: vllm:num_requests_running, vllm:num_requests_waiting,
+  vllm:kv_cache_usage_perc (older vllm:gpu_cache_usage_perc), vllm:cache_config_info
+  {block_size, num_gpu_blocks}. Series with several label sets (models) are summed; kv usage
+  takes the max.
+A collector raises on any failure; the refresher marks the endpoint failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import grpc
+
+from kvswitch.epp.datalayer.endpoint import Metrics
+from kvswitch.protocol import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+
+class CollectorError(Exception):
+    """A refresh failed (endpoint unreachable, unhealthy or answering garbage)."""
+
+
+class Collector(Protocol):
+    async def collect(self, now: float) -> Metrics: ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcCollector:
+    def __init__(self, address: str, timeout: float = 1.0, health_every: int = 20) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.health_every = health_every
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
+        self._count = 0
+        self._block_size = 0
+
+    async def _check_health(self) -> None:
+        health = await self._stub.HealthCheck(
+            vllm_engine_pb2.HealthCheckRequest(), timeout=self.timeout)
+        if not health.healthy:
+            raise CollectorError(f"{self.address}: unhealthy: {health.message}")
+        info = await self._stub.GetServerInfo(
+            vllm_engine_pb2.GetServerInfoRequest(), timeout=self.timeout)
+        self._block_size = info.block_size
+
+    async def collect(self, now: float) -> Metrics:
+        try:
+            if self._count % self.health_every == 0:
+                await self._check_health()
+            self._count += 1
+            loads = await self._stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            self._count = 0  # re-check health as soon as it answers again
+            raise CollectorError(f"{self.address}: {exc.code().name}: {exc.details()}") from exc
+        running = waiting = used = capacity = 0
+        usage_sum = 0.0
+        for load in loads.loads:
+            running += load.num_running_reqs
+            waiting += load.num_waiting_reqs
+            used += load.num_used_tokens
+            capacity += load.max_total_num_tokens
+            usage_sum += load.token_usage
+        if capacity:
+            usage = used / capacity
+        else:
+            usage = usage_sum / len(loads.loads) if loads.loads else 0.0
+        return Metrics(running=running, waiting=waiting, kv_usage=min(max(usage, 0.0), 1.0),
+                       max_tokens=capacity, block_size=self._block_size, updated_at=now)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def parse_prometheus(text: str, now: float) -> Metrics:
+    """vLLM's Prometheus exposition -> Metrics (see module docstring)."""
+    running = waiting = 0.0
+    usage = 0.0
+    block_size = num_blocks = 0
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        head, _, value_text = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        try:
+            value = float(value_text)
+        except ValueError:
+            continue
+        if name == "vllm:num_requests_running":
+            running += value
+            seen = True
+        elif name == "vllm:num_requests_waiting":
+            waiting += value
+        elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            usage = max(usage, value)
+        elif name == "vllm:cache_config_info":
+            block_size, num_blocks = _cache_config(labels, block_size, num_blocks)
+    if not seen:
+        raise CollectorError("no vllm:num_requests_running in /metrics")
+    return Metrics(running=int(running), waiting=int(waiting), kv_usage=min(max(usage, 0.0), 1.0),
+                   max_tokens=block_size * num_blocks, block_size=block_size, updated_at=now)
+
+
+def _cache_config(labels: str, block_size: int, num_blocks: int) -> tuple[int, int]:
+    for pair in labels.rstrip("}").split(","):
+        key, _, raw = pair.partition("=")
+        raw = raw.strip().strip('"')
+        if key.strip() == "block_size" and raw.isdigit():
+            block_size = int(raw)
+        elif key.strip() == "num_gpu_blocks" and raw.isdigit():
+            num_blocks = int(raw)
+    return block_size, num_blocks
+
+
+class PrometheusCollector:
+    def __init__(self, address: str, path: str = "/metrics", timeout: float = 1.0) -> None:
+        self.address = address
+        self.path = path
+        self.timeout = timeout
+        host, _, port = address.rpartition(":")
+        self._host = host.strip("[]")
+        self._port = int(port)
+
+    async def _fetch(self) -> str:
+        reader, writer = await asyncio.open_connection(self._host, self._port)
+        try:
+            writer.write(f"GET {self.path} HTTP/1.1\r\nHost: {self.address}\r\n"
+                         "Accept: text/plain\r\nConnection: close\r\n\r\n".encode())
+            await writer.drain()
+            raw = await reader.read()
+        finally:
+            writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        status_line = head.split(b"\r\n", 1)[0].split()
+        if len(status_line) < 2 or status_line[1] != b"200":
+            raise CollectorError(f"{self.address}{self.path}: {head[:60]!r}")
+        if b"transfer-encoding: chunked" in head.lower():
+            body = _dechunk(body)
+        return body.decode("utf-8", "replace")
+
+    async def collect(self, now: float) -> Metrics:
+        try:
+            text = await asyncio.wait_for(self._fetch(), self.timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise CollectorError(f"{self.address}: {exc!r}") from exc
+        return parse_prometheus(text, now)
+
+    async def close(self) -> None:
+        return None
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = bytearray()
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        body = rest[size + 2:]
+    return bytes(out)

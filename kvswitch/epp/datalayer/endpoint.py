@@ -1,0 +1,126 @@
+"""Endpoint state: what the EPP knows about one model-server replica.
+
+`Endpoint` is the one mutable record per replica: its address, protocol, the latest metrics
+snapshot a collector produced, and the EPP's own in-flight count. `Datalayer` holds them and
+answers "which endpoints are ready now": healthy, and refreshed within the staleness window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+AppProtocol = Literal["http", "kubernetes.io/h2c"]
+H2C: AppProtocol = "kubernetes.io/h2c"
+HTTP: AppProtocol = "http"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    """An endpoint as discovery reports it."""
+
+    address: str
+    """`ip:port`, exactly what goes into `x-gateway-destination-endpoint`."""
+    app_protocol: AppProtocol = HTTP
+    """`http` (Prometheus `/metrics`) or `kubernetes.io/h2c` (vLLM gRPC engine API)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    """One successful refresh of an endpoint's load (GetLoads or `/metrics`)."""
+
+    running: int = 0
+    """Requests the engine is running (vllm:num_requests_running)."""
+    waiting: int = 0
+    """Requests in the engine's waiting queue (vllm:num_requests_waiting)."""
+    kv_usage: float = 0.0
+    """KV-cache utilisation in [0, 1] (vllm:kv_cache_usage_perc)."""
+    max_tokens: int = 0
+    """KV capacity in tokens (GetLoads max_total_num_tokens, or num_gpu_blocks x block_size)."""
+    block_size: int = 0
+    """The engine's KV block size; 0 when unknown."""
+    updated_at: float = 0.0
+    """Datalayer clock (monotonic seconds) of the refresh."""
+
+
+class Endpoint:
+    """One replica. Mutated only by the datalayer (metrics, health) and the router (in-flight)."""
+
+    __slots__ = ("address", "app_protocol", "metrics", "healthy", "in_flight", "failures")
+
+    def __init__(self, spec: EndpointSpec) -> None:
+        self.address = spec.address
+        self.app_protocol: AppProtocol = spec.app_protocol
+        self.metrics = Metrics()
+        # Not ready until a collector has succeeded once.
+        self.healthy = False
+        self.in_flight = 0
+        self.failures = 0
+
+    def __repr__(self) -> str:
+        m = self.metrics
+        return (f"Endpoint({self.address}, healthy={self.healthy}, running={m.running}, "
+                f"waiting={m.waiting}, kv={m.kv_usage:.2f}, in_flight={self.in_flight})")
+
+
+class Datalayer:
+    """The set of endpoints and their freshness.
+
+    An endpoint is ready when it is healthy and its last successful refresh is at most
+    `staleness` seconds old. Failing or stale endpoints come back on their next good refresh.
+    """
+
+    def __init__(self, staleness: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
+        self.staleness = staleness
+        self.clock = clock
+        self._endpoints: dict[str, Endpoint] = {}
+        self._listeners: list[Callable[[str], None]] = []
+
+    def set_endpoints(self, specs: Iterable[EndpointSpec]) -> tuple[list[Endpoint], list[str]]:
+        """Replace the endpoint set; returns (added endpoints, removed addresses)."""
+        wanted = {s.address: s for s in specs}
+        removed = [a for a in self._endpoints if a not in wanted]
+        for address in removed:
+            del self._endpoints[address]
+            for listener in self._listeners:
+                listener(address)
+        added = []
+        for address, spec in wanted.items():
+            if address not in self._endpoints:
+                endpoint = Endpoint(spec)
+                self._endpoints[address] = endpoint
+                added.append(endpoint)
+        return added, removed
+
+    def on_removed(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(address)` when an endpoint leaves the pool (index clean-up)."""
+        self._listeners.append(listener)
+
+    def get(self, address: str) -> Endpoint | None:
+        return self._endpoints.get(address)
+
+    def all(self) -> list[Endpoint]:
+        return list(self._endpoints.values())
+
+    def update(self, address: str, metrics: Metrics) -> None:
+        """Record a successful refresh."""
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            endpoint.metrics = metrics
+            endpoint.healthy = True
+            endpoint.failures = 0
+
+    def mark_failed(self, address: str) -> None:
+        """Record a failed refresh or health check: the endpoint is not ready until it recovers."""
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            endpoint.healthy = False
+            endpoint.failures += 1
+
+    def ready(self) -> list[Endpoint]:
+        """Endpoints eligible for scheduling now."""
+        oldest = self.clock() - self.staleness
+        return [e for e in self._endpoints.values()
+                if e.healthy and e.metrics.updated_at >= oldest]

@@ -1,0 +1,320 @@
+"""The scheduling framework: plugin contracts, the profile runner, and the plugin registry.
+
+A request is scheduled in one cycle:
+
+    producers.produce(request, state, endpoints)        # expensive per-request data, once
+    handler.pick_profiles(...) -> profiles to run       # until it returns none
+        profile: filters -> scorers -> picker
+            total[e] = sum(weight_s * clamp(score_s[e], 0, 1))
+    handler.process_results(...) -> the primary result (pick first, fallbacks after)
+    pre_request hooks (e.g. the prefix index records where the prompt went)
+
+Plugins are built by name: `REGISTRY` maps a type name to a module that exports `TYPE` and
+`create(name, parameters, handle) -> plugin`; modules are imported only when a config uses the
+type. Third-party plugins register through the entry-point group `kvswitch.epp.plugins`
+(entry point name = type, value = module path).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from kvswitch.epp.datalayer import Datalayer, Endpoint
+from kvswitch.epp.request import InferenceRequest, RequestOutcome
+
+ENTRY_POINT_GROUP = "kvswitch.epp.plugins"
+
+CycleState = dict[str, Any]
+"""Per-request scratch space shared by the plugins of one scheduling cycle."""
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; the message starts with the field path at fault."""
+
+
+@runtime_checkable
+class Filter(Protocol):
+    name: str
+
+    def filter(self, request: InferenceRequest, state: CycleState,
+               endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """Endpoints that may serve the request (a subset of `endpoints`, order kept)."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    name: str
+
+    def score(self, request: InferenceRequest, state: CycleState,
+              endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        """One score per endpoint, aligned with `endpoints`, meant to lie in [0, 1]."""
+        ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    name: str
+
+    def pick(self, request: InferenceRequest, state: CycleState,
+             endpoints: Sequence[Endpoint], scores: Sequence[float]) -> tuple[Endpoint, ...]:
+        """The chosen endpoint first, then fallbacks; empty only when `endpoints` is."""
+        ...
+
+
+@runtime_checkable
+class DataProducer(Protocol):
+    """Computes per-request data once (e.g. prompt block hashes), before any profile runs."""
+
+    name: str
+
+    def produce(self, request: InferenceRequest, state: CycleState,
+                endpoints: Sequence[Endpoint]) -> None: ...
+
+
+@runtime_checkable
+class PreRequest(Protocol):
+    """Told where a request is going, after scheduling and before the proxy sends it."""
+
+    name: str
+
+    def pre_request(self, request: InferenceRequest, state: CycleState,
+                    result: ProfileResult) -> None: ...
+
+
+@runtime_checkable
+class ResponseComplete(Protocol):
+    name: str
+
+    def response_complete(self, request: InferenceRequest, outcome: RequestOutcome) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """What one profile chose."""
+
+    profile: str
+    """The profile's name."""
+    endpoints: tuple[Endpoint, ...]
+    """The pick first, fallbacks after it; empty when the filters left nothing."""
+
+
+@runtime_checkable
+class ProfileHandler(Protocol):
+    name: str
+
+    def pick_profiles(self, request: InferenceRequest, state: CycleState,
+                      profiles: Mapping[str, SchedulerProfile],
+                      results: Mapping[str, ProfileResult]) -> Sequence[SchedulerProfile]:
+        """Profiles to run next given the results so far; empty ends the cycle."""
+        ...
+
+    def process_results(self, request: InferenceRequest, state: CycleState,
+                        results: Mapping[str, ProfileResult]) -> ProfileResult:
+        """The result the request is routed by."""
+        ...
+
+
+def _clamp(value: float) -> float:
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+
+
+class SchedulerProfile:
+    """filters -> weighted scorers -> picker."""
+
+    def __init__(self, name: str, filters: Sequence[Filter],
+                 scorers: Sequence[tuple[Scorer, float]], picker: Picker) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+
+    def run(self, request: InferenceRequest, state: CycleState,
+            endpoints: Sequence[Endpoint]) -> ProfileResult:
+        for f in self.filters:
+            endpoints = f.filter(request, state, endpoints)
+            if not endpoints:
+                return ProfileResult(self.name, ())
+        totals = [0.0] * len(endpoints)
+        for scorer, weight in self.scorers:
+            scores = scorer.score(request, state, endpoints)
+            for i, s in enumerate(scores):
+                totals[i] += weight * _clamp(s)
+        return ProfileResult(self.name, self.picker.pick(request, state, endpoints, totals))
+
+
+class Scheduler:
+    """Runs one scheduling cycle per request (see the module docstring)."""
+
+    def __init__(self, handler: ProfileHandler, profiles: Mapping[str, SchedulerProfile],
+                 plugins: Sequence[object]) -> None:
+        self.handler = handler
+        self.profiles = dict(profiles)
+        self.producers = [p for p in plugins if isinstance(p, DataProducer)]
+        self.pre_request = [p for p in plugins if isinstance(p, PreRequest)]
+        self.response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
+
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> ProfileResult:
+        state: CycleState = {}
+        for producer in self.producers:
+            producer.produce(request, state, endpoints)
+        results: dict[str, ProfileResult] = {}
+        while True:
+            todo = self.handler.pick_profiles(request, state, self.profiles, results)
+            if not todo:
+                break
+            for profile in todo:
+                results[profile.name] = profile.run(request, state, endpoints)
+        result = self.handler.process_results(request, state, results)
+        if result.endpoints:
+            for hook in self.pre_request:
+                hook.pre_request(request, state, result)
+        return result
+
+    def finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
+        for hook in self.response_complete:
+            hook.response_complete(request, outcome)
+
+
+T = TypeVar("T")
+
+
+class PluginHandle:
+    """What plugin factories get: the datalayer, plugins built so far, and shared objects."""
+
+    def __init__(self, datalayer: Datalayer) -> None:
+        self.datalayer = datalayer
+        self._plugins: dict[str, object] = {}
+        self._shared: dict[str, object] = {}
+
+    def plugin(self, name: str) -> object:
+        """A plugin by its configured name (those listed before the caller are built)."""
+        try:
+            return self._plugins[name]
+        except KeyError:
+            raise ConfigError(f"no plugin named {name!r}") from None
+
+    def plugins(self) -> dict[str, object]:
+        return dict(self._plugins)
+
+    def add_plugin(self, name: str, plugin: object) -> None:
+        self._plugins[name] = plugin
+
+    def shared(self, key: str, factory: Callable[[], T]) -> T:
+        """One object per key for all plugins (e.g. the prefix index scorers consume)."""
+        if key not in self._shared:
+            self._shared[key] = factory()
+        return self._shared[key]  # type: ignore[return-value]
+
+    def shared_objects(self) -> list[object]:
+        return list(self._shared.values())
+
+
+PluginFactory = Callable[[str, Mapping[str, Any], PluginHandle], object]
+
+# Type name -> module path. Modules are imported on first use.
+REGISTRY: dict[str, str] = {
+    "vllmgrpc-parser": "kvswitch.epp.parsers.vllmgrpc",
+    "openai-parser": "kvswitch.epp.parsers.openai",
+    "passthrough-parser": "kvswitch.epp.parsers.passthrough",
+    "prefix-cache-scorer": "kvswitch.epp.plugins.prefix_cache_scorer",
+    "queue-scorer": "kvswitch.epp.plugins.queue_scorer",
+    "kv-cache-utilization-scorer": "kvswitch.epp.plugins.kv_cache_utilization_scorer",
+    "running-requests-size-scorer": "kvswitch.epp.plugins.running_requests_size_scorer",
+    "session-affinity-scorer": "kvswitch.epp.plugins.session_affinity_scorer",
+    "max-score-picker": "kvswitch.epp.plugins.max_score_picker",
+    "random-picker": "kvswitch.epp.plugins.random_picker",
+    "weighted-random-picker": "kvswitch.epp.plugins.weighted_random_picker",
+    "round-robin-picker": "kvswitch.epp.plugins.round_robin_picker",
+    "single-profile-handler": "kvswitch.epp.plugins.single_profile_handler",
+    "low-queue-filter": "kvswitch.epp.plugins.low_queue_filter",
+}
+
+# Older upstream names of the same plugins.
+ALIASES: dict[str, str] = {
+    "kv-cache-scorer": "kv-cache-utilization-scorer",
+}
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_types() -> set[str]:
+    return set(REGISTRY) | set(ALIASES) | set(_entry_points())
+
+
+def load_factory(type_name: str) -> PluginFactory:
+    """The `create` of the module registered for `type_name`; ConfigError when unknown."""
+    type_name = ALIASES.get(type_name, type_name)
+    module_path = REGISTRY.get(type_name) or _entry_points().get(type_name)
+    if module_path is None:
+        raise ConfigError(f"unknown plugin type {type_name!r}")
+    try:
+        module: ModuleType = importlib.import_module(module_path)
+    except ImportError as exc:
+        raise ConfigError(f"plugin type {type_name!r}: cannot import {module_path}: {exc}") from exc
+    factory = getattr(module, "create", None)
+    if factory is None or getattr(module, "TYPE", None) != type_name:
+        raise ConfigError(f"plugin type {type_name!r}: {module_path} lacks TYPE/create")
+    return factory  # type: ignore[no-any-return]
+
+
+def param(parameters: Mapping[str, Any], key: str, kind: type[T], default: T) -> T:
+    """A typed plugin parameter; ConfigError naming the key when it has the wrong type."""
+    value = parameters.get(key, default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"parameters.{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+# ---- strict reading of config documents (used by kvswitch.epp.config and datalayer.pool) ------
+def fields(value: object, path: str, required: Sequence[str] = (),
+           optional: Sequence[str] = ()) -> Mapping[str, Any]:
+    """`value` as a mapping with only the allowed keys; ConfigError naming the path otherwise."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+    allowed = set(required) | set(optional)
+    for key in value:
+        if key not in allowed:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"{where}: unknown field (allowed: {', '.join(sorted(allowed))})")
+    for key in required:
+        if key not in value:
+            raise ConfigError(f"{path + '.' if path else ''}{key}: required")
+    return value
+
+
+def typed(value: object, path: str, kind: type[T] | tuple[type, ...]) -> T:
+    """`value` if it has type `kind` (bools are not numbers); ConfigError otherwise."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise ConfigError(f"{path}: expected {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise ConfigError(f"{path}: expected {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|us|s|m|h)")
+_UNITS = {"ms": 0.001, "us": 1e-6, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration(value: object, path: str) -> float:
+    """Seconds from a number or a Go-style duration string: "50ms", "2s", "1m", "1.5s"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise ConfigError(f"{path}: expected a duration, got {value!r}")
+    if seconds < 0:
+        raise ConfigError(f"{path}: must not be negative")
+    return seconds

@@ -1,0 +1,1 @@
+"""Built-in scheduling plugins, one per module, each exporting `TYPE` and `create()`."""

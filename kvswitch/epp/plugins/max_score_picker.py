@@ -1,0 +1,45 @@
+"""max-score-picker: the endpoint with the highest total score (the default picker).
+
+Rule: order endpoints by total score, highest first, ties broken at random; return the first
+`maxNumOfEndpoints` (the pick, then fallbacks in score order).
+Parameters: maxNumOfEndpoints (int >= 1, default 1, as upstream).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvswitch.epp.datalayer import Endpoint
+from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
+from kvswitch.epp.request import InferenceRequest
+
+TYPE = "max-score-picker"
+
+
+class MaxScorePicker:
+    def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None) -> None:
+        self.name = name
+        self.max_endpoints = max_endpoints
+        self._rng = rng or random.Random()
+
+    def pick(self, request: InferenceRequest, state: CycleState,
+             endpoints: Sequence[Endpoint], scores: Sequence[float]) -> tuple[Endpoint, ...]:
+        if not endpoints:
+            return ()
+        if self.max_endpoints == 1:
+            best = max(scores)
+            ties = [i for i, s in enumerate(scores) if s == best]
+            return (endpoints[ties[0] if len(ties) == 1 else self._rng.choice(ties)],)
+        order = list(range(len(endpoints)))
+        self._rng.shuffle(order)  # a stable sort after a shuffle breaks ties at random
+        order.sort(key=lambda i: -scores[i])
+        return tuple(endpoints[i] for i in order[: self.max_endpoints])
+
+
+def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> MaxScorePicker:
+    n = param(parameters, "maxNumOfEndpoints", int, 1)
+    if n < 1:
+        raise ConfigError(f"parameters.maxNumOfEndpoints: must be >= 1, got {n}")
+    return MaxScorePicker(name, n)

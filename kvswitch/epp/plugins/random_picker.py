@@ -1,0 +1,36 @@
+"""random-picker: uniform random choice, ignoring scores (a baseline).
+
+Parameters: maxNumOfEndpoints (int >= 1, default 1): the pick then random fallbacks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvswitch.epp.datalayer import Endpoint
+from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
+from kvswitch.epp.request import InferenceRequest
+
+TYPE = "random-picker"
+
+
+class RandomPicker:
+    def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None) -> None:
+        self.name = name
+        self.max_endpoints = max_endpoints
+        self._rng = rng or random.Random()
+
+    def pick(self, request: InferenceRequest, state: CycleState,
+             endpoints: Sequence[Endpoint], scores: Sequence[float]) -> tuple[Endpoint, ...]:
+        if not endpoints:
+            return ()
+        return tuple(self._rng.sample(list(endpoints), min(self.max_endpoints, len(endpoints))))
+
+
+def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> RandomPicker:
+    n = param(parameters, "maxNumOfEndpoints", int, 1)
+    if n < 1:
+        raise ConfigError(f"parameters.maxNumOfEndpoints: must be >= 1, got {n}")
+    return RandomPicker(name, n)

@@ -1,0 +1,146 @@
+"""The director: implements `request.Router` over the datalayer, flow control and scheduler.
+
+route(request, subset):
+  1. ready endpoints (healthy, fresh); none -> 503 "no ready endpoint"
+  2. the proxy's subset hint; nothing ready in it -> 503 "no eligible endpoint in subset"
+  3. flow control (priority from the request's InferenceObjective): may queue, or shed (429/503)
+  4. one scheduling cycle -> the pick and fallbacks; the pick's in-flight count goes up
+request_finished(): releases the in-flight count, records usage, lets plugins observe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+
+from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
+from kvswitch.epp.flowcontrol import FlowGate, Verdict
+from kvswitch.epp.framework import Scheduler
+from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.request import InferenceRequest, RequestOutcome, RoutingDecision
+
+NO_READY = RoutingDecision(status=503, reason="no ready endpoint")
+NO_SUBSET = RoutingDecision(status=503, reason="no eligible endpoint in subset")
+FILTERED = RoutingDecision(status=503, reason="no endpoint passed the scheduling filters")
+
+
+def _in_subset(endpoints: Sequence[Endpoint], subset: Sequence[str]) -> list[Endpoint]:
+    allowed = set(subset)
+    # Hints may name `ip:port` or just the pod `ip`.
+    return [e for e in endpoints
+            if e.address in allowed or e.address.rpartition(":")[0] in allowed]
+
+
+class EppRouter:
+    """`request.Router` implementation; build it with `kvswitch.epp.config`."""
+
+    def __init__(self, scheduler: Scheduler, datalayer: Datalayer, gate: FlowGate,
+                 refresher: Refresher | None = None, objectives: Mapping[str, int] | None = None,
+                 metrics: EppMetrics | None = None, gauge_interval: float = 1.0) -> None:
+        self.scheduler = scheduler
+        self.datalayer = datalayer
+        self.gate = gate
+        self.refresher = refresher
+        self.objectives = dict(objectives or {})
+        self.metrics = metrics or EppMetrics()
+        self.gauge_interval = gauge_interval
+        self._routed: dict[str, Endpoint] = {}
+        self._gauges: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.refresher is not None:
+            await self.refresher.start()
+        await self.gate.start()
+        self._gauges = asyncio.create_task(self._update_gauges(), name="epp-gauges")
+
+    async def stop(self) -> None:
+        if self._gauges is not None:
+            self._gauges.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._gauges
+            self._gauges = None
+        await self.gate.stop()
+        if self.refresher is not None:
+            await self.refresher.stop()
+
+    def _candidates(self, subset: Sequence[str] | None) -> list[Endpoint] | RoutingDecision:
+        ready = self.datalayer.ready()
+        if not ready:
+            return NO_READY
+        if subset is not None:
+            ready = _in_subset(ready, subset)
+            if not ready:
+                return NO_SUBSET
+        return ready
+
+    async def route(self, request: InferenceRequest,
+                    subset: Sequence[str] | None) -> RoutingDecision:
+        candidates = self._candidates(subset)
+        if isinstance(candidates, RoutingDecision):
+            return self._count(request, candidates)
+        priority = self.objectives.get(request.objective, 0) if request.objective else 0
+        queued_at = time.perf_counter()
+        admission = await self.gate.admit(request.fairness_id, priority, candidates)
+        if admission.verdict is not Verdict.DISPATCH:
+            return self._count(request, RoutingDecision(status=admission.status,
+                                                        reason=admission.reason))
+        started = time.perf_counter()
+        if started - queued_at > 0.0005:
+            # It waited: the pool changed meanwhile.
+            self.metrics.queue_wait_seconds.observe(started - queued_at)
+            candidates = self._candidates(subset)
+            if isinstance(candidates, RoutingDecision):
+                return self._count(request, candidates)
+        result = self.scheduler.schedule(request, candidates)
+        self.metrics.scheduling_seconds.observe(time.perf_counter() - started)
+        if not result.endpoints:
+            return self._count(request, FILTERED)
+        pick = result.endpoints[0]
+        pick.in_flight += 1
+        self.metrics.in_flight.labels(pick.address).set(pick.in_flight)
+        self._routed[request.request_id] = pick
+        decision = RoutingDecision(endpoints=tuple(e.address for e in result.endpoints))
+        return self._count(request, decision)
+
+    def _count(self, request: InferenceRequest, decision: RoutingDecision) -> RoutingDecision:
+        endpoint = decision.endpoints[0] if decision.endpoints else ""
+        self.metrics.requests.labels(request.body.model or "", request.objective or "",
+                                     request.fairness_id, endpoint, str(decision.status)).inc()
+        return decision
+
+    def request_finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
+        endpoint = self._routed.pop(request.request_id, None)
+        if endpoint is not None:
+            endpoint.in_flight = max(0, endpoint.in_flight - 1)
+            self.metrics.in_flight.labels(endpoint.address).set(endpoint.in_flight)
+        m = self.metrics
+        model = request.body.model or ""
+        m.finished.labels(outcome.endpoint, "true" if outcome.ok else "false").inc()
+        if outcome.prompt_tokens:
+            m.prompt_tokens.labels(model, outcome.endpoint).inc(outcome.prompt_tokens)
+        if outcome.completion_tokens:
+            m.completion_tokens.labels(model, outcome.endpoint).inc(outcome.completion_tokens)
+        if outcome.cached_tokens:
+            m.cached_tokens.labels(model, outcome.endpoint).inc(outcome.cached_tokens)
+        self.scheduler.finished(request, outcome)
+        # A finished request may have made room for queued ones.
+        self.gate.pump()
+
+    def in_flight(self) -> dict[str, int]:
+        return {e.address: e.in_flight for e in self.datalayer.all()}
+
+    def update_gauges(self) -> None:
+        ready = {e.address for e in self.datalayer.ready()}
+        for e in self.datalayer.all():
+            self.metrics.endpoint_ready.labels(e.address).set(1 if e.address in ready else 0)
+        self.metrics.ready_endpoints.set(len(ready))
+        self.metrics.queue_size.clear()
+        for (priority, flow), size in self.gate.queues.sizes().items():
+            self.metrics.queue_size.labels(str(priority), flow).set(size)
+
+    async def _update_gauges(self) -> None:
+        while True:
+            self.update_gauges()
+            await asyncio.sleep(self.gauge_interval)
