@@ -86,6 +86,9 @@ class GenerationUpdate:
     """True on the last update of the request (every sequence has finished)."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """Only on the first update when asked; the first prompt token has none."""
+    queue_seconds: float | None = None
+    """On the first update: wall-clock seconds the request waited before the scheduler first
+    ran it (vllm:request_queue_time_seconds); None when the backend does not tell."""
 
 
 @dataclass(frozen=True, slots=True)

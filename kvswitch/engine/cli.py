@@ -73,8 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults = parser.add_argument_group("failure injection")
     faults.add_argument("--failure-rate", type=float, default=None, metavar="F",
                         help="fraction of requests that fail (0-1)")
-    faults.add_argument("--failure-kind", default=None, metavar="K",
-                        help="how injected failures show (see the simulator's kinds)")
+    faults.add_argument("--failure-kind", default=None,
+                        choices=["internal", "unavailable", "abort"],
+                        help="injected failure: INTERNAL or UNAVAILABLE before any output, or "
+                             "finish_reason abort after the first token")
 
 
 def sim_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,10 +93,15 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency, but stay runnable
         uvloop = None
     main = _serve(args)
-    if uvloop is not None:
-        uvloop.run(main)
-    else:
-        asyncio.run(main)
+    try:
+        if uvloop is not None:
+            uvloop.run(main)
+        else:
+            asyncio.run(main)
+    except (ValueError, OSError) as exc:
+        # Bad configuration (unknown profile, KV too small) or a port in use: say so plainly.
+        logger.error("kvswitch engine: %s", exc)
+        return 2
     return 0
 
 

@@ -281,6 +281,8 @@ class _Timer:
     def update(self, update: GenerationUpdate) -> None:
         if self.metrics is None:
             return
+        if update.queue_seconds is not None:
+            self.metrics.queue_time.observe(update.queue_seconds)
         tokens = sum(len(s.token_ids) for s in update.sequences)
         if not tokens:
             return
