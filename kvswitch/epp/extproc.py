@@ -135,6 +135,8 @@ class ExtProcStream:
 
     def receive(self, message: ep.ProcessingRequest) -> list[Action]:
         """Feed one message from Envoy; never raises."""
+        if self._phase is _Phase.DONE:  # after a local reply Envoy has nothing more to ask
+            return []
         try:
             kind = message.WhichOneof("request")
             if kind == "request_headers":
@@ -400,6 +402,7 @@ def inference_request(
     for alias, name in h.ALIASES.items():  # the current names win over the old ones
         if alias in headers and name not in headers:
             headers[name] = headers[alias]
+    headers.pop(h.DESTINATION_ENDPOINT, None)  # client-supplied: never trusted, never passed on
     return InferenceRequest(
         request_id=request_id,
         protocol="grpc" if grpc else "http",
