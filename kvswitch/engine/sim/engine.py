@@ -187,17 +187,24 @@ class SimEngine:
             # Closed or cancelled before the end: free the batch slot and blocks right now.
             self._drop(req)
 
-    def _admit(self, request: GenerationRequest, prompt: list[int]) -> _Request:
-        s = request.sampling
+    def make_sequences(self, request: GenerationRequest) -> list[SimSequence]:
+        """The request's n sequences, seeded and with their stop rules, not yet scheduled."""
+        s, prompt = request.sampling, list(request.prompt_token_ids)
         max_tokens = s.max_tokens if s.max_tokens is not None else self.profile.max_model_len - len(prompt)
         prompt_key = hash(tuple(prompt))
         seqs = []
         for i in range(s.n):
             # vLLM names the children of an n > 1 request "{index}_{request_id}".
-            seq = SimSequence(request.request_id if s.n == 1 else f"{i}_{request.request_id}", i, prompt, s, max_tokens)
+            sid = request.request_id if s.n == 1 else f"{i}_{request.request_id}"
+            seq = SimSequence(sid, i, prompt, s, max_tokens)
             self._set_stops(seq, s)
             self._tokens.init_sequence(seq, prompt_key, s.max_tokens is not None)
             seqs.append(seq)
+        return seqs
+
+    def _admit(self, request: GenerationRequest, prompt: list[int]) -> _Request:
+        s = request.sampling
+        seqs = self.make_sequences(request)
         plp = None if s.prompt_logprobs is None else prompt_logprobs(prompt, s.prompt_logprobs, self.vocab_size)
         req = _Request(request.request_id, seqs, OutputStream(request.request_id, seqs, plp))
         for seq in seqs:
