@@ -33,7 +33,11 @@ metadata: {name: tiny}
 spec:
   selector: {matchLabels: {app: tiny}}
   targetPorts: [{number: 8001, appProtocol: kubernetes.io/h2c}]
-  endpoints: ["127.0.0.1:8001", {address: "127.0.0.1:8002"}, {ip: 127.0.0.1, port: 8003}]
+---
+apiVersion: kvswitch.dev/v1alpha1
+kind: EndpointList
+metadata: {name: tiny}
+endpoints: ["127.0.0.1:8001", {address: "127.0.0.1:8002"}, {ip: 127.0.0.1, port: 8003}, 127.0.0.2]
 """
 
 
@@ -46,7 +50,8 @@ def pool_file(tmp_path: Path) -> Path:
 
 def test_read_pool_accepts_every_endpoint_form(pool_file: Path) -> None:
     pool = read_pool(pool_file)
-    assert pool.endpoints == ("127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003")
+    assert pool.endpoints == ("127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003",
+                              "127.0.0.2:8001")
     assert pool.app_protocol == "kubernetes.io/h2c"
 
 

@@ -58,29 +58,36 @@ def render(bootstrap: dict[str, Any], *, json_format: bool = False) -> str:
 def read_pool(path: str | Path) -> PoolTarget:
     """The endpoints and appProtocol of a pool file.
 
-    Accepts an InferencePool document whose endpoints are listed under `spec.endpoints` or a
-    top-level `endpoints` (entries `ip:port`, `{address: ip:port}` or `{ip, port}`; a bare ip
-    takes the first target port).
+    The file holds an InferencePool (targetPorts, appProtocol) and the endpoints, in an
+    `EndpointList` document (kvswitch.dev/v1alpha1, `endpoints:`) or under the pool's
+    `spec.endpoints`. Entries are `ip:port`, `{address: ip:port}`, `{ip, port}` or a bare `ip`
+    (one endpoint per target port).
     """
     docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if isinstance(d, dict)]
     if not docs:
         raise ValueError(f"{path}: no pool document")
-    doc = next((d for d in docs if d.get("kind") == "InferencePool"), docs[0])
-    spec = doc.get("spec") or {}
-    ports = spec.get("targetPorts") or [{}]
-    default_port = ports[0].get("number")
-    app_protocol = str(ports[0].get("appProtocol") or "http")
-    raw = spec.get("endpoints") or doc.get("endpoints") or []
-    endpoints = tuple(_endpoint(entry, default_port) for entry in raw)
+    pool = next((d for d in docs if d.get("kind") == "InferencePool"), docs[0])
+    spec = pool.get("spec") or {}
+    target_ports = spec.get("targetPorts") or [{}]
+    ports = [p.get("number") for p in target_ports if p.get("number") is not None]
+    app_protocol = str(target_ports[0].get("appProtocol") or "http")
+    listed = next((d for d in docs if d.get("kind") == "EndpointList"), None)
+    raw = (listed or {}).get("endpoints") or spec.get("endpoints") or pool.get("endpoints") or []
+    endpoints = tuple(a for entry in raw for a in _addresses(entry, ports))
+    if not endpoints:
+        raise ValueError(f"{path}: the pool lists no endpoints")
     return PoolTarget(endpoints=endpoints, app_protocol=H2C if app_protocol == H2C else "http")
 
 
-def _endpoint(entry: Any, default_port: int | None) -> str:
+def _addresses(entry: Any, ports: list[int]) -> list[str]:
     if isinstance(entry, dict):
-        if "address" in entry and ":" in str(entry["address"]):
-            return str(entry["address"])
+        if ":" in str(entry.get("address", "")):
+            return [str(entry["address"])]
         ip = entry.get("ip") or entry.get("address") or entry.get("host")
-        port = entry.get("port", default_port)
-        return f"{ip}:{port}"
+        if "port" in entry:
+            return [f"{ip}:{entry['port']}"]
+        entry = ip
     text = str(entry)
-    return text if ":" in text else f"{text}:{default_port}"
+    if text.count(":") == 1 or text.startswith("["):
+        return [text]
+    return [f"{text}:{port}" for port in ports]

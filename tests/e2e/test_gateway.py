@@ -1,0 +1,108 @@
+"""Requests through the real gateway: Envoy → EPP (ext_proc) → `kvswitch engine` replicas."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.protocol.headers import FAIRNESS_ID, OBJECTIVE
+from tests.e2e.conftest import (
+    BLOCK,
+    CALL_TIMEOUT,
+    Gateway,
+    cached_on,
+    generate,
+    generate_request,
+    prompt,
+)
+
+TENANT = [(FAIRNESS_ID, "tenant-a"), (OBJECTIVE, "e2e-objective")]
+
+
+def test_unary_generate(gateway: Gateway) -> None:
+    ids = prompt(1)
+    complete = generate(gateway.stub, ids, max_tokens=8, metadata=TENANT)
+    assert complete.completion_tokens == 8
+    assert len(complete.output_ids) == 8
+    assert complete.prompt_tokens == len(ids)
+    assert complete.finish_reason == "length"
+
+
+def test_streamed_generate(gateway: Gateway) -> None:
+    ids = prompt(2)
+    responses = list(gateway.stub.Generate(generate_request(ids, max_tokens=16, stream=True),
+                                           metadata=TENANT, timeout=CALL_TIMEOUT))
+    chunks = [r.chunk for r in responses if r.HasField("chunk")]
+    assert responses[-1].HasField("complete")
+    assert sum(len(c.token_ids) for c in chunks) == 16
+    assert responses[-1].complete.finish_reason == "length"
+
+
+def test_embed(gateway: Gateway) -> None:
+    ids = prompt(3)
+    response = gateway.stub.Embed(
+        pb.EmbedRequest(request_id="e2e-embed", tokenized=pb.TokenizedInput(input_ids=ids)),
+        metadata=TENANT, timeout=CALL_TIMEOUT)
+    assert response.prompt_tokens == len(ids)
+    assert len(response.embedding) == response.embedding_dim > 0
+
+
+def test_same_prefix_lands_on_the_same_replica(gateway: Gateway) -> None:
+    shared = prompt(10, blocks=4)
+    first = generate(gateway.stub, [*shared, *prompt(11, blocks=1)])
+    assert first.cached_tokens == 0
+    for suffix_seed in (12, 13, 14):
+        again = generate(gateway.stub, [*shared, *prompt(suffix_seed, blocks=1)])
+        # Only the replica that served the first request holds the shared blocks.
+        assert again.cached_tokens >= len(shared), again
+    assert len(cached_on(gateway.engines, shared)) == 1
+
+
+def test_different_prefixes_spread(gateway: Gateway) -> None:
+    seeds = range(100, 112)
+    for seed in seeds:
+        generate(gateway.stub, prompt(seed))
+    holders = {seed: cached_on(gateway.engines, prompt(seed)) for seed in seeds}
+    assert all(len(h) == 1 for h in holders.values()), holders
+    used = {h[0] for h in holders.values()}
+    assert len(used) >= 2, holders
+
+
+def test_spoofed_destination_header_is_ignored(gateway: Gateway) -> None:
+    # Nothing listens on port 1; obeying the client would fail the call.
+    spoof = [("x-gateway-destination-endpoint", "127.0.0.1:1")]
+    complete = generate(gateway.stub, prompt(20), metadata=spoof)
+    assert complete.completion_tokens == 8
+    # Nor can a client pin a replica: the second request follows its prefix, not the header.
+    shared = prompt(21)
+    generate(gateway.stub, shared)
+    (holder,) = cached_on(gateway.engines, shared)
+    other = next(a for a in gateway.engines if a != holder)
+    again = generate(gateway.stub, shared, metadata=[("x-gateway-destination-endpoint", other)])
+    assert again.cached_tokens >= len(shared) - BLOCK
+
+
+def test_subset_hint_header_restricts_the_pick(gateway: Gateway) -> None:
+    target = gateway.engines[2]
+    ids = prompt(30)
+    generate(gateway.stub, ids, metadata=[("x-gateway-destination-endpoint-subset", target)])
+    assert cached_on(gateway.engines, ids) == [target]
+
+
+def test_subset_hint_with_no_eligible_endpoint_is_unavailable(gateway: Gateway) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        generate(gateway.stub, prompt(31),
+                 metadata=[("x-gateway-destination-endpoint-subset", "127.0.0.1:1")])
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_undecodable_protobuf_is_invalid_argument(gateway: Gateway) -> None:
+    call = gateway.channel.unary_stream(
+        "/vllm.grpc.engine.VllmEngine/Generate",
+        request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(b"\xff\xff\xff\xff\x0f garbage", timeout=CALL_TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The gateway keeps serving everyone else.
+    assert generate(gateway.stub, prompt(40)).completion_tokens == 8
