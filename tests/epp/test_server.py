@@ -1,0 +1,147 @@
+"""The grpc.aio ext_proc server on loopback, driven by a real gRPC client; a fake Router."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvswitch.epp.parsers import default_parsers
+from kvswitch.epp.request import EndpointPicker, InferenceRequest, RequestOutcome, RoutingDecision
+from kvswitch.epp.server import EXT_PROC_SERVICE, EppServer
+from tests.epp.test_extproc import GENERATE, body, grpc_headers, response_headers, response_trailers
+
+
+class FakeRouter:
+    def __init__(self, decision: RoutingDecision | None = None, fail: bool = False) -> None:
+        self.decision = decision or RoutingDecision(endpoints=("10.0.0.1:8000",))
+        self.fail = fail
+        self.started = self.stopped = False
+        self.routed: list[tuple[InferenceRequest, Sequence[str] | None]] = []
+        self.finished: list[tuple[InferenceRequest, RequestOutcome]] = []
+        self.finished_event = asyncio.Event()
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    async def route(self, request: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
+        if self.fail:
+            raise RuntimeError("scheduler exploded")
+        self.routed.append((request, subset))
+        return self.decision
+
+    def request_finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
+        self.finished.append((request, outcome))
+        self.finished_event.set()
+
+
+@pytest.fixture
+async def router() -> FakeRouter:
+    return FakeRouter()
+
+
+@pytest.fixture
+async def server(router: FakeRouter) -> AsyncIterator[EppServer]:
+    srv = EppServer(EndpointPicker(parsers=default_parsers(), router=router), port=0)
+    await srv.start()
+    yield srv
+    await srv.stop(grace=0.1)
+
+
+@pytest.fixture
+async def channel(server: EppServer) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield ch
+
+
+async def test_generate_round_trip_over_grpc(router: FakeRouter, channel: grpc.aio.Channel) -> None:
+    call = ep_grpc.ExternalProcessorStub(channel).Process()
+    await call.write(grpc_headers(("x-request-id", "r1")))
+    await call.write(body(GENERATE, eos=True))
+    headers_reply = await call.read()
+    echo = await call.read()
+    dest = headers_reply.request_headers.response.header_mutation.set_headers[0].header
+    assert (dest.key, dest.raw_value) == ("x-gateway-destination-endpoint", b"10.0.0.1:8000")
+    assert headers_reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+        "x-gateway-destination-endpoint"].string_value == "10.0.0.1:8000"
+    assert echo.request_body.response.body_mutation.streamed_response.body == GENERATE
+    assert router.routed[0][0].body.prompt_token_ids is not None
+
+    await call.write(response_headers((":status", "200")))
+    assert (await call.read()).HasField("response_headers")
+    await call.write(response_trailers(("grpc-status", "0"),
+                                       ("x-kvswitch-usage", "prompt_tokens=100;completion_tokens=16")))
+    assert (await call.read()).HasField("response_trailers")
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    await asyncio.wait_for(router.finished_event.wait(), 5)
+    [(request, outcome)] = router.finished
+    assert request.request_id == "r1"
+    assert (outcome.ok, outcome.prompt_tokens, outcome.completion_tokens) == (True, 100, 16)
+
+
+async def test_cancelled_stream_finishes_the_request_once(router: FakeRouter,
+                                                          channel: grpc.aio.Channel) -> None:
+    call = ep_grpc.ExternalProcessorStub(channel).Process()
+    await call.write(grpc_headers())
+    await call.write(body(GENERATE, eos=True))
+    await call.read()
+    await call.read()
+    call.cancel()  # what Envoy does when the client goes away or the upstream resets
+    await asyncio.wait_for(router.finished_event.wait(), 5)
+    await asyncio.sleep(0.1)
+    [(_, outcome)] = router.finished
+    assert not outcome.ok and outcome.endpoint == "10.0.0.1:8000"
+
+
+async def test_router_failure_becomes_unavailable(router: FakeRouter,
+                                                  channel: grpc.aio.Channel) -> None:
+    router.fail = True
+    call = ep_grpc.ExternalProcessorStub(channel).Process()
+    await call.write(grpc_headers())
+    await call.write(body(GENERATE, eos=True))
+    reply = await call.read()
+    assert reply.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert router.finished == []
+
+
+async def test_health_services_answer(server: EppServer, router: FakeRouter,
+                                      channel: grpc.aio.Channel) -> None:
+    assert router.started
+    stub = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "liveness", "readiness", EXT_PROC_SERVICE):
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_reflection_lists_ext_proc(channel: grpc.aio.Channel) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo()
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    reply = await call.read()
+    names = {s.name for s in reply.list_services_response.service}
+    assert {EXT_PROC_SERVICE, "grpc.health.v1.Health"} <= names
+    await call.done_writing()
+
+
+async def test_graceful_stop_reports_not_serving_and_stops_the_router(router: FakeRouter) -> None:
+    srv = EppServer(EndpointPicker(parsers=default_parsers(), router=router), port=0)
+    await srv.start()
+    await srv.stop(grace=0.1)
+    assert router.stopped
+    reply = await srv.health.Check(health_pb2.HealthCheckRequest(service="readiness"), None)  # type: ignore[arg-type]
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
