@@ -133,10 +133,10 @@ def batch(seq: int, *events: object, load_only: bool = False,
 
 def test_tracker_in_order_duplicates_and_load_only() -> None:
     t = SequenceTracker()
-    assert t.resume_from() == 1
-    t.stream_opened(1)
+    assert t.resume_from() == 0
+    t.stream_opened(0)
     assert t.receive(batch(0, load_only=True)) is Verdict.LOAD_ONLY
-    assert [t.receive(batch(s)) for s in (1, 2, 3)] == [Verdict.APPLY] * 3
+    assert [t.receive(batch(s)) for s in (0, 1, 2, 3)] == [Verdict.APPLY] * 4
     assert t.receive(batch(3, load_only=True)) is Verdict.LOAD_ONLY
     assert t.receive(batch(2)) is Verdict.DUPLICATE
     assert (t.last, t.partial, t.resume_from()) == (3, False, 4)
@@ -173,9 +173,13 @@ def test_tracker_restart_and_snapshot() -> None:
 
 def test_fresh_stream_starting_late_is_partial() -> None:
     t = SequenceTracker()
-    t.stream_opened(1)
+    t.stream_opened(0)
     assert t.receive(batch(7)) is Verdict.APPLY
     assert t.partial
+    t = SequenceTracker()
+    t.stream_opened(0)
+    assert t.receive(batch(1)) is Verdict.APPLY  # numbering from 1 is complete
+    assert not t.partial
 
 
 def test_subscriber_handle_resets_the_index_on_lost_history() -> None:

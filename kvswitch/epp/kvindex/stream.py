@@ -15,8 +15,10 @@ tracker (`stream_opened`), and hands it every batch (`receive`), which answers w
   `resume_from()` (the engine may still hold the missed batches; if not, that stream's first
   batch yields `RESET`).
 
-A fresh tracker (or one after `forget`) asks for sequence 1, i.e. the engine's whole retained
-history, so an index built late still learns what the engine stored before.
+A fresh tracker (or one after `forget`) asks for sequence 0 and accepts whatever comes first:
+kvswitch's simulator then replays its retained history (numbered from 0), so an index built late
+still learns what the engine stored before; an engine that reads 0 as "from now on" gives live
+batches only, and the index is `partial` (first batch numbered past 1).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class SequenceTracker:
         self._requested: int | None = None
 
     def resume_from(self) -> int:
-        return 1 if self.last is None else self.last + 1
+        return 0 if self.last is None else self.last + 1
 
     def stream_opened(self, start_sequence_number: int) -> None:
         self._requested = start_sequence_number
@@ -75,16 +77,16 @@ class SequenceTracker:
             return Verdict.RESET
         if last is not None and seq <= last:
             return Verdict.DUPLICATE
-        expected = 1 if last is None else last + 1
-        if seq == expected:
-            self.last = seq
-            return Verdict.APPLY
-        # seq > expected
         if last is None:
-            # Fresh: the engine's history starts after 1; we learn only what follows.
+            # Fresh: take the first batch whatever its number (engines number from 0 or 1); a
+            # later start means batches before it were lost to us.
             self.last = seq
-            self.partial = self.partial or seq > max(requested or 1, 1)
+            self.partial = self.partial or seq > max(requested or 0, 1)
             return Verdict.APPLY
+        if seq == last + 1:
+            self.last = seq
+            return Verdict.APPLY
+        # seq > last + 1
         if first_on_stream:
             # We asked for `expected` and the engine starts later: that history is gone.
             self.last = seq

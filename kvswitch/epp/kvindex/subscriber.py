@@ -2,7 +2,8 @@
 
 `KvEventSubscriber` follows one endpoint: it reads `GetServerInfo.block_size` (an engine whose
 block size differs from the index's is never indexed: its blocks could not match), opens the
-stream at `SequenceTracker.resume_from()`, converts and applies every batch as the tracker says,
+stream at `SequenceTracker.resume_from()` (after an engine restart, seen as a new start time
+from GetServerInfo's uptime, from an empty index), converts and applies every batch as the tracker says,
 resubscribes on a gap or a dropped stream (bounded exponential backoff), and keeps the latest
 `EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback).
 
@@ -25,6 +26,9 @@ from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# Seconds two estimates of an engine's start time (now - uptime) may differ by (clock jitter).
+RESTART_TOLERANCE = 1.0
 
 LoadCallback = Callable[[str, LoadRecord], None]
 
@@ -50,6 +54,8 @@ class KvEventSubscriber:
         self.compatible = True
         """False when the engine's block size differs from the index's (never indexed)."""
         self.streams_opened = 0
+        self.engine_started_at: float | None = None
+        """Wall time the engine started (GetServerInfo uptime), to notice a restart."""
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
 
@@ -94,6 +100,7 @@ class KvEventSubscriber:
                             self.address, info.block_size, self.index.block_size)
             self.index.clear(self.address)
         self.compatible = compatible
+        self._check_restart(time.time() - info.uptime_seconds)
         start = self.tracker.resume_from()
         call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
             start_sequence_number=start, load_records_before_first_batch=True))
@@ -107,6 +114,14 @@ class KvEventSubscriber:
         finally:
             call.cancel()
         return False
+
+    def _check_restart(self, started_at: float) -> None:
+        """A new engine life numbers its batches afresh: start over, from an empty index."""
+        previous, self.engine_started_at = self.engine_started_at, started_at
+        if previous is not None and abs(started_at - previous) > RESTART_TOLERANCE:
+            log.info("%s restarted: resynchronising its KV index", self.address)
+            self.tracker.forget()
+            self.index.clear(self.address)
 
     def handle(self, batch: EventBatch) -> Verdict:
         """Apply one batch as the tracker says (the loop's only effect on the index)."""

@@ -1,0 +1,116 @@
+"""precise-prefix-cache-scorer: prefix affinity from the engines' own KV events (exact).
+
+Formula: score(e) = matched_blocks(e) / total_blocks, where matched_blocks(e) is the number of
+leading full blocks of the prompt that endpoint e holds *right now* according to its
+`SubscribeKvEvents` stream (`kvswitch.epp.kvindex.PrefixIndex`), and total_blocks the prompt's
+full blocks (0 for every endpoint when the prompt has none).
+Inputs: the prompt's token ids (`ParsedBody.prompt_token_ids`); text prompts are tokenized here
+with the model's tokenizer (parameter `tokenizer`) so they match exactly too.
+It is also the `DataProducer` of the request's `PrefixMatch` (`state["prefix-index"]`, the shape
+the approximate `prefix-cache-scorer` reads), so either scorer can consume it.
+Parameters (llm-d's type name):
+  blockSize (int, default 16): the engines' KV block size (engines whose GetServerInfo reports
+      another size are not indexed).
+  tokenizer (str, default "bundled"): "bundled" (Qwen3), a tokenizer directory, or "none"
+      (text prompts then score 0 everywhere).
+Lifecycle: subscriptions follow the datalayer's endpoint set; they start on the first scheduling
+cycle (or `start()`), one grpc.aio stream per endpoint, and end with `stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvswitch.epp.datalayer import Endpoint
+from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
+from kvswitch.epp.kvindex.index import PrefixIndex
+from kvswitch.epp.kvindex.subscriber import KvEventSubscriptions
+from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
+from kvswitch.epp.request import InferenceRequest
+from kvswitch.tokenization import TokenizerBundle, load_tokenizer
+
+TYPE = "precise-prefix-cache-scorer"
+
+
+class PrecisePrefixCacheScorer:
+    def __init__(self, name: str, index: PrefixIndex, handle: PluginHandle | None = None,
+                 tokenizer: TokenizerBundle | None = None) -> None:
+        self.name = name
+        self.index = index
+        self.tokenizer = tokenizer
+        self.subscriptions = KvEventSubscriptions(index)
+        self._handle = handle
+        self._following: frozenset[str] = frozenset()
+        self._sync: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _pool(self) -> frozenset[str]:
+        if self._handle is None:
+            return frozenset()
+        return frozenset(e.address for e in self._handle.datalayer.all())
+
+    def _follow_pool(self) -> None:
+        """Start/stop subscriptions when the pool changed (cheap when it did not)."""
+        pool = self._pool()
+        if pool == self._following or (self._sync is not None and not self._sync.done()):
+            return
+        self._following = pool
+        self._sync = asyncio.get_running_loop().create_task(
+            self.subscriptions.set_endpoints(pool), name="kv-events-follow")
+
+    async def start(self) -> None:
+        self._following = self._pool()
+        await self.subscriptions.set_endpoints(self._following)
+
+    async def stop(self) -> None:
+        if self._sync is not None:
+            await asyncio.gather(self._sync, return_exceptions=True)
+        await self.subscriptions.stop()
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def _token_ids(self, request: InferenceRequest) -> Sequence[int] | None:
+        body = request.body
+        if body.prompt_token_ids is not None:
+            return body.prompt_token_ids
+        if body.prompt_text and self.tokenizer is not None:
+            return self.tokenizer.encode(body.prompt_text)
+        return None
+
+    def produce(self, request: InferenceRequest, state: CycleState,
+                endpoints: Sequence[Endpoint]) -> None:
+        self._follow_pool()
+        tokens = self._token_ids(request)
+        hashes = self.index.block_hashes(tokens) if tokens else []
+        matched = self.index.match(hashes, [e.address for e in endpoints]) if hashes else {}
+        state[STATE_KEY] = PrefixMatch(tuple(hashes), matched)
+
+    def score(self, request: InferenceRequest, state: CycleState,
+              endpoints: Sequence[Endpoint]) -> list[float]:
+        match: PrefixMatch | None = state.get(STATE_KEY)
+        if match is None or not match.hashes:
+            return [0.0] * len(endpoints)
+        total = len(match.hashes)
+        return [match.matched.get(e.address, 0) / total for e in endpoints]
+
+
+def create(name: str, parameters: Mapping[str, Any],
+           handle: PluginHandle) -> PrecisePrefixCacheScorer:
+    block_size = param(parameters, "blockSize", int, 16)
+    if block_size < 1:
+        raise ConfigError(f"parameters.blockSize: must be >= 1, got {block_size}")
+    source = param(parameters, "tokenizer", str, "bundled")
+    tokenizer = None
+    if source != "none":
+        try:
+            tokenizer = load_tokenizer(None if source == "bundled" else source)
+        except Exception as exc:  # noqa: BLE001 - any load failure is a config error here
+            raise ConfigError(f"parameters.tokenizer: {exc}") from exc
+    index = handle.shared("precise-prefix-index", lambda: PrefixIndex(block_size))
+    if index.block_size != block_size:
+        raise ConfigError("parameters.blockSize: every precise-prefix-cache-scorer must share "
+                          "one block size")
+    return PrecisePrefixCacheScorer(name, index, handle, tokenizer)
