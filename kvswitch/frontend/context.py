@@ -1,0 +1,47 @@
+"""Per-request identity: the request id and the gRPC metadata passed on to the target.
+
+The EPP reads the objective, fairness id and SLO headers from gRPC metadata exactly as it reads
+them from HTTP headers, so the frontend forwards them (older `x-gateway-*` names under their
+current names). With `--user-as-fairness-id` the OpenAI `user` field names the tenant when the
+client sent no fairness header.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvswitch.protocol import headers as h
+
+__all__ = ["RequestContext", "new_request_context"]
+
+_FORWARDED = (h.OBJECTIVE, h.FAIRNESS_ID, h.SLO_TTFT_MS, h.SLO_TPOT_MS)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    request_id: str
+    """The engine request id (x-request-id when the client sent one)."""
+    metadata: tuple[tuple[str, str], ...]
+    created: int
+
+
+def new_request_context(headers: Mapping[str, str], *, prefix: str, user: str | None,
+                        user_as_fairness_id: bool, body_request_id: str | None = None
+                        ) -> RequestContext:
+    """`headers` is case-insensitive (starlette's Headers)."""
+    client_id = body_request_id or headers.get(h.REQUEST_ID)
+    request_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
+    metadata: list[tuple[str, str]] = [(h.REQUEST_ID, client_id or request_id)]
+    for name in _FORWARDED:
+        value = headers.get(name)
+        if value is None:
+            value = next((headers[alias] for alias, current in h.ALIASES.items()
+                          if current == name and alias in headers), None)
+        if value is not None:
+            metadata.append((name, value))
+    if user_as_fairness_id and user and not any(k == h.FAIRNESS_ID for k, _ in metadata):
+        metadata.append((h.FAIRNESS_ID, user))
+    return RequestContext(request_id, tuple(metadata), int(time.time()))

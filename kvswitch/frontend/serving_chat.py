@@ -1,0 +1,162 @@
+"""/v1/chat/completions: render the chat template, tokenize, Generate, and shape the answer.
+
+Streaming follows what the OpenAI SDK expects (and vLLM sends): per choice a first chunk with
+`{"role": "assistant", "content": ""}`, then content deltas (one SSE event per engine message,
+however many tokens it carries), a chunk with `finish_reason`, optionally a usage chunk with no
+choices, then `data: [DONE]`. Each event is a pre-built prefix + one orjson-encoded choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import orjson
+
+from kvswitch.errors import InvalidRequest
+from kvswitch.frontend.context import RequestContext, new_request_context
+from kvswitch.frontend.engine_client import EngineClient
+from kvswitch.frontend.metrics import FrontendMetrics
+from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
+from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
+from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
+from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
+from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.tokenization.chat_template import ChatTemplate
+
+__all__ = ["ChatServing", "chat_logprobs", "token_bytes"]
+
+
+def token_bytes(model: ServedModel, token_id: int) -> bytes:
+    table = model.decode_table
+    if table is not None and token_id < len(table.with_special):
+        return table.with_special[token_id]
+    return model.tokenizer.decode([token_id]).encode("utf-8")
+
+
+def _token_entry(model: ServedModel, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = token_bytes(model, token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+            "bytes": list(raw)}
+
+
+def chat_logprobs(model: ServedModel, lp: TokenLogprobs) -> dict[str, Any]:
+    """OpenAI's `choices[].logprobs` for chat: `{"content": [...]}`."""
+    content = []
+    for i, (token_id, logprob) in enumerate(zip(lp.token_ids, lp.logprobs)):
+        entry = _token_entry(model, token_id, logprob)
+        top = lp.top[i] if i < len(lp.top) else []
+        entry["top_logprobs"] = [_token_entry(model, t, v) for t, v in top]
+        content.append(entry)
+    return {"content": content}
+
+
+class ChatServing:
+    def __init__(self, client: EngineClient, models: ModelRegistry, *,
+                 user_as_fairness_id: bool = False,
+                 metrics: FrontendMetrics | None = None) -> None:
+        self._client = client
+        self._metrics = metrics
+        self._models = models
+        self._user_as_fairness_id = user_as_fairness_id
+
+    async def create(self, body: Any, headers: Mapping[str, str]
+                     ) -> dict[str, Any] | AsyncIterator[bytes]:
+        """A response body (dict) or, for stream=true, the SSE events."""
+        request = parse_request(ChatCompletionRequest, body)
+        model = await self._models.resolve(request.model)
+        ctx = new_request_context(headers, prefix="chatcmpl", user=request.user,
+                                  user_as_fairness_id=self._user_as_fairness_id,
+                                  body_request_id=request.request_id)
+        prompt_ids = self._prompt_ids(request, model)
+        max_tokens = max_tokens_for(request.requested_max_tokens, len(prompt_ids),
+                                    model.max_model_len)
+        params = build_sampling_params(request, max_tokens=max_tokens,
+                                       vocab_size=model.vocab_size,
+                                       defaults=model.sampling_defaults)
+        grpc_request = pb.GenerateRequest(
+            request_id=ctx.request_id, tokenized=pb.TokenizedInput(input_ids=prompt_ids),
+            sampling_params=params, stream=bool(request.stream))
+        generation = Generation(self._client, model, [grpc_request], ctx.metadata, n=request.n)
+        if request.stream:
+            deltas = await prime(generation.deltas())
+            return self._stream(deltas, generation, request, model, ctx)
+        return await self._full(generation, request, model, ctx)
+
+    @staticmethod
+    def _prompt_ids(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
+        if request.chat_template is not None:
+            template = ChatTemplate.from_bundle(model.tokenizer, request.chat_template)
+        elif model.chat_template is not None:
+            template = model.chat_template
+        else:
+            raise InvalidRequest("the model's tokenizer has no chat template; pass chat_template",
+                                 param="chat_template")
+        text = template.render(
+            [m.for_template() for m in request.messages],
+            add_generation_prompt=request.add_generation_prompt,
+            tools=[t.model_dump(exclude_none=True) for t in request.tools]
+            if request.tools and request.tool_choice != "none" else None,
+            documents=request.documents,
+            continue_final_message=request.continue_final_message,
+            extra=request.chat_template_kwargs)
+        return model.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+    async def _full(self, generation: Generation, request: ChatCompletionRequest,
+                    model: ServedModel, ctx: RequestContext) -> dict[str, Any]:
+        texts: dict[int, list[str]] = {i: [] for i in range(request.n)}
+        finals: dict[int, ChoiceDelta] = {}
+        logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(request.n)}
+        async for delta in generation.deltas():
+            texts[delta.index].append(delta.text)
+            if delta.logprobs is not None:
+                logprobs[delta.index].extend(chat_logprobs(model, delta.logprobs)["content"])
+            if delta.finish_reason is not None:
+                finals[delta.index] = delta
+        choices = []
+        for index in range(request.n):
+            final = finals.get(index)
+            choices.append({
+                "index": index,
+                "message": {"role": "assistant", "content": "".join(texts[index]),
+                            "refusal": None, "tool_calls": []},
+                "logprobs": {"content": logprobs[index]} if request.logprobs else None,
+                "finish_reason": final.finish_reason if final else "abort",
+                "stop_reason": final.stop_reason if final else None,
+            })
+        self._record(generation)
+        return {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created,
+                "model": model.name, "choices": choices,
+                "usage": generation.usage.as_dict(), "system_fingerprint": None}
+
+    async def _stream(self, deltas: AsyncIterator[ChoiceDelta], generation: Generation, request: ChatCompletionRequest,
+                      model: ServedModel, ctx: RequestContext) -> AsyncIterator[bytes]:
+        head = orjson.dumps({"id": ctx.request_id, "object": "chat.completion.chunk",
+                             "created": ctx.created, "model": model.name})
+        prefix = b"data: " + head[:-1] + b',"choices":['
+        suffix = b"]}\n\n"
+        dumps = orjson.dumps
+        for index in range(request.n):
+            yield prefix + dumps({"index": index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}) + suffix
+        want_logprobs = bool(request.logprobs)
+        async for delta in deltas:
+            choice: dict[str, Any] = {
+                "index": delta.index,
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": chat_logprobs(model, delta.logprobs)
+                if want_logprobs and delta.logprobs is not None else None,
+                "finish_reason": delta.finish_reason,
+            }
+            if delta.finish_reason is not None:
+                choice["stop_reason"] = delta.stop_reason
+            yield prefix + dumps(choice) + suffix
+        self._record(generation)
+        if request.include_usage:
+            yield (b"data: " + head[:-1] + b',"choices":[],"usage":'
+                   + dumps(generation.usage.as_dict()) + b"}\n\n")
+
+
+    def _record(self, generation: Generation) -> None:
+        if self._metrics is not None:
+            self._metrics.usage(generation.usage)
