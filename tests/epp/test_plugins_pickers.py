@@ -1,0 +1,72 @@
+"""Pickers, the profile handler and the low-queue filter."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
+from kvswitch.epp.framework import PluginHandle
+from kvswitch.epp.plugins import low_queue_filter, max_score_picker, round_robin_picker
+from kvswitch.epp.plugins.max_score_picker import MaxScorePicker
+from kvswitch.epp.plugins.random_picker import RandomPicker
+from kvswitch.epp.plugins.weighted_random_picker import WeightedRandomPicker
+from kvswitch.epp.request import InferenceRequest, ParsedBody
+
+REQ = InferenceRequest("r", "grpc", "/p", ParsedBody())
+HANDLE = PluginHandle(Datalayer())
+EPS = [Endpoint(EndpointSpec(f"10.0.0.{i}:8000")) for i in range(4)]
+
+
+def names(eps: tuple[Endpoint, ...]) -> list[str]:
+    return [e.address.split(".")[-1] for e in eps]
+
+
+def test_max_score_picks_the_best_and_returns_fallbacks_in_score_order() -> None:
+    picker = max_score_picker.create("m", {"maxNumOfEndpoints": 3}, HANDLE)
+    assert names(picker.pick(REQ, {}, EPS, [0.1, 0.9, 0.5, 0.7])) == [
+        "1:8000", "3:8000", "2:8000"]
+    single = max_score_picker.create("m", {}, HANDLE)
+    assert single.pick(REQ, {}, EPS, [0.1, 0.9, 0.5, 0.7]) == (EPS[1],)
+    assert single.pick(REQ, {}, [], []) == ()
+
+
+def test_max_score_breaks_ties_at_random() -> None:
+    picker = MaxScorePicker("m", rng=random.Random(1))
+    seen = Counter(picker.pick(REQ, {}, EPS, [1.0, 1.0, 0.0, 1.0])[0].address
+                   for _ in range(300))
+    assert set(seen) == {EPS[0].address, EPS[1].address, EPS[3].address}
+    assert min(seen.values()) > 60
+
+
+def test_weighted_random_follows_scores() -> None:
+    picker = WeightedRandomPicker("w", rng=random.Random(2))
+    seen = Counter(picker.pick(REQ, {}, EPS, [0.0, 3.0, 1.0, 0.0])[0].address
+                   for _ in range(2000))
+    assert set(seen) == {EPS[1].address, EPS[2].address}
+    assert 0.68 < seen[EPS[1].address] / 2000 < 0.82  # expect 0.75
+    fallbacks = WeightedRandomPicker("w", 4, random.Random(3)).pick(REQ, {}, EPS,
+                                                                     [0.0, 3.0, 1.0, 0.0])
+    assert set(fallbacks[:2]) == {EPS[1], EPS[2]} and len(fallbacks) == 4
+
+
+def test_random_picker_covers_everyone() -> None:
+    picker = RandomPicker("r", rng=random.Random(4))
+    assert {picker.pick(REQ, {}, EPS, [0.0] * 4)[0] for _ in range(100)} == set(EPS)
+
+
+def test_round_robin_cycles_in_address_order() -> None:
+    picker = round_robin_picker.create("rr", {"maxNumOfEndpoints": 2}, HANDLE)
+    shuffled = [EPS[2], EPS[0], EPS[3], EPS[1]]
+    picks = [names(picker.pick(REQ, {}, shuffled, [0.0] * 4)) for _ in range(5)]
+    assert picks == [["0:8000", "1:8000"], ["1:8000", "2:8000"], ["2:8000", "3:8000"],
+                     ["3:8000", "0:8000"], ["0:8000", "1:8000"]]
+
+
+def test_low_queue_filter_keeps_short_queues_or_everyone() -> None:
+    f = low_queue_filter.create("f", {"threshold": 3}, HANDLE)
+    a, b = Endpoint(EndpointSpec("a:1")), Endpoint(EndpointSpec("b:1"))
+    a.metrics, b.metrics = Metrics(waiting=1), Metrics(waiting=9)
+    assert list(f.filter(REQ, {}, [a, b])) == [a]
+    a.metrics = Metrics(waiting=10)
+    assert list(f.filter(REQ, {}, [a, b])) == [a, b]

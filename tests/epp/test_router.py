@@ -1,0 +1,180 @@
+"""The director end to end, in process: config -> router, endpoints fed directly."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from kvswitch.epp.config import build_endpoint_picker, static_pool
+from kvswitch.epp.datalayer import Metrics
+from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
+from kvswitch.epp.router import EppRouter
+
+ADDRS = [f"127.0.0.1:{9000 + i}" for i in range(4)]
+
+
+def config(**extra: Any) -> dict[str, Any]:
+    return {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig", **extra}
+
+
+def make_router(cfg: Mapping[str, Any] | None = None, addrs: list[str] = ADDRS,
+                objectives: list[dict[str, Any]] | None = None) -> EppRouter:
+    router = build_endpoint_picker(cfg, [*static_pool(addrs), *(objectives or [])],
+                                   metrics=EppMetrics()).router
+    assert isinstance(router, EppRouter)
+    router.datalayer.set_endpoints(router.refresher.discovery.endpoints)  # type: ignore[union-attr]
+    router.datalayer.staleness = 1e9
+    for a in addrs:
+        set_load(router, a)
+    return router
+
+
+def set_load(router: EppRouter, address: str, **metrics: Any) -> None:
+    router.datalayer.update(address, Metrics(updated_at=router.datalayer.clock(), **metrics))
+
+
+_ids = iter(range(10**9))
+
+
+def request(tokens: tuple[int, ...], objective: str | None = None,
+            fairness_id: str = "default-flow") -> InferenceRequest:
+    return InferenceRequest(f"r{next(_ids)}", "grpc", "/p", ParsedBody(prompt_token_ids=tokens),
+                            objective=objective, fairness_id=fairness_id)
+
+
+def prompt(seed: int, n: int = 1024) -> tuple[int, ...]:
+    rnd = random.Random(seed)
+    return tuple(rnd.randrange(150_000) for _ in range(n))
+
+
+async def test_same_prefix_sticks_while_different_prefixes_spread() -> None:
+    router = make_router()
+    groups = [prompt(g, 512) for g in range(16)]
+    where: dict[int, set[str]] = {}
+    for round_ in range(4):
+        for g, prefix in enumerate(groups):
+            tail = prompt(1000 + round_ * 100 + g, 64)
+            decision = await router.route(request(prefix + tail), None)
+            where.setdefault(g, set()).add(decision.endpoints[0])
+    assert all(len(eps) == 1 for eps in where.values())  # every group stayed on one endpoint
+    assert len({next(iter(eps)) for eps in where.values()}) >= 3  # groups spread (random ties)
+
+
+async def test_load_overrides_a_weak_prefix_match() -> None:
+    router = make_router()
+    base = prompt(1)
+    first = (await router.route(request(base), None)).endpoints[0]
+    # Only the first 8 of 64 blocks are shared: prefix score 0.125 * 3 = 0.375.
+    weak = base[:128] + prompt(2, 896)
+    set_load(router, first, waiting=10)
+    # first: 3 * 0.125 + 2 * 0 (longest queue) + 2 * 1 = 2.375 < others: 0 + 2 + 2 = 4.
+    assert (await router.route(request(weak), None)).endpoints[0] != first
+    # A full match still wins against that load: 3 * 1 + 0 + 2 = 5 > 4.
+    assert (await router.route(request(base), None)).endpoints[0] == first
+
+
+async def test_fallbacks_come_in_score_order() -> None:
+    cfg = config(plugins=[{"type": "queue-scorer"},
+                          {"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": 3}}])
+    router = make_router(cfg)
+    for i, a in enumerate(ADDRS):
+        set_load(router, a, waiting=[4, 0, 8, 2][i])
+    decision = await router.route(request(prompt(3)), None)
+    assert decision.endpoints == (ADDRS[1], ADDRS[3], ADDRS[0])
+
+
+async def test_subset_hint_limits_the_choice_or_503s() -> None:
+    router = make_router()
+    for _ in range(10):
+        assert (await router.route(request(prompt(4)), [ADDRS[2]])).endpoints == (ADDRS[2],)
+    assert (await router.route(request(prompt(4)), ["127.0.0.1"])).status == 200  # ip only
+    assert await router.route(request(prompt(4)), ["10.9.9.9:1"]) == RoutingDecision(
+        status=503, reason="no eligible endpoint in subset")
+
+
+async def test_no_ready_endpoint_is_503() -> None:
+    router = make_router()
+    for a in ADDRS:
+        router.datalayer.mark_failed(a)
+    assert await router.route(request(prompt(5)), None) == RoutingDecision(
+        status=503, reason="no ready endpoint")
+    set_load(router, ADDRS[3])  # it recovers
+    assert (await router.route(request(prompt(5)), None)).endpoints == (ADDRS[3],)
+
+
+async def test_stale_endpoint_is_excluded_then_back() -> None:
+    router = make_router()
+    router.datalayer.staleness = 0.5
+    set_load(router, ADDRS[0])
+    for a in ADDRS[1:]:
+        router.datalayer.update(a, Metrics(updated_at=router.datalayer.clock() - 1.0))
+    picks = {(await router.route(request(prompt(i)), None)).endpoints[0] for i in range(20)}
+    assert picks == {ADDRS[0]}
+    set_load(router, ADDRS[0])
+    set_load(router, ADDRS[1])
+    picks = {(await router.route(request(prompt(100 + i)), None)).endpoints[0]
+             for i in range(40)}
+    assert picks == {ADDRS[0], ADDRS[1]}
+
+
+OBJECTIVES = [{"apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+               "kind": "InferenceObjective", "metadata": {"name": "batch"},
+               "spec": {"priority": -1}}]
+
+
+async def test_saturated_pool_sheds_sheddable_with_429_and_queues_the_rest() -> None:
+    router = make_router(config(featureGates=["flowControl"],
+                                flowControl={"maxWait": "5s"}), objectives=OBJECTIVES)
+    for a in ADDRS:
+        set_load(router, a, waiting=6)
+    shed = await router.route(request(prompt(6), objective="batch"), None)
+    assert (shed.status, shed.reason) == (429, "pool saturated: sheddable request shed")
+    waiting = asyncio.ensure_future(router.route(request(prompt(7)), None))
+    await asyncio.sleep(0.02)
+    assert not waiting.done()
+    set_load(router, ADDRS[2], waiting=0)
+    router.gate.pump()
+    assert (await waiting).endpoints == (ADDRS[2],)
+
+
+async def test_in_flight_counts_and_usage_metrics() -> None:
+    router = make_router()
+    req = request(prompt(8))
+    decision = await router.route(req, None)
+    assert router.in_flight()[decision.endpoints[0]] == 1
+    router.request_finished(req, RequestOutcome(decision.endpoints[0], ok=True, prompt_tokens=1024,
+                                                completion_tokens=10, cached_tokens=512))
+    router.request_finished(req, RequestOutcome(decision.endpoints[0], ok=True))  # idempotent
+    assert router.in_flight()[decision.endpoints[0]] == 0
+    router.update_gauges()
+    text = generate_latest(router.metrics.registry).decode()
+    assert 'kvswitch_epp_cached_tokens_total{endpoint="%s",model=""} 512.0' % decision.endpoints[0] in text
+    assert "kvswitch_epp_pool_ready_endpoints 4.0" in text
+    assert "kvswitch_epp_scheduler_e2e_duration_seconds_count 1.0" in text
+    assert 'status="200"' in text
+
+
+async def test_start_and_stop_with_unreachable_endpoints() -> None:
+    router = build_endpoint_picker(None, static_pool(["127.0.0.1:1"]), metrics=EppMetrics()).router
+    await router.start()
+    try:
+        await asyncio.sleep(0.1)
+        decision = await router.route(request(prompt(9)), None)
+        assert (decision.status, decision.reason) == (503, "no ready endpoint")
+    finally:
+        await router.stop()
+
+
+@pytest.mark.parametrize("picker", ["round-robin-picker", "random-picker"])
+async def test_baseline_pickers_ignore_prefixes(picker: str) -> None:
+    router = make_router(config(plugins=[{"type": picker}]))
+    base = prompt(10)
+    picks = Counter([(await router.route(request(base), None)).endpoints[0] for _ in range(40)])
+    assert len(picks) == 4
