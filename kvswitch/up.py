@@ -250,8 +250,9 @@ class GatewaySpec:
     mode: str | None = None
     grace_period: float = 5.0
     engine_args: tuple[str, ...] = ()
-    epp_config: Path | Mapping[str, Any] | None = None
-    """A file, a config mapping, or None for `DEFAULT_EPP_CONFIG`."""
+    epp_config: Path | Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None
+    """A file, a config mapping (or several documents: the config plus InferenceObjectives),
+    or None for `DEFAULT_EPP_CONFIG`."""
     epp_args: tuple[str, ...] = ()
     extra_endpoints: tuple[str, ...] = ()
     """Pool members kvswitch does not start (tests: replicas that are down)."""
@@ -288,8 +289,9 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
     if isinstance(spec.epp_config, Path):
         write_epp_config(epp_config, spec.epp_config)
     else:
-        epp_config.write_text(yaml.safe_dump(dict(spec.epp_config or DEFAULT_EPP_CONFIG),
-                                             sort_keys=False))
+        source = spec.epp_config or DEFAULT_EPP_CONFIG
+        docs = [source] if isinstance(source, Mapping) else list(source)
+        epp_config.write_text(yaml.safe_dump_all([dict(d) for d in docs], sort_keys=False))
     engines = [engine_spec(f"engine-{i}", port, profile=spec.profile, time_scale=spec.time_scale,
                            mode=spec.mode, grace_period=spec.grace_period,
                            extra=spec.engine_args, restart=spec.restart_engines)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
+import struct
+
 import grpc
 import pytest
 
@@ -106,3 +109,38 @@ def test_undecodable_protobuf_is_invalid_argument(gateway: Gateway) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # The gateway keeps serving everyone else.
     assert generate(gateway.stub, prompt(40)).completion_tokens == 8
+
+
+@pytest.mark.parametrize("body", [
+    b"\x00\x00\x00\x10\x00short",  # the frame announces 4096 bytes, carries 6
+    b"\x02\x00\x00\x00\x01\x00",  # flags byte other than 0 (uncompressed) or 1
+])
+def test_malformed_grpc_frame_is_invalid_argument(gateway: Gateway, body: bytes) -> None:
+    # Sent as HTTP/1.1 so the frame bytes are exactly ours (a gRPC client always frames well).
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.launched.ports.public, timeout=20)
+    try:
+        connection.request("POST", "/vllm.grpc.engine.VllmEngine/Generate", body=body,
+                           headers={"content-type": "application/grpc", "te": "trailers"})
+        response = connection.getresponse()
+        response.read()
+        assert response.getheader("grpc-status") == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    finally:
+        connection.close()
+    assert generate(gateway.stub, prompt(41)).completion_tokens == 8
+
+
+def test_well_formed_frame_over_http1_is_served(gateway: Gateway) -> None:
+    message = generate_request(prompt(42), max_tokens=2).SerializeToString()
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.launched.ports.public, timeout=20)
+    try:
+        connection.request("POST", "/vllm.grpc.engine.VllmEngine/Generate",
+                           body=struct.pack(">BI", 0, len(message)) + message,
+                           headers={"content-type": "application/grpc", "te": "trailers"})
+        response = connection.getresponse()
+        payload = response.read()
+    finally:
+        connection.close()
+    assert response.status == 200
+    flags, length = struct.unpack(">BI", payload[:5])
+    reply = pb.GenerateResponse.FromString(payload[5:5 + length])
+    assert reply.complete.completion_tokens == 2
