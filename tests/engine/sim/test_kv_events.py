@@ -1,0 +1,101 @@
+"""KV event batches: stored (parent hash + token ids), removed, cleared, replay, flush."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvswitch.engine.base import KvEventBatchData
+from kvswitch.engine.sim import SimEngine
+from kvswitch.engine.sim.events import KvEventLog, net_events
+from kvswitch.engine.sim.kv_cache import KvBlockStored
+
+from .conftest import collect, make_engine, request
+
+PROMPT = list(range(3000, 3040))  # 2 full blocks + 8
+
+
+def held(engine: SimEngine) -> list[KvEventBatchData]:
+    return list(engine._events.history)
+
+
+async def drain(engine: SimEngine, start: int = 0) -> list[KvEventBatchData]:
+    """The batches held from `start` without waiting for live ones."""
+    out = []
+    it = engine.kv_events(start)
+    while True:
+        try:
+            out.append(await asyncio.wait_for(it.__anext__(), 0.05))
+        except (TimeoutError, StopAsyncIteration):
+            break
+    await it.aclose()  # type: ignore[attr-defined]
+    return out
+
+
+async def test_stored_blocks_chain_and_carry_tokens(engine: SimEngine) -> None:
+    await collect(engine.generate(request("a", PROMPT, max_tokens=20)))
+    batches = await drain(engine)
+    stored = [b for batch in batches for b in batch.stored]
+    # Prompt blocks 0-1, then block 2 (prompt tail + output) and block 3 once full of output.
+    assert [s.token_ids for s in stored[:2]] == [tuple(PROMPT[:16]), tuple(PROMPT[16:32])]
+    assert stored[2].token_ids == tuple(PROMPT[32:40] + PROMPT[:8])
+    assert stored[0].parent_block_hash is None
+    assert [s.parent_block_hash for s in stored[1:]] == [s.block_hash for s in stored[:-1]]
+    assert [b.sequence_number for b in batches] == list(range(len(batches)))
+    assert all(b.load is not None and b.load.total_blocks == 64 for b in batches)
+
+
+async def test_replay_from_a_sequence_number_then_follow_live(engine: SimEngine) -> None:
+    await collect(engine.generate(request("a", PROMPT, max_tokens=3)))
+    everything = await drain(engine)
+    assert await drain(engine, 2) == everything[2:]
+    follower = engine.kv_events(len(everything))
+    nxt = asyncio.ensure_future(follower.__anext__())
+    await asyncio.sleep(0)
+    assert not nxt.done()
+    await collect(engine.generate(request("b", [9] * 40, max_tokens=3)))
+    live = await nxt
+    assert live.sequence_number == len(everything) and live.stored
+    await follower.aclose()  # type: ignore[attr-defined]
+
+
+async def test_eviction_emits_removed() -> None:
+    e = make_engine()
+    await e.start()
+    first = [1] * 17 + [2] * 480  # ~31 blocks: two such prompts and the pool must evict
+    await collect(e.generate(request("a", first, max_tokens=1)))
+    first_hashes = {b.block_hash for batch in await drain(e) for b in batch.stored}
+    await collect(e.generate(request("b", [3] * 900, max_tokens=1)))
+    removed = {h for batch in await drain(e) for h in batch.removed}
+    await e.stop()
+    assert removed and removed <= first_hashes
+
+
+async def test_flush_clears_the_cache_and_emits_cleared(engine: SimEngine) -> None:
+    await collect(engine.generate(request("a", PROMPT, max_tokens=2)))
+    before = len(held(engine))
+    assert await engine.flush_cache() is True
+    batches = held(engine)[before:]
+    assert len(batches) == 1 and batches[0].cleared
+    again = await collect(engine.generate(request("b", PROMPT, max_tokens=2)))
+    assert again[0].cached_tokens == 0
+
+
+async def test_flush_refused_while_requests_run(engine: SimEngine) -> None:
+    it = engine.generate(request("a", PROMPT, max_tokens=500))
+    await it.__anext__()
+    assert await engine.flush_cache() is False
+    await it.aclose()  # type: ignore[attr-defined]
+
+
+def test_a_batch_never_both_stores_and_removes_a_hash() -> None:
+    s1, s2 = KvBlockStored(1, None, (1,)), KvBlockStored(2, 1, (2,))
+    assert net_events([s1, 1, s2]) == ((s2,), (1,))  # removed last: gone
+    assert net_events([1, s1]) == ((s1,), ())  # re-stored last: present
+
+
+async def test_history_is_bounded_and_replay_starts_at_the_oldest() -> None:
+    log = KvEventLog(capacity=3)
+    for t in range(5):
+        log.publish(float(t))
+    log.close()
+    assert [b.sequence_number async for b in log.follow(0)] == [2, 3, 4]
