@@ -36,7 +36,6 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3.http_status_pb2 import HttpStatus
-from google.protobuf.struct_pb2 import Struct
 import orjson
 
 from kvswitch.epp.parsers import needs_body, select_parser
@@ -170,12 +169,10 @@ class ExtProcStream:
         self.endpoints = decision.endpoints
         self._phase = _Phase.FORWARDING
         destination = ",".join(decision.endpoints)
-        mutation = destination_mutation(destination, grpc=self._grpc)
-        metadata = destination_metadata(destination)
         if not self.full_duplex and self._parser_needs_body:
             # Buffered: the headers were answered already; the body reply carries the pick.
-            return [body_with_destination(mutation, metadata)]
-        out: list[Action] = [headers_with_destination(mutation, metadata)]
+            return [destination_reply(destination, grpc=self._grpc, on_body=True)]
+        out: list[Action] = [destination_reply(destination, grpc=self._grpc, on_body=False)]
         if self.full_duplex:
             out.extend(self._echo_body())
         elif self._chunks:
@@ -359,11 +356,8 @@ def _too_large(limit: int) -> PayloadTooLarge:
 
 def header_dict(header_map: HeaderMap) -> dict[str, str]:
     """Envoy headers as {lowercase name: value}; Envoy sends `raw_value` (bytes) by default."""
-    out: dict[str, str] = {}
-    for header in header_map.headers:
-        raw = header.raw_value
-        out[header.key] = raw.decode("utf-8", "replace") if raw else header.value
-    return out
+    # latin-1 never fails: header bytes are opaque octets (RFC 9110), names are ASCII.
+    return {x.key: x.raw_value.decode("latin-1") or x.value for x in header_map.headers}
 
 
 def subset_hint(message: ep.ProcessingRequest, headers: dict[str, str]) -> tuple[str, ...] | None:
@@ -452,49 +446,35 @@ def _header(key: str, value: str) -> HeaderValueOption:
 _TE_TRAILERS = _header("te", "trailers")
 
 
-def destination_mutation(destination: str, *, grpc: bool) -> ep.HeaderMutation:
-    """Set the destination (overwriting any client-supplied copy: it is never trusted)."""
-    sets = [_header(h.DESTINATION_ENDPOINT, destination)]
+# Replies are filled through attribute paths: several times cheaper in upb than nested kwargs.
+
+
+def destination_reply(destination: str, *, grpc: bool, on_body: bool) -> ep.ProcessingResponse:
+    """Route to `destination`: the header (overwriting any client-supplied copy, which is never
+    trusted) and the same value under `envoy.lb` dynamic metadata. `on_body`: reply to the last
+    body chunk (buffered modes) instead of the request headers."""
+    reply = ep.ProcessingResponse()
+    common = reply.request_body.response if on_body else reply.request_headers.response
+    sets = common.header_mutation.set_headers
+    option = sets.add()
+    option.header.key = h.DESTINATION_ENDPOINT
+    option.header.raw_value = destination.encode()
+    option.append_action = _OVERWRITE
     if grpc:  # gRPC upstreams reject requests without `te: trailers`
         sets.append(_TE_TRAILERS)
-    return ep.HeaderMutation(set_headers=sets)
-
-
-def destination_metadata(destination: str) -> Struct:
-    metadata = Struct()
-    metadata.fields[h.DESTINATION_METADATA_NAMESPACE].struct_value.fields[
+    reply.dynamic_metadata.fields[h.DESTINATION_METADATA_NAMESPACE].struct_value.fields[
         h.DESTINATION_ENDPOINT
     ].string_value = destination
-    return metadata
-
-
-def headers_with_destination(mutation: ep.HeaderMutation, metadata: Struct) -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(
-        request_headers=ep.HeadersResponse(
-            response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=False)
-        ),
-        dynamic_metadata=metadata,
-    )
-
-
-def body_with_destination(mutation: ep.HeaderMutation, metadata: Struct) -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(
-        request_body=ep.BodyResponse(response=ep.CommonResponse(header_mutation=mutation)),
-        dynamic_metadata=metadata,
-    )
+    return reply
 
 
 def streamed_body(body: bytes, end: bool, *, response: bool = False) -> ep.ProcessingResponse:
-    reply = ep.BodyResponse(
-        response=ep.CommonResponse(
-            body_mutation=ep.BodyMutation(
-                streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end)
-            )
-        )
-    )
-    if response:
-        return ep.ProcessingResponse(response_body=reply)
-    return ep.ProcessingResponse(request_body=reply)
+    reply = ep.ProcessingResponse()
+    body_reply = reply.response_body if response else reply.request_body
+    streamed = body_reply.response.body_mutation.streamed_response
+    streamed.body = body
+    streamed.end_of_stream = end
+    return reply
 
 
 def streamed_body_chunks(body: bytes, end: bool) -> list[ep.ProcessingResponse]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -49,29 +50,27 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self._picker = picker
         self._router = picker.router
 
-    async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Process(  # noqa: N802
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
         stream = ExtProcStream(self._picker)
         try:
-            while True:
-                message = await context.read()
-                if message is grpc.aio.EOF:
-                    return
-                await self._perform(stream.receive(message), stream, context)
+            async for message in request_iterator:
+                for action in stream.receive(message):
+                    if type(action) is ep.ProcessingResponse:
+                        yield action
+                    elif type(action) is NeedRouting:
+                        decision = await self._route(action)
+                        for routed in stream.routed(decision):
+                            if type(routed) is ep.ProcessingResponse:
+                                yield routed
+                            else:
+                                self._perform_finished([routed])
+                    else:
+                        self._perform_finished([action])
         finally:
             # Runs on EOF, on cancellation (Envoy reset the stream) and on write errors alike.
             self._perform_finished(stream.close())
-
-    async def _perform(
-        self, actions: list[Action], stream: ExtProcStream, context: grpc.aio.ServicerContext
-    ) -> None:
-        for action in actions:
-            if type(action) is ep.ProcessingResponse:
-                await context.write(action)
-            elif type(action) is NeedRouting:
-                decision = await self._route(action)
-                await self._perform(stream.routed(decision), stream, context)
-            else:
-                self._perform_finished([action])
 
     async def _route(self, need: NeedRouting) -> RoutingDecision:
         try:

@@ -1,0 +1,187 @@
+"""CPU cost of the EPP request path per request: a streaming Generate with a 1k-token prompt.
+
+Three figures, each CPU seconds per request (not wall time):
+- `core`: ExtProcStream alone (headers, body, routed, response headers, trailers, close) on
+  prebuilt messages -- parsing, routing bookkeeping, reply building;
+- `core_wire`: the same plus protobuf (de)serialization of every ext_proc message, as grpc does;
+- `server`: the whole EPP process (`EppServer` with a constant router, grpc.aio + uvloop) in a
+  child process, driven over loopback by `--concurrency` concurrent ext_proc streams; measured as
+  the child's user+sys CPU time (from /proc) over the run.
+
+    .venv/bin/python benchmarks/epp_request_path.py [--requests 20000] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kvswitch.epp.extproc import ExtProcStream, NeedRouting  # noqa: E402
+from kvswitch.epp.parsers import default_parsers  # noqa: E402
+from kvswitch.epp.request import EndpointPicker, RoutingDecision  # noqa: E402
+from tests.epp.test_extproc import (  # noqa: E402
+    body,
+    grpc_headers,
+    response_headers,
+    response_trailers,
+)
+from kvswitch.protocol import vllm_engine_pb2  # noqa: E402
+from kvswitch.protocol.frames import encode  # noqa: E402
+
+DECISION = RoutingDecision(endpoints=("10.0.0.1:8000",))
+PROMPT_TOKENS = 1024
+
+
+class ConstantRouter:
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def route(self, request: object, subset: object) -> RoutingDecision:
+        return DECISION
+    def request_finished(self, request: object, outcome: object) -> None: ...
+
+
+def messages() -> list[ep.ProcessingRequest]:
+    generate = vllm_engine_pb2.GenerateRequest(
+        request_id="bench", stream=True,
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=range(1000, 1000 + PROMPT_TOKENS)),
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=64),
+    )
+    headers = grpc_headers(("x-request-id", "bench"), ("user-agent", "grpc-python/1.85"),
+                           ("x-forwarded-proto", "http"), ("grpc-accept-encoding", "gzip"))
+    return [
+        headers,
+        body(encode(generate.SerializeToString()), eos=True),
+        response_headers((":status", "200"), ("content-type", "application/grpc")),
+        response_trailers(("grpc-status", "0"),
+                          ("x-kvswitch-usage", "prompt_tokens=1024;completion_tokens=64;cached_tokens=0")),
+    ]
+
+
+def run_core(picker: EndpointPicker, n: int, wire: bool) -> float:
+    msgs = messages()
+    raw = [m.SerializeToString() for m in msgs]
+    start = time.process_time()
+    for _ in range(n):
+        stream = ExtProcStream(picker)
+        replies = []
+        for i in range(4):
+            message = ep.ProcessingRequest.FromString(raw[i]) if wire else msgs[i]
+            for action in stream.receive(message):
+                if type(action) is NeedRouting:
+                    replies.extend(stream.routed(DECISION))
+                else:
+                    replies.append(action)
+        replies.extend(stream.close())
+        if wire:
+            for reply in replies:
+                if type(reply) is ep.ProcessingResponse:
+                    reply.SerializeToString()
+    return (time.process_time() - start) / n
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+SERVER_CHILD = """
+import asyncio, sys, uvloop
+sys.path.insert(0, {repo!r})
+from benchmarks.epp_request_path import ConstantRouter
+from kvswitch.epp.parsers import default_parsers
+from kvswitch.epp.request import EndpointPicker
+from kvswitch.epp.server import EppServer
+async def main():
+    server = EppServer(EndpointPicker(parsers=default_parsers(), router=ConstantRouter()), port=0)
+    print(await server.start(), flush=True)
+    await server.wait()
+uvloop.run(main())
+"""
+
+
+async def drive(port: int, n: int, concurrency: int) -> None:
+    msgs = messages()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+
+        async def one() -> None:
+            call = stub.Process()
+            await call.write(msgs[0])
+            await call.write(msgs[1])
+            await call.read()
+            await call.read()
+            for m in msgs[2:]:
+                await call.write(m)
+                await call.read()
+            await call.done_writing()
+            await call.read()
+
+        async def worker(count: int) -> None:
+            for _ in range(count):
+                await one()
+
+        await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))
+
+
+def run_server(n: int, concurrency: int) -> tuple[float, float]:
+    child = subprocess.Popen([sys.executable, "-c", SERVER_CHILD.format(repo=str(REPO))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        asyncio.run(drive(port, 200, concurrency))  # warm up
+        cpu0, wall0 = proc_cpu_seconds(child.pid), time.perf_counter()
+        asyncio.run(drive(port, n, concurrency))
+        cpu1, wall1 = proc_cpu_seconds(child.pid), time.perf_counter()
+        return (cpu1 - cpu0) / n, n / (wall1 - wall0)
+    finally:
+        child.terminate()
+        child.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--server-requests", type=int, default=4000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "epp_request_path.json"))
+    args = parser.parse_args()
+    picker = EndpointPicker(parsers=default_parsers(), router=ConstantRouter())
+    run_core(picker, 2000, wire=True)  # warm up
+    core = run_core(picker, args.requests, wire=False)
+    core_wire = run_core(picker, args.requests, wire=True)
+    server, rate = run_server(args.server_requests, args.concurrency)
+    result = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "requests": args.requests,
+        "core_cpu_ms_per_request": round(core * 1e3, 4),
+        "core_wire_cpu_ms_per_request": round(core_wire * 1e3, 4),
+        "server_requests": args.server_requests,
+        "server_concurrency": args.concurrency,
+        "server_cpu_ms_per_request": round(server * 1e3, 4),
+        "server_requests_per_second": round(rate, 1),
+        "python": sys.version.split()[0],
+    }
+    for key, value in result.items():
+        print(f"{key:32s} {value}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
