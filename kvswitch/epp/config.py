@@ -47,9 +47,20 @@ from kvswitch.epp.request import EndpointPicker, Parser
 from kvswitch.epp.router import EppRouter
 
 __all__ = [
-    "ConfigError", "ConfigSpec", "PluginSpec", "ProfileSpec", "ProfilePluginRef", "PoolSpec", "load_documents", "parse_config", "parse_pool",
-    "apply_defaults", "build_endpoint_picker", "build_router", "static_pool",
     "DEFAULT_PROFILE_WEIGHTS",
+    "ConfigError",
+    "ConfigSpec",
+    "PluginSpec",
+    "PoolSpec",
+    "ProfilePluginRef",
+    "ProfileSpec",
+    "apply_defaults",
+    "build_endpoint_picker",
+    "build_router",
+    "load_documents",
+    "parse_config",
+    "parse_pool",
+    "static_pool",
 ]
 
 CONFIG_API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")
@@ -108,16 +119,16 @@ class ConfigSpec:
     """schedulingProfiles."""
     parsers: tuple[str, ...] = ()
     """requestHandler.parsers[].pluginRef, in order of precedence."""
-    saturation: SaturationConfig = SaturationConfig()
+    saturation: SaturationConfig = field(default_factory=SaturationConfig)
     """saturationDetector."""
-    flow_control: FlowControlConfig = FlowControlConfig()
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
     """flowControl."""
     queueing: bool = False
     """Queue non-sheddable requests under saturation: the `flowControl` feature gate or a
     flowControl section; otherwise only sheddable requests are shed (upstream's legacy path)."""
     feature_gates: tuple[str, ...] = ()
     """featureGates, as given."""
-    data_layer: DataLayerSpec = DataLayerSpec()
+    data_layer: DataLayerSpec = field(default_factory=DataLayerSpec)
     """dataLayer."""
     objectives: tuple[ObjectiveSpec, ...] = ()
     """InferenceObjective documents in the config file."""

@@ -122,7 +122,7 @@ class ProfileHandler(Protocol):
 
 
 def _clamp(value: float) -> float:
-    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+    return 0.0 if value < 0.0 else min(value, 1.0)
 
 
 class SchedulerProfile:

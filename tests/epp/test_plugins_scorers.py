@@ -75,17 +75,20 @@ def test_prefix_index_matches_leading_blocks_per_endpoint() -> None:
     index.record("b", [1, 2], capacity=100)
     index.record("c", [9], capacity=100)
     assert index.match([1, 2, 3, 5]) == {"a": 3, "b": 2}
+    assert index.match([1, 2, 3, 4, 6, 7, 8]) == {"a": 4, "b": 2}
     assert index.match([9, 2]) == {"c": 1}
     assert index.match([7, 1]) == {}
 
 
 def test_prefix_index_lru_evicts_oldest_blocks_and_forgets_endpoints() -> None:
     index = PrefixIndex()
-    index.record("a", [1, 2, 3], capacity=3)
+    index.record("a", [1, 2, 3], capacity=3)  # tail first: 3 is the oldest, 1 the newest
+    index.record("a", [5], capacity=3)  # evicts 3, the tail
+    assert index.size("a") == 3
+    assert index.match([1, 2, 3]) == {"a": 2}
     index.record("a", [1], capacity=3)  # touch 1: now 2 is the oldest
     index.record("a", [4], capacity=3)
-    assert index.size("a") == 3
-    assert index.match([1]) == {"a": 1} and index.match([2]) == {}
+    assert index.match([1, 2]) == {"a": 1} and index.match([5]) == {"a": 1}
     index.forget("a")
     assert index.match([1]) == {}
 

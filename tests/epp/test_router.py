@@ -155,7 +155,7 @@ async def test_in_flight_counts_and_usage_metrics() -> None:
     assert router.in_flight()[decision.endpoints[0]] == 0
     router.update_gauges()
     text = generate_latest(router.metrics.registry).decode()
-    assert 'kvswitch_epp_cached_tokens_total{endpoint="%s",model=""} 512.0' % decision.endpoints[0] in text
+    assert f'kvswitch_epp_cached_tokens_total{{endpoint="{decision.endpoints[0]}",model=""}} 512.0' in text
     assert "kvswitch_epp_pool_ready_endpoints 4.0" in text
     assert "kvswitch_epp_scheduler_e2e_duration_seconds_count 1.0" in text
     assert 'status="200"' in text

@@ -22,7 +22,20 @@ from kvswitch.epp.datalayer.endpoint import (
 from kvswitch.epp.datalayer.refresher import Refresher, default_collector
 
 __all__ = [
-    "AppProtocol", "H2C", "HTTP", "Collector", "CollectorError", "GrpcCollector",
-    "PrometheusCollector", "parse_prometheus", "Discovery", "StaticDiscovery", "Datalayer",
-    "Endpoint", "EndpointSpec", "Metrics", "Refresher", "default_collector",
+    "H2C",
+    "HTTP",
+    "AppProtocol",
+    "Collector",
+    "CollectorError",
+    "Datalayer",
+    "Discovery",
+    "Endpoint",
+    "EndpointSpec",
+    "GrpcCollector",
+    "Metrics",
+    "PrometheusCollector",
+    "Refresher",
+    "StaticDiscovery",
+    "default_collector",
+    "parse_prometheus",
 ]

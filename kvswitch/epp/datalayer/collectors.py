@@ -150,7 +150,7 @@ class PrometheusCollector:
     async def collect(self, now: float) -> Metrics:
         try:
             text = await asyncio.wait_for(self._fetch(), self.timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise CollectorError(f"{self.address}: {exc!r}") from exc
         return parse_prometheus(text, now)
 

@@ -48,7 +48,7 @@ class Metrics:
 class Endpoint:
     """One replica. Mutated only by the datalayer (metrics, health) and the router (in-flight)."""
 
-    __slots__ = ("address", "app_protocol", "metrics", "healthy", "in_flight", "failures")
+    __slots__ = ("address", "app_protocol", "failures", "healthy", "in_flight", "metrics")
 
     def __init__(self, spec: EndpointSpec) -> None:
         self.address = spec.address

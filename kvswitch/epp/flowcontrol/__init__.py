@@ -17,6 +17,15 @@ from kvswitch.epp.flowcontrol.core import (
 from kvswitch.epp.flowcontrol.gate import FlowGate
 
 __all__ = [
-    "Admission", "FlowControlConfig", "FlowGate", "FlowQueues", "SaturationConfig", "Verdict",
-    "EXPIRED", "QUEUE_FULL", "SHED", "headroom", "is_saturated",
+    "EXPIRED",
+    "QUEUE_FULL",
+    "SHED",
+    "Admission",
+    "FlowControlConfig",
+    "FlowGate",
+    "FlowQueues",
+    "SaturationConfig",
+    "Verdict",
+    "headroom",
+    "is_saturated",
 ]

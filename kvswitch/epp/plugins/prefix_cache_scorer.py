@@ -42,12 +42,12 @@ class PrefixCacheScorer:
 def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> PrefixCacheScorer:
     block_size = param(parameters, "blockSize",
                        int, param(parameters, "hashBlockSize", int, 16))
-    settings = dict(
-        block_size=block_size,
-        max_blocks=param(parameters, "maxPrefixBlocksToMatch", int, 256),
-        lru_capacity=param(parameters, "lruCapacityPerServer", int, 31250),
-        chars_per_token=param(parameters, "charsPerToken", int, 4),
-    )
+    settings = {
+        "block_size": block_size,
+        "max_blocks": param(parameters, "maxPrefixBlocksToMatch", int, 256),
+        "lru_capacity": param(parameters, "lruCapacityPerServer", int, 31250),
+        "chars_per_token": param(parameters, "charsPerToken", int, 4),
+    }
     for key, value in settings.items():
         if value < 1:
             raise ConfigError(f"parameters: {key} must be >= 1, got {value}")

@@ -11,7 +11,8 @@ Produced once per request (a `DataProducer`), consumed by prefix-cache-scorer:
   capacity (max tokens / block_size, from GetLoads or vllm:cache_config_info) or
   `lru_capacity` when unknown. `pre_request` records the picked endpoint; the oldest blocks fall
   out as an engine's LRU would evict them.
-- match: for each endpoint, the number of leading prompt blocks it holds (consecutive from 0).
+- match: for each endpoint, the number of leading prompt blocks it holds (consecutive from 0),
+  by binary search over its prefix-closed LRU (blocks are recorded tail first).
 State written: `state[STATE_KEY] = PrefixMatch`.
 """
 
@@ -69,7 +70,6 @@ class PrefixIndex:
         self.lru_capacity = lru_capacity
         self.chars_per_token = chars_per_token
         self._lru: dict[str, OrderedDict[int, None]] = {}
-        self._owners: dict[int, set[str]] = {}
 
     def produce(self, request: InferenceRequest, state: CycleState,
                 endpoints: Sequence[Endpoint]) -> None:
@@ -77,24 +77,23 @@ class PrefixIndex:
         state[STATE_KEY] = PrefixMatch(hashes, self.match(hashes))
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """endpoint -> leading blocks held. Each endpoint's LRU is prefix-closed (see `record`),
+        so the count is found by binary search: O(log n) lookups per endpoint."""
         matched: dict[str, int] = {}
         if not hashes:
             return matched
-        alive = self._owners.get(hashes[0])
-        if not alive:
-            return matched
-        alive = set(alive)
-        for i, h in enumerate(hashes):
-            owners = self._owners.get(h)
-            still = alive & owners if owners else set()
-            if len(still) != len(alive):
-                for address in alive - still:
-                    matched[address] = i
-                if not still:
-                    return matched
-                alive = still
-        for address in alive:
-            matched[address] = len(hashes)
+        first = hashes[0]
+        for address, lru in self._lru.items():
+            if first not in lru:
+                continue
+            low, high = 1, len(hashes)  # hashes[:low] held; find the largest such low
+            while low < high:
+                mid = (low + high + 1) // 2
+                if hashes[mid - 1] in lru:
+                    low = mid
+                else:
+                    high = mid - 1
+            matched[address] = low
         return matched
 
     def pre_request(self, request: InferenceRequest, state: CycleState,
@@ -110,31 +109,27 @@ class PrefixIndex:
         return m.max_tokens // self.block_size if m.max_tokens else self.lru_capacity
 
     def record(self, address: str, hashes: Sequence[int], capacity: int) -> None:
-        """Blocks `hashes` are now cached at `address` (most recently used)."""
-        lru = self._lru.setdefault(address, OrderedDict())
-        owners = self._owners
-        for h in hashes:
+        """Blocks `hashes` are now cached at `address` (most recently used).
+
+        Touched last block first, so a block is always at least as recent as its descendants:
+        eviction takes prompt tails first (as vLLM's free-block queue does) and every
+        endpoint's set stays prefix-closed, which `match` relies on."""
+        lru = self._lru.get(address)
+        if lru is None:
+            lru = self._lru[address] = OrderedDict()
+        move = lru.move_to_end
+        for h in reversed(hashes):
             if h in lru:
-                lru.move_to_end(h)
+                move(h)
             else:
                 lru[h] = None
-                owners.setdefault(h, set()).add(address)
-        while len(lru) > capacity:
-            old, _ = lru.popitem(last=False)
-            holders = owners.get(old)
-            if holders is not None:
-                holders.discard(address)
-                if not holders:
-                    del owners[old]
+        excess = len(lru) - capacity
+        for _ in range(excess):
+            lru.popitem(last=False)
 
     def forget(self, address: str) -> None:
         """The endpoint left the pool."""
-        for h in self._lru.pop(address, ()):
-            holders = self._owners.get(h)
-            if holders is not None:
-                holders.discard(address)
-                if not holders:
-                    del self._owners[h]
+        self._lru.pop(address, None)
 
     def size(self, address: str) -> int:
         return len(self._lru.get(address, ()))
