@@ -1,0 +1,126 @@
+"""`kvswitch bench`: the same workload against several targets on one cold engine pool.
+
+Starts `--replicas` simulated engines (`--profile`, `--time-scale`) on loopback, then for each
+target in turn: flush every engine's prefix cache, start the target's gateway processes, replay
+the workload (Poisson arrivals over the QPS ladder), stop them. Writes results.json,
+requests.json, summary.md and PNG plots to `--out`. Every process it starts is stopped by PID
+on exit, and every run ends by itself (ladder duration + drain timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvswitch.bench.engines import EnginePool
+from kvswitch.bench.report import target_summary, write_report
+from kvswitch.bench.runner import TargetRun, run_target
+from kvswitch.bench.targets import TARGET_NAMES, RunContext, TargetUnavailable, make_target
+from kvswitch.bench.workloads import PRESETS, SharedPrefixShape, build_workload
+from kvswitch.supervisor import Supervisor
+from kvswitch.tokenization import load_tokenizer
+
+log = logging.getLogger("kvswitch.bench")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.add_argument("--preset", default="shared-prefix-150x5-6000-1200-1000",
+                        choices=sorted(PRESETS), help="workload shape and default QPS ladder")
+    parser.add_argument("--targets", default="kvswitch,round-robin,oracle",
+                        help=f"comma-separated: {', '.join(TARGET_NAMES)}, or kvswitch:CONFIG")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--profile", default="qwen3-32b-2xh100", help="engine profile")
+    parser.add_argument("--time-scale", type=float, default=10.0,
+                        help="engines run X times faster than real time; latencies are "
+                             "reported in simulated seconds")
+    parser.add_argument("--qps", type=_floats, default=None,
+                        help="QPS ladder, simulated requests/s (default: the preset's)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="simulated seconds per QPS step (default: the preset's)")
+    parser.add_argument("--max-requests", type=int, default=None,
+                        help="stop generating requests after this many")
+    parser.add_argument("--groups", type=int, default=None,
+                        help="override the preset's num_groups (scale a workload down)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drain-timeout", type=float, default=120.0,
+                        help="wall seconds to wait for stragglers after the last send")
+    parser.add_argument("--mode", default="random", choices=["random", "echo"],
+                        help="engine output tokens")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(levelname)s [%(name)s] %(message)s")
+    try:
+        report = asyncio.run(_bench(args))
+    except KeyboardInterrupt:
+        return 130
+    print(f"wrote {args.out}/summary.md")
+    print((args.out / "summary.md").read_text())
+    return 0 if report else 1
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    preset = PRESETS[args.preset]
+    shape = preset.shape
+    if args.groups:
+        shape = SharedPrefixShape(**{**_asdict(shape), "num_groups": args.groups})
+    return build_workload(shape, args.qps or preset.qps, args.duration or preset.stage_duration,
+                          load_tokenizer(None), seed=args.seed, max_requests=args.max_requests)
+
+
+def _asdict(shape: SharedPrefixShape) -> dict[str, Any]:
+    return {f: getattr(shape, f) for f in shape.__slots__}
+
+
+async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    targets = [make_target(t.strip()) for t in args.targets.split(",") if t.strip()]
+    workload = await asyncio.to_thread(_workload, args)
+    print(f"{len(workload.requests)} requests over {len(workload.qps)} QPS steps "
+          f"({workload.stage_duration:g} simulated s each = "
+          f"{workload.stage_duration / args.time_scale:.1f} wall s at time scale "
+          f"{args.time_scale:g})", file=sys.stderr)
+    runs: list[TargetRun] = []
+    with tempfile.TemporaryDirectory(prefix="kvswitch-bench-") as tmp:
+        state = Path(tmp)
+        with Supervisor(state / "logs") as supervisor:
+            pool = EnginePool(supervisor, args.replicas, args.profile, args.time_scale,
+                              args.mode)
+            await asyncio.to_thread(pool.start)
+            ctx = RunContext(supervisor, pool, state)
+            for target in targets:
+                try:
+                    runs.append(await run_target(target, workload, ctx, args.time_scale,
+                                                 args.drain_timeout,
+                                                 progress=not args.no_progress))
+                except TargetUnavailable as exc:
+                    print(f"{target.name}: unavailable: {exc}", file=sys.stderr)
+                    runs.append(TargetRun(target.name, (), {}, 0.0, unavailable=str(exc)))
+    report = {
+        "meta": {
+            "preset": args.preset, "command": "kvswitch bench " + shlex.join(sys.argv[2:])
+            if sys.argv[1:2] == ["bench"] else shlex.join(sys.argv),
+            "replicas": args.replicas, "profile": args.profile, "time_scale": args.time_scale,
+            "qps": list(workload.qps), "stage_duration": workload.stage_duration,
+            "seed": args.seed, "requests": len(workload.requests),
+            "shape": _asdict(workload.shape), "latency_unit": "simulated seconds",
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+        "targets": [target_summary(r, workload.qps, workload.stage_duration) for r in runs],
+    }
+    write_report(report, runs, args.out)
+    return report

@@ -1,0 +1,111 @@
+"""The load generator's request: one streamed `Generate` over gRPC, timed.
+
+Times are measured on the wall clock and reported in *simulated* seconds (wall x time scale),
+so they compare with the engine's simulated step times and with published GPU numbers; routing
+overheads (Envoy, EPP, client) are scaled the same way, which overstates them by the time scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from kvswitch.bench.workloads import BenchRequest
+from kvswitch.protocol import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    index: int
+    stage: int
+    qps: float
+    ok: bool
+    error: str = ""
+    ttft: float | None = None
+    """Simulated seconds from send to the first output token."""
+    e2e: float | None = None
+    itl: float | None = None
+    """Mean simulated seconds between output tokens after the first."""
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    endpoint: str = ""
+    """The engine that served it, when the target knows (oracle); else empty."""
+
+
+class Channels:
+    """A few channels per address (HTTP/2 connections), used in turn."""
+
+    def __init__(self, per_address: int = 4) -> None:
+        self.per_address = per_address
+        self._stubs: dict[str, itertools.cycle[vllm_engine_pb2_grpc.VllmEngineStub]] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def stub(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
+        stubs = self._stubs.get(address)
+        if stubs is None:
+            made = []
+            for i in range(self.per_address):
+                channel = grpc.aio.insecure_channel(address, options=[
+                    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                    ("grpc.max_send_message_length", _MAX_MESSAGE),
+                    ("grpc.channel_id", i)])  # distinct options: distinct connections
+                self._channels.append(channel)
+                made.append(vllm_engine_pb2_grpc.VllmEngineStub(channel))
+            stubs = self._stubs[address] = itertools.cycle(made)
+        return next(stubs)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels))
+        self._channels.clear()
+        self._stubs.clear()
+
+
+def generate_request(request: BenchRequest, run_id: str,
+                     text: str | None = None) -> vllm_engine_pb2.GenerateRequest:
+    sampling = vllm_engine_pb2.SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
+                                              temperature=0.0)
+    common = dict(request_id=f"{run_id}-{request.index}", sampling_params=sampling, stream=True)
+    if text is not None:
+        return vllm_engine_pb2.GenerateRequest(text=text, **common)
+    return vllm_engine_pb2.GenerateRequest(
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=request.prompt_ids), **common)
+
+
+async def send(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_pb2.GenerateRequest,
+               request: BenchRequest, time_scale: float, timeout: float,
+               endpoint: str = "", on_first: Callable[[], None] | None = None) -> RequestResult:
+    """Stream one request to the end; never raises (failures are results)."""
+    started = time.perf_counter()
+    first: float | None = None
+    tokens = prompt = cached = 0
+    base = dict(index=request.index, stage=request.stage, qps=request.qps, endpoint=endpoint)
+    try:
+        async for response in stub.Generate(message, timeout=timeout):
+            kind = response.WhichOneof("response")
+            part = response.chunk if kind == "chunk" else response.complete
+            if kind == "chunk":
+                tokens += len(part.token_ids)
+            elif not tokens:
+                tokens = len(part.output_ids)
+            if first is None and tokens:
+                first = time.perf_counter()
+                if on_first is not None:
+                    on_first()
+            prompt, cached = part.prompt_tokens or prompt, part.cached_tokens or cached
+    except grpc.aio.AioRpcError as exc:
+        return RequestResult(ok=False, error=f"{exc.code().name}: {exc.details()}", **base)
+    end = time.perf_counter()
+    if first is None:
+        return RequestResult(ok=False, error="no output", **base)
+    ttft, e2e = (first - started) * time_scale, (end - started) * time_scale
+    itl = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
+    return RequestResult(ok=True, ttft=ttft, e2e=e2e, itl=itl, output_tokens=tokens,
+                         prompt_tokens=prompt, cached_tokens=cached, **base)

@@ -1,0 +1,120 @@
+"""The benchmark's engine pool: start simulated engines, flush them cold, read their counters.
+
+Engines are started once per run through `kvswitch.supervisor` (the same specs `kvswitch up`
+uses), each with a Prometheus port. Between targets every engine's prefix cache is flushed
+(`FlushCache`, after waiting for it to go idle), so each target starts cold. Counters come from
+`/metrics` (vLLM names): `vllm:prefix_cache_{queries,hits}_total` (tokens),
+`vllm:request_success_total`, `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`;
+a target's numbers are the deltas over its run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
+from kvswitch.supervisor import Supervisor
+from kvswitch.up import engine_spec, free_port
+
+COUNTERS = {
+    "vllm:prefix_cache_queries_total": "cache_queries",
+    "vllm:prefix_cache_hits_total": "cache_hits",
+    "vllm:request_success_total": "requests",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    cache_queries: float = 0.0
+    cache_hits: float = 0.0
+    requests: float = 0.0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    preemptions: float = 0.0
+
+    def minus(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(*(getattr(self, f) - getattr(other, f) for f in COUNTERS.values()))
+
+
+def parse_counters(text: str) -> EngineCounters:
+    """Sum each counter of interest over its label sets (finish reasons, models)."""
+    totals = dict.fromkeys(COUNTERS.values(), 0.0)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        field = COUNTERS.get(name)
+        if field is not None:
+            totals[field] += float(line.rsplit(" ", 1)[1])
+    return EngineCounters(**totals)
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    name: str
+    address: str
+    """`127.0.0.1:port` of the gRPC API."""
+    metrics_url: str
+
+
+class EnginePool:
+    """`replicas` simulated engines under `supervisor`."""
+
+    def __init__(self, supervisor: Supervisor, replicas: int, profile: str, time_scale: float,
+                 mode: str = "random", extra_args: tuple[str, ...] = ()) -> None:
+        self.supervisor = supervisor
+        self.profile = profile
+        self.time_scale = time_scale
+        self.engines: list[Engine] = []
+        specs = []
+        for i in range(replicas):
+            port, http_port = free_port(), free_port()
+            name = f"engine-{i}"
+            specs.append(engine_spec(name, port, profile=profile, time_scale=time_scale,
+                                     mode=mode, grace_period=1.0,
+                                     extra=("--http-port", str(http_port), "--log-level",
+                                            "WARNING", *extra_args)))
+            self.engines.append(Engine(name, f"127.0.0.1:{port}",
+                                       f"http://127.0.0.1:{http_port}/metrics"))
+        self._specs = specs
+
+    def start(self) -> None:
+        self.supervisor.start_all(self._specs, timeout=120.0)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [e.address for e in self.engines]
+
+    async def counters(self) -> dict[str, EngineCounters]:
+        def read(url: str) -> EngineCounters:
+            with urllib.request.urlopen(url, timeout=5.0) as response:
+                return parse_counters(response.read().decode())
+
+        results = await asyncio.gather(*(asyncio.to_thread(read, e.metrics_url)
+                                         for e in self.engines))
+        return {e.address: c for e, c in zip(self.engines, results, strict=True)}
+
+    async def flush(self, timeout: float = 60.0) -> dict[str, bool]:
+        """FlushCache on every engine (each waits up to `timeout` s to go idle first)."""
+        async def one(address: str) -> bool:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                reply = await stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=timeout),
+                                              timeout=timeout + 10)
+                return bool(reply.success)
+
+        flushed = await asyncio.gather(*(one(a) for a in self.addresses))
+        return dict(zip(self.addresses, flushed, strict=True))
+
+
+def deltas(after: Mapping[str, EngineCounters],
+           before: Mapping[str, EngineCounters]) -> dict[str, EngineCounters]:
+    return {a: after[a].minus(before[a]) for a in after}

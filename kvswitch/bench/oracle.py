@@ -1,0 +1,123 @@
+"""The oracle: route each request, with perfect knowledge, to the engine that serves it first.
+
+The bench client itself routes (no gateway in the path) and knows, per engine:
+- its prefix cache *exactly*: a `PrefixIndex` fed by the engine's own `SubscribeKvEvents`
+  stream (what is cached now), plus the prompts the oracle has sent there that are not prefilled
+  yet (what will be cached by the time this request is scheduled);
+- its queue exactly: it is the only client of the engines during its run, so the prefill work
+  it has sent there and not seen answered (uncached prompt tokens before the first token) and
+  the requests decoding there are known without sampling;
+- the engine's cost model: the simulator profile's step-time formula (DESIGN §4)
+      step = base + prefill_us * prefill_tokens + decode_us * decode_tokens
+  with chunked prefill at `max_num_batched_tokens` tokens per step.
+
+Estimated TTFT of request r on engine e (simulated seconds):
+    P = pending_prefill(e) + uncached(r, e)          uncached = prompt - cached prefix
+    ttft(e) = ceil(P / budget) * (base + decode_us * decoding(e)) + prefill_us * P
+and the oracle picks argmin ttft(e) (ties: fewest decoding, then lowest index).
+
+This is the greedy optimum for each request under perfect information: no router that sees less
+can place a request where it starts sooner by the model. It is not a global optimum over the
+whole arrival sequence (a placement can hurt later requests), so treat it as a strong reference
+ceiling rather than a proven bound; a router beating it on some step is possible and reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvswitch.bench.client import RequestResult
+from kvswitch.bench.workloads import BenchRequest
+from kvswitch.engine.sim.profiles import SimProfile
+from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, PrefixIndex, StoredBlock
+
+
+@dataclass(slots=True)
+class _EngineQueue:
+    pending_prefill: int = 0
+    """Uncached prompt tokens sent and not yet answered by a first token."""
+    decoding: int = 0
+    waiting: dict[int, int] = field(default_factory=dict)
+    """request index -> its uncached tokens, until its first token."""
+
+
+class OracleRouter:
+    """Sans-IO placement: `choose` before sending, `first_token` / `finished` as they happen."""
+
+    def __init__(self, engines: Sequence[str], profile: SimProfile, index: PrefixIndex) -> None:
+        self.engines = list(engines)
+        self.profile = profile
+        self.index = index
+        """Exact cache contents, kept by the KV-event subscribers."""
+        self.pending = PrefixIndex(index.block_size)
+        """Prompts sent and not yet prefilled (synthetic engine hashes: (request, block))."""
+        self.queues = {e: _EngineQueue() for e in self.engines}
+        self._placed: dict[int, tuple[str, int]] = {}
+
+    def estimate(self, engine: str, uncached: int) -> float:
+        p = self.profile
+        queue = self.queues[engine]
+        work = queue.pending_prefill + uncached
+        steps = math.ceil(work / p.max_num_batched_tokens) if work else 1
+        step = (p.base_us + p.decode_us * queue.decoding) * 1e-6
+        return steps * step + p.prefill_us * 1e-6 * work
+
+    def choose(self, request: BenchRequest) -> str:
+        hashes = self.index.block_hashes(request.prompt_ids)
+        cached = self.index.match(hashes, self.engines)
+        soon = self.pending.match(hashes, self.engines)
+        size = self.index.block_size
+        n = len(request.prompt_ids)
+        best: tuple[float, int, int] | None = None
+        chosen = self.engines[0]
+        for i, engine in enumerate(self.engines):
+            # The engine recomputes at least the last prompt token (vLLM's rule).
+            hit = min(max(cached[engine], soon[engine]) * size, n - 1)
+            key = (self.estimate(engine, n - hit), self.queues[engine].decoding, i)
+            if best is None or key < best:
+                best, chosen = key, engine
+        self._send(request, chosen, hashes, n - min(
+            max(cached[chosen], soon[chosen]) * size, n - 1))
+        return chosen
+
+    def _send(self, request: BenchRequest, engine: str, hashes: list[int], uncached: int) -> None:
+        queue = self.queues[engine]
+        queue.pending_prefill += uncached
+        queue.waiting[request.index] = uncached
+        size = self.index.block_size
+        tokens = request.prompt_ids
+        blocks = tuple(StoredBlock(request.index << 20 | i, tuple(tokens[i * size:(i + 1) * size]))
+                       for i in range(len(hashes)))
+        self.pending.apply(engine, [BlocksStored(blocks, None, size)])
+        self._placed[request.index] = (engine, len(blocks))
+
+    def first_token(self, request: BenchRequest) -> None:
+        placed = self._placed.get(request.index)
+        if placed is None:
+            return
+        engine, _ = placed
+        queue = self.queues[engine]
+        uncached = queue.waiting.pop(request.index, None)
+        if uncached is not None:
+            queue.pending_prefill -= uncached
+            queue.decoding += 1
+            self._forget_pending(request.index)
+
+    def finished(self, request: BenchRequest, result: RequestResult) -> None:
+        placed = self._placed.pop(request.index, None)
+        if placed is None:
+            return
+        engine, _ = placed
+        queue = self.queues[engine]
+        uncached = queue.waiting.pop(request.index, None)
+        if uncached is None:
+            queue.decoding -= 1
+        else:  # failed before its first token
+            queue.pending_prefill -= uncached
+        self._forget_pending(request.index, placed)
+
+    def _forget_pending(self, index: int, placed: tuple[str, int] | None = None) -> None:
+        engine, count = placed or self._placed[index]
+        self.pending.apply(engine, [BlocksRemoved(tuple(index << 20 | i for i in range(count)))])

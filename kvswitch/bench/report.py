@@ -1,0 +1,174 @@
+"""Summaries, JSON, Markdown and PNG plots of a bench run.
+
+Per target and per QPS step: TTFT p50/p90/p99, ITL p50/p90, e2e p50/p90 (simulated seconds),
+output tokens per simulated second (output tokens of the step's finished requests / the step's
+simulated duration), success rate, and the client-side cache hit rate (cached / prompt tokens
+the engines reported per request). Per target: the engines' prefix-cache hit rate
+(vllm:prefix_cache_hits / queries deltas), requests per replica and their imbalance
+(max / mean; 1.0 is perfect balance).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvswitch.bench.client import RequestResult
+from kvswitch.bench.runner import TargetRun
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def step_summary(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [r.itl for r in ok if r.itl is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        "requests": len(results),
+        "succeeded": len(ok),
+        "success_rate": len(ok) / len(results) if results else None,
+        "ttft_p50": percentile(ttft, 0.5), "ttft_p90": percentile(ttft, 0.9),
+        "ttft_p99": percentile(ttft, 0.99),
+        "itl_p50": percentile(itl, 0.5), "itl_p90": percentile(itl, 0.9),
+        "e2e_p50": percentile(e2e, 0.5), "e2e_p90": percentile(e2e, 0.9),
+        "output_tok_s": sum(r.output_tokens for r in ok) / duration if duration else None,
+        "client_cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+
+
+def target_summary(run: TargetRun, qps: Sequence[float], stage_duration: float
+                   ) -> dict[str, Any]:
+    if run.unavailable:
+        return {"target": run.target, "unavailable": run.unavailable}
+    steps = []
+    for stage, rate in enumerate(qps):
+        stage_results = [r for r in run.results if r.stage == stage]
+        steps.append({"qps": rate, **step_summary(stage_results, stage_duration)})
+    queries = sum(c.cache_queries for c in run.counters.values())
+    hits = sum(c.cache_hits for c in run.counters.values())
+    per_replica = {a: c.requests for a, c in run.counters.items()}
+    mean = sum(per_replica.values()) / len(per_replica) if per_replica else 0.0
+    return {
+        "target": run.target,
+        "wall_seconds": run.wall_seconds,
+        "steps": steps,
+        "overall": step_summary(run.results, stage_duration * len(qps)),
+        "engine_cache_hit_rate": hits / queries if queries else None,
+        "requests_per_replica": per_replica,
+        "prompt_tokens_per_replica": {a: c.prompt_tokens for a, c in run.counters.items()},
+        "load_imbalance": max(per_replica.values()) / mean if mean else None,
+        "preemptions": sum(c.preemptions for c in run.counters.values()),
+    }
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [f"# kvswitch bench: {meta['preset']}", "",
+             f"Command: `{meta['command']}`", "",
+             f"{meta['replicas']} replicas, profile `{meta['profile']}`, time scale "
+             f"{meta['time_scale']:g}: **latencies are simulated seconds** (wall x time scale). "
+             f"{meta['requests']} requests, seed {meta['seed']}, QPS ladder {meta['qps']} "
+             f"({meta['stage_duration']:g} simulated s per step).", ""]
+    targets = report["targets"]
+    lines += ["## Overall", "",
+              "| target | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | e2e p90 | output tok/s | "
+              "success | engine cache hit | imbalance |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in targets:
+        if "unavailable" in t:
+            lines.append(f"| {t['target']} | unavailable: {t['unavailable']} |||||||||")
+            continue
+        o = t["overall"]
+        lines.append(
+            f"| {t['target']} | {_fmt(o['ttft_p50'])} | {_fmt(o['ttft_p90'])} | "
+            f"{_fmt(o['ttft_p99'])} | {_fmt(o['itl_p50'])} | {_fmt(o['e2e_p90'])} | "
+            f"{_fmt(o['output_tok_s'])} | {_fmt(o['success_rate'])} | "
+            f"{_fmt(t['engine_cache_hit_rate'])} | {_fmt(t['load_imbalance'])} |")
+    lines += ["", "## TTFT p90 (s) / output tok/s per QPS step", "",
+              "| QPS | " + " | ".join(t["target"] for t in targets if "steps" in t) + " |",
+              "|---|" + "---|" * sum(1 for t in targets if "steps" in t)]
+    for i, rate in enumerate(meta["qps"]):
+        cells = [f"{_fmt(t['steps'][i]['ttft_p90'])} / {_fmt(t['steps'][i]['output_tok_s'])}"
+                 for t in targets if "steps" in t]
+        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plots(report: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = [t for t in report["targets"] if "steps" in t]
+    qps = report["meta"]["qps"]
+    written = []
+    for key, label, log in (("ttft_p90", "TTFT p90 (simulated s)", True),
+                            ("output_tok_s", "output tokens / simulated s", False)):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for t in targets:
+            ys = [s[key] for s in t["steps"]]
+            ax.plot(qps, [float("nan") if y is None else y for y in ys], marker="o",
+                    label=t["target"])
+        ax.set_xlabel("QPS (simulated)")
+        ax.set_ylabel(label)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        path = out / f"{key}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    names = [t["target"] for t in targets]
+    left.bar(names, [t["engine_cache_hit_rate"] or 0.0 for t in targets])
+    left.set_ylabel("engine prefix-cache hit rate")
+    left.set_ylim(0, 1)
+    left.tick_params(axis="x", rotation=30)
+    width = 0.8 / max(len(targets), 1)
+    for i, t in enumerate(targets):
+        counts = list(t["requests_per_replica"].values())
+        right.bar([j + i * width for j in range(len(counts))], counts, width, label=t["target"])
+    right.set_xlabel("replica")
+    right.set_ylabel("requests served")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "cache_and_load.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def write_report(report: dict[str, Any], runs: Sequence[TargetRun], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "requests.json").write_text(json.dumps(
+        {r.target: [asdict(x) for x in r.results] for r in runs}))
+    (out / "summary.md").write_text(markdown(report))
+    return [out / "results.json", out / "requests.json", out / "summary.md", *plots(report, out)]

@@ -1,0 +1,97 @@
+"""Run one target on one workload: open-loop Poisson sends at simulated times, bounded.
+
+Every request is sent at `send_at / time_scale` wall seconds after the start, whatever the
+responses do (open loop, like inference-perf), through the target's `choose`. The run ends when
+every request has finished, or `drain_timeout` wall seconds after the last send (stragglers are
+cancelled and count as failures), so it always stops by itself. Engine counters are read before
+and after; their deltas give the cache hit rate and the per-replica load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from kvswitch.bench.client import Channels, RequestResult, generate_request, send
+from kvswitch.bench.engines import EngineCounters, deltas
+from kvswitch.bench.targets import RunContext, Target
+from kvswitch.bench.workloads import BenchRequest, Workload
+
+
+@dataclass(frozen=True)
+class TargetRun:
+    target: str
+    results: tuple[RequestResult, ...]
+    counters: dict[str, EngineCounters]
+    """Per engine address: counter deltas over the run."""
+    wall_seconds: float
+    unavailable: str = ""
+    """Non-empty when the target could not run (the reason)."""
+
+
+async def run_target(target: Target, workload: Workload, ctx: RunContext, time_scale: float,
+                     drain_timeout: float = 120.0, request_timeout: float = 600.0,
+                     progress: bool = True) -> TargetRun:
+    flushed = await ctx.pool.flush()
+    if not all(flushed.values()):
+        raise RuntimeError(f"FlushCache failed on {[a for a, ok in flushed.items() if not ok]}")
+    await target.start(ctx)
+    channels = Channels()
+    run_id = uuid.uuid4().hex[:8]
+    try:
+        before = await ctx.pool.counters()
+        started = time.perf_counter()
+        results = await _drive(target, workload, channels, run_id, time_scale, drain_timeout,
+                               request_timeout, progress)
+        wall = time.perf_counter() - started
+        await asyncio.sleep(0.2)  # the engines' last counter updates
+        after = await ctx.pool.counters()
+    finally:
+        await channels.close()
+        await target.stop()
+    return TargetRun(target.name, tuple(results), deltas(after, before), wall)
+
+
+async def _drive(target: Target, workload: Workload, channels: Channels, run_id: str,
+                 time_scale: float, drain_timeout: float, request_timeout: float,
+                 progress: bool) -> list[RequestResult]:
+    requests = workload.requests
+    bar = tqdm(total=len(requests), desc=f"{target.name:>16}", unit="req", disable=not progress,
+               leave=True, dynamic_ncols=True)
+    results: list[RequestResult] = []
+
+    async def one(request: BenchRequest) -> None:
+        address, endpoint = target.choose(request)
+        text = workload.text(request) if target.text_prompts else None
+        message = generate_request(request, run_id, text)
+        result = await send(channels.stub(address), message, request, time_scale,
+                            request_timeout, endpoint, lambda: target.first_token(request))
+        target.finished(request, result)
+        results.append(result)
+        bar.update(1)
+
+    tasks: list[asyncio.Task[None]] = []
+    t0 = time.perf_counter()
+    try:
+        for request in requests:
+            delay = request.send_at / time_scale - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(request)))
+        _, pending = await asyncio.wait(tasks, timeout=drain_timeout) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        bar.close()
+    done = {r.index for r in results}
+    for request in requests:
+        if request.index not in done:
+            results.append(RequestResult(request.index, request.stage, request.qps, ok=False,
+                                         error="not finished before the drain timeout"))
+    results.sort(key=lambda r: r.index)
+    return results

@@ -1,0 +1,189 @@
+"""Benchmark targets: what stands between the load generator and the engine pool.
+
+- `kvswitch[:CONFIG]`: Envoy + the EPP with an EndpointPickerConfig (default
+  `kvswitch/bench/configs/kvswitch.yaml`: precise prefix routing when the
+  `precise-prefix-cache-scorer` plugin is registered, else the approximate prefix scorer);
+  `kvswitch-text` sends text prompts (the EPP tokenizes for routing, the engine for serving).
+- `round-robin`: Envoy alone, ROUND_ROBIN over the pool.
+- `random`: Envoy + the EPP with only a `random-picker`.
+- `smg-cache-aware`, `smg-round-robin`: SMG (PyPI `smg`) in front of the engines over gRPC;
+  reported unavailable (with the reason) when it cannot run here.
+- `oracle`: no gateway; the client routes each request itself (`kvswitch.bench.oracle`).
+Every target gets the same engines, flushed cold before it runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Protocol
+
+from kvswitch.bench.client import RequestResult
+from kvswitch.bench.engines import EnginePool
+from kvswitch.bench.oracle import OracleRouter
+from kvswitch.bench.workloads import BenchRequest
+from kvswitch.engine.sim.profiles import get_profile
+from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
+from kvswitch.epp.kvindex import KvEventSubscriptions, PrefixIndex
+from kvswitch.supervisor import Child, Supervisor
+from kvswitch.up import envoy_spec, epp_spec, free_port, write_pool_file
+
+
+class TargetUnavailable(Exception):
+    """The target cannot run on this machine; the message says why."""
+
+
+@dataclass
+class RunContext:
+    supervisor: Supervisor
+    pool: EnginePool
+    state_dir: Path
+
+
+class Target(Protocol):
+    name: str
+    text_prompts: bool
+
+    async def start(self, ctx: RunContext) -> None: ...
+
+    def choose(self, request: BenchRequest) -> tuple[str, str]:
+        """(gRPC address to send to, engine label if the target knows it, else "")."""
+        ...
+
+    def first_token(self, request: BenchRequest) -> None: ...
+
+    def finished(self, request: BenchRequest, result: RequestResult) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def bundled_config(name: str) -> Path:
+    return Path(str(resources.files("kvswitch.bench").joinpath(f"configs/{name}")))
+
+
+@dataclass
+class GatewayTarget:
+    """Envoy on a fresh port, with the EPP (`epp_config`) or round robin (`epp_config` None)."""
+
+    name: str
+    epp_config: Path | None
+    text_prompts: bool = False
+    _children: list[Child] = field(default_factory=list)
+    _address: str = ""
+
+    async def start(self, ctx: RunContext) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self._start_processes, ctx)
+
+    def _start_processes(self, ctx: RunContext) -> None:
+        state = ctx.state_dir / self.name.replace(":", "_").replace("/", "_")
+        state.mkdir(parents=True, exist_ok=True)
+        port, admin = free_port(), free_port()
+        epp_address = None
+        if self.epp_config is not None:
+            pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses)
+            config = state / "epp.yaml"
+            shutil.copyfile(self.epp_config, config)
+            epp_port, metrics_port = free_port(), free_port()
+            spec = epp_spec(config, pool, epp_port, metrics_port,
+                            want_ready=len(ctx.pool.addresses))
+            spec = type(spec)(f"epp-{self.name}", spec.argv, spec.ready, spec.env,
+                              spec.stop_timeout)
+            self._children.append(ctx.supervisor.start(spec, timeout=60.0))
+            epp_address = f"127.0.0.1:{epp_port}"
+        options = GatewayOptions(pool=PoolTarget(tuple(ctx.pool.addresses)), epp=epp_address,
+                                 port=port, admin_port=admin,
+                                 round_robin=self.epp_config is None)
+        envoy_config = state / "envoy.yaml"
+        envoy_config.write_text(render(build_bootstrap(options)))
+        self._children.append(ctx.supervisor.start(
+            envoy_spec(envoy_config, admin, name=f"envoy-{self.name}"), timeout=60.0))
+        self._address = f"127.0.0.1:{port}"
+
+    def choose(self, request: BenchRequest) -> tuple[str, str]:
+        return self._address, ""
+
+    def first_token(self, request: BenchRequest) -> None:
+        pass
+
+    def finished(self, request: BenchRequest, result: RequestResult) -> None:
+        pass
+
+    async def stop(self) -> None:
+        import asyncio
+
+        for child in reversed(self._children):
+            await asyncio.to_thread(child.stop)
+        self._children.clear()
+
+
+@dataclass
+class OracleTarget:
+    name: str = "oracle"
+    text_prompts: bool = False
+    _router: OracleRouter | None = None
+    _subscriptions: KvEventSubscriptions | None = None
+
+    async def start(self, ctx: RunContext) -> None:
+        import asyncio
+
+        profile = get_profile(ctx.pool.profile)
+        index = PrefixIndex(profile.block_size)
+        self._subscriptions = KvEventSubscriptions(index)
+        await self._subscriptions.set_endpoints(ctx.pool.addresses)
+        self._router = OracleRouter(ctx.pool.addresses, profile, index)
+        # Wait until every stream is open (the caches are cold: nothing to replay).
+        for _ in range(200):
+            if all(s.connected for s in self._subscriptions.subscribers.values()):
+                break
+            await asyncio.sleep(0.05)
+
+    def choose(self, request: BenchRequest) -> tuple[str, str]:
+        assert self._router is not None
+        engine = self._router.choose(request)
+        return engine, engine
+
+    def first_token(self, request: BenchRequest) -> None:
+        assert self._router is not None
+        self._router.first_token(request)
+
+    def finished(self, request: BenchRequest, result: RequestResult) -> None:
+        assert self._router is not None
+        self._router.finished(request, result)
+
+    async def stop(self) -> None:
+        if self._subscriptions is not None:
+            await self._subscriptions.stop()
+
+
+TARGET_NAMES = ("kvswitch", "kvswitch-text", "round-robin", "random", "smg-cache-aware",
+                "smg-round-robin", "oracle")
+
+
+def make_target(spec: str) -> Target:
+    """A target from its name; `kvswitch:PATH` uses the EPP config at PATH."""
+    name, _, argument = spec.partition(":")
+    if name in ("kvswitch", "kvswitch-text"):
+        default = "kvswitch.yaml" if precise_plugin_available() else "kvswitch-approximate.yaml"
+        config = Path(argument) if argument else bundled_config(default)
+        return GatewayTarget(spec, config, text_prompts=name == "kvswitch-text")
+    if name == "round-robin":
+        return GatewayTarget(spec, None)
+    if name == "random":
+        return GatewayTarget(spec, bundled_config("random.yaml"))
+    if name == "oracle":
+        return OracleTarget()
+    if name in ("smg-cache-aware", "smg-round-robin"):
+        from kvswitch.bench.smg import SmgTarget
+
+        return SmgTarget(spec, "cache_aware" if name == "smg-cache-aware" else "round_robin")
+    raise ValueError(f"unknown target {spec!r}; known: {', '.join(TARGET_NAMES)}")
+
+
+def precise_plugin_available() -> bool:
+    from kvswitch.epp.framework import known_types
+
+    return "precise-prefix-cache-scorer" in known_types()

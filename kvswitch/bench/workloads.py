@@ -1,0 +1,178 @@
+"""Benchmark workloads: inference-perf's `shared_prefix` shape, Poisson arrivals, a QPS ladder.
+
+Shape (inference-perf `shared_prefix`): `num_groups` system prompts of `system_prompt_len`
+tokens; each group has `num_prompts_per_group` users, each asking questions of `question_len`
+tokens; every request asks for exactly `output_len` tokens (ignore_eos). A request picks a
+(group, user) uniformly at random. Single-turn: the prompt is system + that user's question.
+Multi-turn: each user keeps a conversation; turn t's prompt is system + (question, answer) of
+turns < t + a new question, where answers are `output_len` synthetic tokens (the engine's actual
+output is not fed back, so every target sees the same prompts); a conversation starts over when
+its prompt would pass `max_context` tokens.
+
+Prompts are real text made with the real tokenizer: a sequence of single-token words (" word")
+and full stops drawn from the tokenizer's own vocabulary, so the text tokenizes back to exactly
+the token ids (lengths are exact in both tokenized and text mode).
+
+Arrivals: a QPS ladder of stages, each `stage_duration` simulated seconds of Poisson arrivals at
+its rate. All times here are simulated seconds; the runner divides them by the time scale.
+The seed makes prompts, picks and arrival times repeatable.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvswitch.tokenization import TokenizerBundle
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixShape:
+    num_groups: int
+    num_prompts_per_group: int
+    system_prompt_len: int
+    question_len: int
+    output_len: int
+    multi_turn: bool = False
+    max_context: int = 32_768
+    """Multi-turn only: start a conversation over before its prompt passes this many tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    name: str
+    shape: SharedPrefixShape
+    qps: tuple[float, ...]
+    """The default QPS ladder (simulated requests per simulated second)."""
+    stage_duration: float
+    """Default simulated seconds per ladder stage."""
+    description: str = ""
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("shared-prefix-150x5-6000-1200-1000",
+           SharedPrefixShape(150, 5, 6000, 1200, 1000), (3, 10, 15, 20, 22, 25, 30, 40, 50, 60),
+           50.0, "llm-d's precise-prefix benchmark (DESIGN §5)"),
+    Preset("shared-prefix-150x5-1000-6200-1000",
+           SharedPrefixShape(150, 5, 1000, 6200, 1000), (3, 10, 20, 30, 40, 60), 50.0,
+           "long unique questions behind a short shared prefix"),
+    Preset("multi-turn-6x1000-1000-30-1000",
+           SharedPrefixShape(6, 1000, 1000, 30, 1000, multi_turn=True), (3, 10, 20, 30), 50.0,
+           "6 groups x 1000 users, short questions, conversations"),
+    Preset("multi-turn-6x1000-1000-3000-1000",
+           SharedPrefixShape(6, 1000, 1000, 3000, 1000, multi_turn=True), (3, 10, 20, 30), 50.0,
+           "6 groups x 1000 users, long questions, conversations"),
+    Preset("tiny", SharedPrefixShape(4, 4, 256, 32, 16), (4.0, 8.0), 5.0,
+           "CI smoke test: 4 groups of 256-token system prompts"),
+)}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    index: int
+    stage: int
+    """Index into the QPS ladder."""
+    qps: float
+    send_at: float
+    """Simulated seconds from the start of the run."""
+    group: int
+    user: int
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    prefix_len: int
+    """Tokens shared with the group (the system prompt)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: SharedPrefixShape
+    qps: tuple[float, ...]
+    stage_duration: float
+    seed: int
+    requests: tuple[BenchRequest, ...]
+    tokenizer: TokenizerBundle
+
+    def text(self, request: BenchRequest) -> str:
+        """The prompt as text; it tokenizes back to exactly `request.prompt_ids`."""
+        return self.tokenizer.decode(list(request.prompt_ids))
+
+    def stage_requests(self, stage: int) -> list[BenchRequest]:
+        return [r for r in self.requests if r.stage == stage]
+
+
+_WORDS: dict[int, tuple[tuple[int, ...], int]] = {}
+
+
+def word_token_ids(tokenizer: TokenizerBundle) -> tuple[tuple[int, ...], int]:
+    """Ids of common single-token lowercase words with a leading space, and the id of '.'."""
+    key = id(tokenizer.tokenizer)
+    if key not in _WORDS:
+        vocab = tokenizer.tokenizer.get_vocab()
+        # Lower ids are earlier BPE merges: the commoner words.
+        words = sorted(i for t, i in vocab.items() if re.fullmatch(r"Ġ[a-z]{3,9}", t))[:8000]
+        _WORDS[key] = (tuple(words), vocab["."])
+    return _WORDS[key]
+
+
+def random_text_ids(tokenizer: TokenizerBundle, length: int, rng: random.Random) -> list[int]:
+    """`length` token ids of words and full stops (about one sentence per 12 words)."""
+    words, period = word_token_ids(tokenizer)
+    out: list[int] = []
+    for _ in range(length):
+        previous_is_word = bool(out) and out[-1] != period
+        out.append(period if previous_is_word and rng.random() < 0.08 else rng.choice(words))
+    return out
+
+
+class _Conversations:
+    """Multi-turn state per (group, user): the history after the system prompt."""
+
+    def __init__(self, shape: SharedPrefixShape, tokenizer: TokenizerBundle, rng: random.Random):
+        self.shape, self.tokenizer, self.rng = shape, tokenizer, rng
+        self.history: dict[tuple[int, int], list[int]] = {}
+
+    def next_prompt(self, system: list[int], group: int, user: int) -> tuple[int, ...]:
+        shape = self.shape
+        history = self.history.setdefault((group, user), [])
+        turn = shape.question_len + shape.output_len
+        if len(system) + len(history) + turn > shape.max_context:
+            history.clear()
+        question = random_text_ids(self.tokenizer, shape.question_len, self.rng)
+        prompt = (*system, *history, *question)
+        history.extend(question)
+        history.extend(random_text_ids(self.tokenizer, shape.output_len, self.rng))
+        return prompt
+
+
+def build_workload(shape: SharedPrefixShape, qps: Sequence[float], stage_duration: float,
+                   tokenizer: TokenizerBundle, seed: int = 0,
+                   max_requests: int | None = None) -> Workload:
+    """Every request of the run, in send order (repeatable for a seed)."""
+    rng = random.Random(seed)
+    systems = [random_text_ids(tokenizer, shape.system_prompt_len, rng)
+               for _ in range(shape.num_groups)]
+    questions = {(g, u): random_text_ids(tokenizer, shape.question_len, rng)
+                 for g in range(shape.num_groups) for u in range(shape.num_prompts_per_group)}
+    conversations = _Conversations(shape, tokenizer, rng)
+    arrivals = random.Random(seed + 1)
+    requests: list[BenchRequest] = []
+    start = 0.0
+    for stage, rate in enumerate(qps):
+        t = start
+        while True:
+            t += arrivals.expovariate(rate)
+            if t >= start + stage_duration or (max_requests and len(requests) >= max_requests):
+                break
+            group = arrivals.randrange(shape.num_groups)
+            user = arrivals.randrange(shape.num_prompts_per_group)
+            if shape.multi_turn:
+                prompt = conversations.next_prompt(systems[group], group, user)
+            else:
+                prompt = (*systems[group], *questions[(group, user)])
+            requests.append(BenchRequest(len(requests), stage, float(rate), t, group, user,
+                                         prompt, shape.output_len, shape.system_prompt_len))
+        start += stage_duration
+    return Workload(shape, tuple(float(q) for q in qps), stage_duration, seed, tuple(requests),
+                    tokenizer)
