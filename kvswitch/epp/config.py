@@ -451,8 +451,10 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
     return router, parsers
 
 
-def build_endpoint_picker(config: Path | str | Mapping[str, Any] | None,
-                          pool: Path | str | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+Source = Path | str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+def build_endpoint_picker(config: Source | None, pool: Source,
                           metrics: EppMetrics | None = None) -> EndpointPicker:
     """The EPP's parsers and router from an EndpointPickerConfig (None: all defaults) and a pool.
 
