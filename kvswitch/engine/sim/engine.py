@@ -254,6 +254,18 @@ class SimEngine:
             w.set_result(None)
 
     async def _loop(self) -> None:
+        try:
+            await self._run_steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a simulator bug: fail every stream rather than hang them
+            self._running = False
+            error = InternalError(f"simulated engine failed: {exc!r}")
+            for req in list(self._requests.values()):
+                req.stream.fail(error)
+            raise
+
+    async def _run_steps(self) -> None:
         sched, clock = self.scheduler, self.clock
         while True:
             if not sched.has_work():

@@ -27,6 +27,9 @@ class OutputStream:
         "index_done",
         "num_done",
         "prompt_logprobs",
+        "cached_tokens",
+        "single",
+        "delta0",
     )
 
     def __init__(
@@ -46,16 +49,27 @@ class OutputStream:
         self.num_done = 0
         self.prompt_logprobs = prompt_logprobs
         """Sent once, on the first update."""
+        self.cached_tokens = -1
+        self.single = len(sequences) == 1
+        # n == 1 fast path: the pending update's only delta, created with it.
+        self.delta0: SequenceDelta | None = None
 
     def _update(self) -> GenerationUpdate:
         u = self.pending
         if u is None:
-            first = self.sequences[0]
+            if self.cached_tokens < 0:
+                # Known once the first sequence was admitted, which precedes any output.
+                self.cached_tokens = max(0, self.sequences[0].num_cached_tokens)
+            if self.single:
+                self.delta0 = SequenceDelta(0, [])
+                deltas = [self.delta0]
+            else:
+                deltas = []
             u = self.pending = GenerationUpdate(
                 self.request_id,
-                first.num_prompt_tokens,
-                max(0, first.num_cached_tokens),
-                [],
+                self.sequences[0].num_prompt_tokens,
+                self.cached_tokens,
+                deltas,
                 False,
                 self.prompt_logprobs,
             )
@@ -66,6 +80,8 @@ class OutputStream:
         return u
 
     def _delta(self, u: GenerationUpdate, index: int) -> SequenceDelta:
+        if self.single:
+            return self.delta0  # type: ignore[return-value]
         for d in u.sequences:
             if d.index == index:
                 return d
@@ -78,8 +94,9 @@ class OutputStream:
         index = seq.index
         if self.index_done[index]:
             return  # ended by an abort while the step that produced this token ran
-        u = self._update()
-        d = self._delta(u, index)
+        u = self.pending or self._update()
+        d = self.delta0 if self.single else self._delta(u, index)
+        assert d is not None
         d.token_ids.append(seq.token_ids[-1])
         if seq.last_logprob is not None:
             if d.logprobs is None:

@@ -14,7 +14,7 @@ from kvswitch.engine.base import GenerationRequest, SamplingOptions
 from kvswitch.engine.sim import SimConfig, SimEngine
 
 
-def bench_scheduler(num_seqs: int = 1000, steps: int = 500) -> dict[str, float]:
+def bench_scheduler(num_seqs: int = 1000, steps: int = 300) -> dict[str, float]:
     engine = SimEngine(SimConfig(time_scale=1e9))
     sched = engine.scheduler
     engine._running = True  # build requests without starting the loop
