@@ -23,8 +23,9 @@ _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty")
 
 
-def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int) -> int:
-    """The output budget: the request's, capped by the room left in the context window."""
+def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int) -> int | None:
+    """Check the request's output budget against the room the prompt leaves in the context
+    window. None stays None: the engine then generates until eos or the window is full."""
     room = max_model_len - prompt_len
     if room <= 0:
         raise InvalidRequest(
@@ -37,7 +38,7 @@ def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int) -
             f"maximum context length is {max_model_len} tokens and your request has "
             f"{prompt_len} input tokens ({requested} > {max_model_len} - {prompt_len}).",
             param="max_tokens")
-    return room if requested is None else requested
+    return requested
 
 
 def _logprobs(request: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -64,11 +65,10 @@ def _logit_bias(bias: Mapping[str, float], vocab_size: int) -> dict[int, float]:
 
 
 def build_sampling_params(request: ChatCompletionRequest | CompletionRequest, *,
-                          max_tokens: int, vocab_size: int,
+                          max_tokens: int | None, vocab_size: int,
                           defaults: Mapping[str, Any] | None = None) -> pb.SamplingParams:
     """Map the request's sampling fields; `max_tokens` is already capped (`max_tokens_for`)."""
     params = pb.SamplingParams(
-        max_tokens=max_tokens,
         min_tokens=request.min_tokens,
         n=request.n,
         stop=request.stop_list,
@@ -78,7 +78,9 @@ def build_sampling_params(request: ChatCompletionRequest | CompletionRequest, *,
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
     )
-    if request.min_tokens > max_tokens:
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    if max_tokens is not None and request.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({request.min_tokens}) must be at most max_tokens "
                              f"({max_tokens})", param="min_tokens")
     chosen = {name: getattr(request, name) for name in _DEFAULTABLE}
