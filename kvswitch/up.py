@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import signal
 import sys
@@ -332,6 +333,15 @@ def _supervise(supervisor: Supervisor, stop_requested: list[int]) -> int:
     return 0
 
 
+def served_model(address: str) -> str:
+    """The first model id the frontend lists (what the printed curl line must name)."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/v1/models", timeout=5.0) as response:
+            return str(json.loads(response.read())["data"][0]["id"])
+    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError):
+        return "default"
+
+
 def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
     address = f"127.0.0.1:{ports.public}"
     proto_dir = Path(importlib.util.find_spec("smg_grpc_proto").origin or "").parent / "proto"  # type: ignore[union-attr]
@@ -360,12 +370,13 @@ def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
         "EOF",
     ]
     if with_frontend:
+        body = json.dumps({"model": served_model(address), "max_tokens": 10,
+                           "messages": [{"role": "user", "content": "Hello"}]})
         lines += [
             "",
             "OpenAI HTTP:",
             f"  curl -s http://{address}/v1/chat/completions -H 'content-type: application/json' "
-            "-d '{\"model\": \"\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
-            "\"max_tokens\": 10}'",
+            f"-d '{body}'",
         ]
     lines += ["", "Ctrl-C stops everything.", ""]
     return "\n".join(lines)
