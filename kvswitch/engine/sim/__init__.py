@@ -17,4 +17,12 @@ from kvswitch.engine.sim.config import FAILURE_KINDS, MODES, SimConfig
 from kvswitch.engine.sim.engine import SimEngine
 from kvswitch.engine.sim.profiles import PROFILES, SimProfile, get_profile
 
-__all__ = ["SimEngine", "SimConfig", "SimProfile", "PROFILES", "get_profile", "FAILURE_KINDS", "MODES"]
+__all__ = [
+    "FAILURE_KINDS",
+    "MODES",
+    "PROFILES",
+    "SimConfig",
+    "SimEngine",
+    "SimProfile",
+    "get_profile",
+]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from kvswitch.engine.sim.profiles import SimProfile, get_profile
 
-__all__ = ["SimConfig", "FAILURE_KINDS", "MODES"]
+__all__ = ["FAILURE_KINDS", "MODES", "SimConfig"]
 
 MODES = ("echo", "random")
 
@@ -50,7 +51,7 @@ class SimConfig:
     def resolved_profile(self) -> SimProfile:
         """The named profile with this config's overrides applied, checked for consistency."""
         base = get_profile(self.profile)
-        overrides = {
+        overrides: dict[str, Any] = {
             k: v
             for k, v in (
                 ("block_size", self.block_size),
@@ -63,7 +64,9 @@ class SimConfig:
         }
         p = dataclasses.replace(base, **overrides)
         if min(p.block_size, p.num_gpu_blocks, p.max_num_seqs, p.max_num_batched_tokens) < 1:
-            raise ValueError("block_size, num_gpu_blocks, max_num_seqs, max_num_batched_tokens must be >= 1")
+            raise ValueError(
+                "block_size, num_gpu_blocks, max_num_seqs, max_num_batched_tokens must be >= 1"
+            )
         if self.max_model_len is None:
             # Like vLLM's auto-fit: a context that cannot fit the KV cache is shrunk to it.
             p = dataclasses.replace(p, max_model_len=min(p.max_model_len, p.kv_capacity_tokens))
@@ -75,7 +78,9 @@ class SimConfig:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; use one of {MODES}")
         if self.failure_kind not in FAILURE_KINDS:
-            raise ValueError(f"unknown failure_kind {self.failure_kind!r}; use one of {FAILURE_KINDS}")
+            raise ValueError(
+                f"unknown failure_kind {self.failure_kind!r}; use one of {FAILURE_KINDS}"
+            )
         if not 0.0 <= self.failure_rate <= 1.0:
             raise ValueError("failure_rate must be in [0, 1]")
         if self.time_scale <= 0:

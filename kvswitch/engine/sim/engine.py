@@ -42,7 +42,7 @@ _THROUGHPUT_WINDOW = 256
 
 
 class _Request:
-    __slots__ = ("request_id", "sequences", "stream", "abort_after_first")
+    __slots__ = ("abort_after_first", "request_id", "sequences", "stream")
 
     def __init__(self, request_id: str, sequences: list[SimSequence], stream: OutputStream) -> None:
         self.request_id = request_id
@@ -137,7 +137,9 @@ class SimEngine:
         if not self._running:
             raise Unavailable("the engine is not running")
         if request.request_id in self._requests:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use", param="request_id")
+            raise InvalidRequest(
+                f"request id {request.request_id!r} is already in use", param="request_id"
+            )
         prompt = list(request.prompt_token_ids)
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -149,7 +151,9 @@ class SimEngine:
         if s.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {s.n}", param="n")
         if s.max_tokens is not None and s.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {s.max_tokens}", param="max_tokens")
+            raise InvalidRequest(
+                f"max_tokens must be at least 1, got {s.max_tokens}", param="max_tokens"
+            )
         wanted = max(s.max_tokens or 1, s.min_tokens, 1)
         if len(prompt) + wanted > p.max_model_len:
             raise InvalidRequest(
@@ -161,11 +165,14 @@ class SimEngine:
         for name, value in (("logprobs", s.logprobs), ("prompt_logprobs", s.prompt_logprobs)):
             if value is not None and value > self.config.max_logprobs:
                 raise InvalidRequest(
-                    f"{name} {value} exceeds the maximum allowed {self.config.max_logprobs}", param=name
+                    f"{name} {value} exceeds the maximum allowed {self.config.max_logprobs}",
+                    param=name,
                 )
         return prompt
 
-    async def _generate(self, request: GenerationRequest, prompt: list[int]) -> AsyncIterator[GenerationUpdate]:
+    async def _generate(
+        self, request: GenerationRequest, prompt: list[int]
+    ) -> AsyncIterator[GenerationUpdate]:
         rid = request.request_id
         cfg = self.config
         injected = cfg.failure_rate > 0 and self._failures.random() < cfg.failure_rate
@@ -190,7 +197,9 @@ class SimEngine:
     def make_sequences(self, request: GenerationRequest) -> list[SimSequence]:
         """The request's n sequences, seeded and with their stop rules, not yet scheduled."""
         s, prompt = request.sampling, list(request.prompt_token_ids)
-        max_tokens = s.max_tokens if s.max_tokens is not None else self.profile.max_model_len - len(prompt)
+        max_tokens = (
+            s.max_tokens if s.max_tokens is not None else self.profile.max_model_len - len(prompt)
+        )
         prompt_key = hash(tuple(prompt))
         seqs = []
         for i in range(s.n):
@@ -205,7 +214,11 @@ class SimEngine:
     def _admit(self, request: GenerationRequest, prompt: list[int]) -> _Request:
         s = request.sampling
         seqs = self.make_sequences(request)
-        plp = None if s.prompt_logprobs is None else prompt_logprobs(prompt, s.prompt_logprobs, self.vocab_size)
+        plp = (
+            None
+            if s.prompt_logprobs is None
+            else prompt_logprobs(prompt, s.prompt_logprobs, self.vocab_size)
+        )
         req = _Request(request.request_id, seqs, OutputStream(request.request_id, seqs, plp))
         for seq in seqs:
             seq.owner = req
@@ -318,7 +331,9 @@ class SimEngine:
             block_size=p.block_size,
             max_running=p.max_num_seqs,
             gen_throughput=self._gen_throughput(),
-            cache_hit_rate=sched.prefix_hits / sched.prefix_queries if sched.prefix_queries else 0.0,
+            cache_hit_rate=sched.prefix_hits / sched.prefix_queries
+            if sched.prefix_queries
+            else 0.0,
         )
 
     def _gen_throughput(self) -> float:

@@ -54,7 +54,9 @@ class KvEventLog:
         load: EngineLoadSnapshot | None = None,
     ) -> KvEventBatchData:
         stored, removed = net_events(events)
-        batch = KvEventBatchData(self.next_sequence_number, timestamp, stored, removed, cleared, load)
+        batch = KvEventBatchData(
+            self.next_sequence_number, timestamp, stored, removed, cleared, load
+        )
         self.next_sequence_number += 1
         self.history.append(batch)
         self._wake()
@@ -80,8 +82,7 @@ class KvEventLog:
                 while nxt < self.next_sequence_number:
                     # Recomputed each time: the deque may have moved while we were suspended.
                     oldest = history[0].sequence_number
-                    if nxt < oldest:
-                        nxt = oldest
+                    nxt = max(nxt, oldest)
                     yield history[nxt - oldest]
                     nxt += 1
             if self._closed:

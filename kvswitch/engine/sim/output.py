@@ -18,18 +18,18 @@ __all__ = ["OutputStream"]
 
 class OutputStream:
     __slots__ = (
-        "request_id",
-        "sequences",
-        "pending",
-        "waiter",
-        "error",
+        "cached_tokens",
+        "delta0",
         "done",
+        "error",
         "index_done",
         "num_done",
+        "pending",
         "prompt_logprobs",
-        "cached_tokens",
+        "request_id",
+        "sequences",
         "single",
-        "delta0",
+        "waiter",
     )
 
     def __init__(
@@ -112,7 +112,9 @@ class OutputStream:
         u = self._update()
         self._end(u, self._delta(u, seq.index), reason, None)
 
-    def _end(self, u: GenerationUpdate, d: SequenceDelta, reason: str, matched: int | str | None) -> None:
+    def _end(
+        self, u: GenerationUpdate, d: SequenceDelta, reason: str, matched: int | str | None
+    ) -> None:
         d.finish_reason, d.matched_stop = reason, matched
         self.index_done[d.index] = True
         self.num_done += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SimProfile", "PROFILES", "get_profile"]
+__all__ = ["PROFILES", "SimProfile", "get_profile"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,9 @@ class SimProfile:
 
     def step_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
         """Simulated duration of one step (the formula in the module docstring)."""
-        return (self.base_us + self.prefill_us * prefill_tokens + self.decode_us * decode_tokens) * 1e-6
+        return (
+            self.base_us + self.prefill_us * prefill_tokens + self.decode_us * decode_tokens
+        ) * 1e-6
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -26,7 +26,7 @@ from kvswitch.engine.base import SamplingOptions, TokenLogprob
 from kvswitch.engine.sim.request import SimSequence
 from kvswitch.tokenization import TokenizerBundle
 
-__all__ = ["TokenSource", "StopChecker", "simulated_logprob", "prompt_logprobs"]
+__all__ = ["StopChecker", "TokenSource", "prompt_logprobs", "simulated_logprob"]
 
 _MASK = (1 << 64) - 1
 _LCG_A = 6364136223846793005

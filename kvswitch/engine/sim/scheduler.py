@@ -27,7 +27,7 @@ from kvswitch.engine.sim.profiles import SimProfile
 from kvswitch.engine.sim.request import SeqStatus, SimSequence
 from kvswitch.engine.sim.sampler import StopChecker, TokenSource, simulated_logprob
 
-__all__ = ["SchedulerLimits", "StepResult", "Scheduler"]
+__all__ = ["Scheduler", "SchedulerLimits", "StepResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,11 +131,13 @@ class Scheduler:
             seq = running[i]
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
-            if n > budget:
-                n = budget
+            n = min(n, budget)
             total = computed + n
             # Fast path (a decode inside its last block, nothing to cache): no allocation call.
-            if total > len(seq.blocks) * bs or min(total, len(seq.token_ids)) // bs > seq.num_cached_blocks:
+            if (
+                total > len(seq.blocks) * bs
+                or min(total, len(seq.token_ids)) // bs > seq.num_cached_blocks
+            ):
                 ok = True
                 while not kv.allocate_slots(seq, n):
                     victim = running.pop()

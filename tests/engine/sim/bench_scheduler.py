@@ -43,7 +43,9 @@ async def bench_engine(num_streams: int = 1000, max_tokens: int = 200) -> dict[s
     async def one(i: int) -> int:
         prompt = [(i * 131 + j) % 150000 for j in range(64)]
         n = 0
-        async for u in engine.generate(GenerationRequest(f"e{i}", prompt, SamplingOptions(max_tokens=max_tokens))):
+        async for u in engine.generate(
+            GenerationRequest(f"e{i}", prompt, SamplingOptions(max_tokens=max_tokens))
+        ):
             n += sum(len(s.token_ids) for s in u.sequences)
         return n
 
@@ -55,4 +57,8 @@ async def bench_engine(num_streams: int = 1000, max_tokens: int = 200) -> dict[s
 
 
 if __name__ == "__main__":
-    print(json.dumps({"scheduler": bench_scheduler(), "engine": asyncio.run(bench_engine())}, indent=1))
+    print(
+        json.dumps(
+            {"scheduler": bench_scheduler(), "engine": asyncio.run(bench_engine())}, indent=1
+        )
+    )

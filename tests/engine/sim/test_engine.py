@@ -63,7 +63,9 @@ async def test_random_mode_is_deterministic_by_seed() -> None:
         await e.start()
         a = tokens_of(await collect(e.generate(request("a", PROMPT, max_tokens=20, seed=42))))
         b = tokens_of(await collect(e.generate(request("b", PROMPT, max_tokens=20, seed=43))))
-        g = tokens_of(await collect(e.generate(request("g", PROMPT, max_tokens=20, temperature=0.0))))
+        g = tokens_of(
+            await collect(e.generate(request("g", PROMPT, max_tokens=20, temperature=0.0)))
+        )
         outs.append((a, b, g))
         await e.stop()
     assert outs[0] == outs[1]
@@ -86,7 +88,9 @@ async def test_random_mode_without_max_tokens_ends_with_eos() -> None:
 
 async def test_stop_token_ids_and_min_tokens(engine: SimEngine) -> None:
     prompt = [10, 11, 12, 13, 14, 15, 16, 17]
-    updates = await collect(engine.generate(request("a", prompt, max_tokens=50, stop_token_ids=(12,))))
+    updates = await collect(
+        engine.generate(request("a", prompt, max_tokens=50, stop_token_ids=(12,)))
+    )
     assert tokens_of(updates) == [10, 11, 12]
     assert (final_delta(updates).finish_reason, final_delta(updates).matched_stop) == ("stop", 12)
     # min_tokens=5 ignores the 12 at output 3; the next one (output 11) stops.
@@ -99,10 +103,15 @@ async def test_stop_token_ids_and_min_tokens(engine: SimEngine) -> None:
 async def test_stop_strings_end_at_the_completing_token(engine: SimEngine) -> None:
     tok = engine.tokenizer
     prompt = tok.encode("Hello there, world. The END is near, friend.")
-    updates = await collect(engine.generate(request("a", prompt, max_tokens=100, stop=("END", "zzz"))))
+    updates = await collect(
+        engine.generate(request("a", prompt, max_tokens=100, stop=("END", "zzz")))
+    )
     text = tok.decode(tokens_of(updates))
     assert text.endswith("END") and "near" not in text
-    assert (final_delta(updates).finish_reason, final_delta(updates).matched_stop) == ("stop", "END")
+    assert (final_delta(updates).finish_reason, final_delta(updates).matched_stop) == (
+        "stop",
+        "END",
+    )
 
 
 async def test_n_sequences_share_the_prompt_blocks() -> None:
