@@ -52,10 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="debug logs one line per request")
 
 
-def _with_refresh_interval(config: str | None, interval: str) -> list[Mapping[str, Any]]:
+def _with_refresh_interval(config: str | None, interval: str) -> list[dict[str, Any]]:
     from kvswitch.epp.config import load_documents
 
-    docs = [dict(d) for d in load_documents(config, "config")] if config else []
+    docs: list[dict[str, Any]] = (
+        [dict(d) for d in load_documents(config, "config")] if config else []
+    )
     for doc in docs:
         if doc.get("kind") == "EndpointPickerConfig":
             break
@@ -99,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for noisy in ("grpc", "asyncio"):  # their debug output drowns the per-request lines
+        logging.getLogger(noisy).setLevel(logging.INFO)
     try:
         picker = build_picker(args)
-    except Exception as exc:  # config errors name the field; show them without a traceback
+    except Exception as exc:  # noqa: BLE001 - config errors name the field; no traceback
         logger.error("cannot build the endpoint picker: %s", exc)
         return 2
     if args.metrics_port:

@@ -30,13 +30,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Union
 
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3.http_status_pb2 import HttpStatus
-import orjson
 
 from kvswitch.epp.parsers import needs_body, select_parser
 from kvswitch.epp.request import (
@@ -57,7 +56,7 @@ from kvswitch.errors import (
 )
 from kvswitch.protocol import headers as h
 
-__all__ = ["ExtProcStream", "NeedRouting", "RequestFinished", "Action"]
+__all__ = ["Action", "ExtProcStream", "NeedRouting", "RequestFinished"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ class RequestFinished:
     outcome: RequestOutcome
 
 
-Action = Union[ep.ProcessingResponse, NeedRouting, RequestFinished]
+Action = ep.ProcessingResponse | NeedRouting | RequestFinished
 
 
 class _Phase(Enum):
@@ -128,7 +127,7 @@ class ExtProcStream:
 
     @property
     def full_duplex(self) -> bool:
-        return self._body_mode == _FULL_DUPLEX
+        return bool(self._body_mode == _FULL_DUPLEX)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -517,7 +516,7 @@ def immediate_error(
         error = {"message": message, "type": openai_type_for_http(status), "param": param,
                  "code": status}
         immediate = ep.ImmediateResponse(
-            status=HttpStatus(code=status),  # type: ignore[arg-type]
+            status=HttpStatus(code=status),  # type: ignore[arg-type,unused-ignore]
             headers=ep.HeaderMutation(
                 set_headers=[_header("content-type", "application/json"), dropped]
             ),

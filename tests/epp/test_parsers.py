@@ -8,7 +8,14 @@ from typing import Any
 import orjson
 import pytest
 
-from kvswitch.epp.parsers import default_parsers, needs_body, openai, passthrough, select_parser, vllmgrpc
+from kvswitch.epp.parsers import (
+    default_parsers,
+    needs_body,
+    openai,
+    passthrough,
+    select_parser,
+    vllmgrpc,
+)
 from kvswitch.epp.request import ParsedBody, Parser
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, method_path, vllm_engine_pb2

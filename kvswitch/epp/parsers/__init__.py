@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvswitch.epp.request import Parser
 
-__all__ = ["select_parser", "needs_body", "default_parsers"]
+__all__ = ["default_parsers", "needs_body", "select_parser"]
 
 
 def select_parser(parsers: Sequence[Parser], path: str, content_type: str) -> Parser | None:

@@ -19,7 +19,7 @@ import orjson
 from kvswitch.epp.request import ParsedBody
 from kvswitch.errors import InvalidRequest
 
-__all__ = ["TYPE", "PATHS", "OpenAIParser", "create"]
+__all__ = ["PATHS", "TYPE", "OpenAIParser", "create"]
 
 TYPE = "openai-parser"
 COMPLETIONS = "/v1/completions"
@@ -66,8 +66,10 @@ def _optional(data: Mapping[str, Any], key: str, kind: type) -> Any:
 
 
 def _max_tokens(data: Mapping[str, Any]) -> int | None:
-    value = _optional(data, "max_completion_tokens", int)
-    return value if value is not None else _optional(data, "max_tokens", int)
+    value: int | None = _optional(data, "max_completion_tokens", int)
+    if value is None:
+        value = _optional(data, "max_tokens", int)
+    return value
 
 
 def _is_tokens(value: list[Any]) -> bool:
