@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import math
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
@@ -317,7 +318,8 @@ class SimEngine:
         key = (len(sched.running), len(sched.waiting))
         if events or cleared or key != self._last_load_key:
             self._last_load_key = key
-            self._events.publish(self.clock.now(), events, cleared=cleared, load=self.load())
+            # Wall-clock time, as vLLM stamps its batches (consumers compare it with their own clock).
+            self._events.publish(time.time(), events, cleared=cleared, load=self.load())
 
     # -- state -------------------------------------------------------------------------------
     def load(self) -> EngineLoadSnapshot:
