@@ -62,6 +62,13 @@ class Channels:
             stubs = self._stubs[address] = itertools.cycle(made)
         return next(stubs)
 
+    async def connect(self, addresses: list[str], timeout: float = 10.0) -> None:
+        """Open every connection before the clock starts (no handshakes inside TTFTs)."""
+        for address in addresses:
+            self.stub(address)
+        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self._channels)),
+                               timeout)
+
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels))
         self._channels.clear()

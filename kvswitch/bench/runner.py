@@ -36,13 +36,17 @@ class TargetRun:
 async def run_target(target: Target, workload: Workload, ctx: RunContext, time_scale: float,
                      drain_timeout: float = 120.0, request_timeout: float = 600.0,
                      progress: bool = True) -> TargetRun:
+    await target.start(ctx)
+    # Flush after the target is up (SMG warms up with a request): every target starts cold.
     flushed = await ctx.pool.flush()
     if not all(flushed.values()):
+        await target.stop()
         raise RuntimeError(f"FlushCache failed on {[a for a, ok in flushed.items() if not ok]}")
-    await target.start(ctx)
     channels = Channels()
     run_id = uuid.uuid4().hex[:8]
     try:
+        if not hasattr(target, "send_request"):
+            await channels.connect(target.addresses())
         before = await ctx.pool.counters()
         started = time.perf_counter()
         results = await _drive(target, workload, channels, run_id, time_scale, drain_timeout,
@@ -67,9 +71,14 @@ async def _drive(target: Target, workload: Workload, channels: Channels, run_id:
     async def one(request: BenchRequest) -> None:
         address, endpoint = target.choose(request)
         text = workload.text(request) if target.text_prompts else None
-        message = generate_request(request, run_id, text)
-        result = await send(channels.stub(address), message, request, time_scale,
-                            request_timeout, endpoint, lambda: target.first_token(request))
+        http_send = getattr(target, "send_request", None)
+        if http_send is not None:  # an OpenAI HTTP target (SMG)
+            result = await http_send(request, text or workload.text(request), time_scale,
+                                     request_timeout)
+        else:
+            message = generate_request(request, run_id, text)
+            result = await send(channels.stub(address), message, request, time_scale,
+                                request_timeout, endpoint, lambda: target.first_token(request))
         target.finished(request, result)
         results.append(result)
         bar.update(1)

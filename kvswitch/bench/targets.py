@@ -52,6 +52,10 @@ class Target(Protocol):
         """(gRPC address to send to, engine label if the target knows it, else "")."""
         ...
 
+    def addresses(self) -> list[str]:
+        """Every gRPC address `choose` may return (connected before the run starts)."""
+        ...
+
     def first_token(self, request: BenchRequest) -> None: ...
 
     def finished(self, request: BenchRequest, result: RequestResult) -> None: ...
@@ -106,6 +110,9 @@ class GatewayTarget:
     def choose(self, request: BenchRequest) -> tuple[str, str]:
         return self._address, ""
 
+    def addresses(self) -> list[str]:
+        return [self._address]
+
     def first_token(self, request: BenchRequest) -> None:
         pass
 
@@ -145,6 +152,9 @@ class OracleTarget:
         assert self._router is not None
         engine = self._router.choose(request)
         return engine, engine
+
+    def addresses(self) -> list[str]:
+        return list(self._router.engines) if self._router is not None else []
 
     def first_token(self, request: BenchRequest) -> None:
         assert self._router is not None
