@@ -6,7 +6,9 @@ Three figures, each CPU seconds per request (not wall time):
 - `core_wire`: the same plus protobuf (de)serialization of every ext_proc message, as grpc does;
 - `server`: the whole EPP process (`EppServer` with a constant router, grpc.aio + uvloop) in a
   child process, driven over loopback by `--concurrency` concurrent ext_proc streams; measured as
-  the child's user+sys CPU time (from /proc) over the run.
+  the child's user+sys CPU time (from /proc) over the run;
+- `grpc_floor`: the same child and load with a servicer that only answers constants -- what
+  grpc.aio itself costs for one ext_proc stream (4 messages in, 5 out), the floor under `server`.
 
     .venv/bin/python benchmarks/epp_request_path.py [--requests 20000] [--out FILE.json]
 """
@@ -29,17 +31,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvswitch.epp.extproc import ExtProcStream, NeedRouting  # noqa: E402
-from kvswitch.epp.parsers import default_parsers  # noqa: E402
-from kvswitch.epp.request import EndpointPicker, RoutingDecision  # noqa: E402
-from tests.epp.test_extproc import (  # noqa: E402
+from kvswitch.epp.extproc import ExtProcStream, NeedRouting
+from kvswitch.epp.parsers import default_parsers
+from kvswitch.epp.request import EndpointPicker, RoutingDecision
+from kvswitch.protocol import vllm_engine_pb2
+from kvswitch.protocol.frames import encode
+from tests.epp.test_extproc import (
     body,
     grpc_headers,
     response_headers,
     response_trailers,
 )
-from kvswitch.protocol import vllm_engine_pb2  # noqa: E402
-from kvswitch.protocol.frames import encode  # noqa: E402
 
 DECISION = RoutingDecision(endpoints=("10.0.0.1:8000",))
 PROMPT_TOKENS = 1024
@@ -112,6 +114,29 @@ uvloop.run(main())
 """
 
 
+FLOOR_CHILD = """
+import sys, uvloop, grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+REPLY = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+class Constant(ep_grpc.ExternalProcessorServicer):
+    async def Process(self, requests, context):
+        n = 0
+        async for _ in requests:
+            n += 1
+            yield REPLY
+            if n == 2:
+                yield REPLY
+async def main():
+    server = grpc.aio.server()
+    ep_grpc.add_ExternalProcessorServicer_to_server(Constant(), server)
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    await server.start()
+    await server.wait_for_termination()
+uvloop.run(main())
+"""
+
+
 async def drive(port: int, n: int, concurrency: int) -> None:
     msgs = messages()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -136,8 +161,8 @@ async def drive(port: int, n: int, concurrency: int) -> None:
         await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))
 
 
-def run_server(n: int, concurrency: int) -> tuple[float, float]:
-    child = subprocess.Popen([sys.executable, "-c", SERVER_CHILD.format(repo=str(REPO))],
+def run_server(n: int, concurrency: int, code: str) -> tuple[float, float]:
+    child = subprocess.Popen([sys.executable, "-c", code],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
@@ -163,7 +188,9 @@ def main() -> None:
     run_core(picker, 2000, wire=True)  # warm up
     core = run_core(picker, args.requests, wire=False)
     core_wire = run_core(picker, args.requests, wire=True)
-    server, rate = run_server(args.server_requests, args.concurrency)
+    server, rate = run_server(args.server_requests, args.concurrency,
+                              SERVER_CHILD.format(repo=str(REPO)))
+    floor, _ = run_server(args.server_requests, args.concurrency, FLOOR_CHILD)
     result = {
         "prompt_tokens": PROMPT_TOKENS,
         "requests": args.requests,
@@ -173,6 +200,8 @@ def main() -> None:
         "server_concurrency": args.concurrency,
         "server_cpu_ms_per_request": round(server * 1e3, 4),
         "server_requests_per_second": round(rate, 1),
+        "grpc_floor_cpu_ms_per_request": round(floor * 1e3, 4),
+        "load_average_1m": os.getloadavg()[0],
         "python": sys.version.split()[0],
     }
     for key, value in result.items():

@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from kvswitch.epp.extproc import Action, ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.request import EndpointPicker, RoutingDecision
 
-__all__ = ["EXT_PROC_SERVICE", "HEALTH_SERVICES", "ExtProcServicer", "EppServer"]
+__all__ = ["EXT_PROC_SERVICE", "HEALTH_SERVICES", "EppServer", "ExtProcServicer"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +43,14 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _ENVELOPE_BYTES = 64 * 1024
 
 
-class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
+class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """`ExternalProcessor.Process`: one `ExtProcStream` per gRPC stream."""
 
     def __init__(self, picker: EndpointPicker) -> None:
         self._picker = picker
         self._router = picker.router
 
-    async def Process(  # noqa: N802
+    async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         stream = ExtProcStream(self._picker)
@@ -103,7 +103,9 @@ class EppServer:
         self.host = host
         self.port = port
         self.health = health_aio.HealthServicer()
-        limit = picker.max_body_bytes + _ENVELOPE_BYTES
+        # Headroom over max_body_bytes so that, in BUFFERED mode (one message holds the whole
+        # body), a body somewhat over the limit still gets a proper 413 rather than a gRPC error.
+        limit = 2 * picker.max_body_bytes + _ENVELOPE_BYTES
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
