@@ -57,8 +57,12 @@ class PrecisePrefixCacheScorer:
         pool = self._pool()
         if pool == self._following or (self._sync is not None and not self._sync.done()):
             return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # scheduling outside an event loop (tests): nothing to follow
         self._following = pool
-        self._sync = asyncio.get_running_loop().create_task(
+        self._sync = loop.create_task(
             self.subscriptions.set_endpoints(pool), name="kv-events-follow")
 
     async def start(self) -> None:

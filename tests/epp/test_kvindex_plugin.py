@@ -1,0 +1,32 @@
+"""precise-prefix-cache-scorer: scores from the KV-event index, for token and text prompts."""
+
+from __future__ import annotations
+
+from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
+from kvswitch.epp.framework import PluginHandle
+from kvswitch.epp.kvindex import BlocksStored, StoredBlock
+from kvswitch.epp.kvindex.precise_prefix_cache_scorer import TYPE, create
+from kvswitch.epp.request import InferenceRequest, ParsedBody
+from kvswitch.tokenization import load_tokenizer
+
+
+def stored(tokens: list[int]) -> BlocksStored:
+    return BlocksStored(tuple(StoredBlock(i, tuple(tokens[i * 16:(i + 1) * 16]))
+                              for i in range(len(tokens) // 16)), None, 16)
+
+
+def test_scores_are_matched_fraction_for_tokens_and_text() -> None:
+    assert TYPE == "precise-prefix-cache-scorer"
+    scorer = create("p", {"blockSize": 16}, PluginHandle(Datalayer()))
+    tokenizer = load_tokenizer(None)
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
+    ids = tokenizer.encode(text)
+    full = len(ids) // 16
+    scorer.index.apply("a:1", [stored(ids)])
+    scorer.index.apply("b:1", [stored(ids[:32])])
+    endpoints = [Endpoint(EndpointSpec(a)) for a in ("a:1", "b:1", "c:1")]
+    for body in (ParsedBody(prompt_token_ids=tuple(ids)), ParsedBody(prompt_text=text)):
+        request = InferenceRequest("r", "grpc", "/x", body)
+        state: dict[str, object] = {}
+        scorer.produce(request, state, endpoints)
+        assert scorer.score(request, state, endpoints) == [1.0, 2 / full, 0.0]
