@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeAlias
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption
@@ -81,7 +82,7 @@ class RequestFinished:
     outcome: RequestOutcome
 
 
-Action = ep.ProcessingResponse | NeedRouting | RequestFinished
+Action: TypeAlias = ep.ProcessingResponse | NeedRouting | RequestFinished
 
 
 class _Phase(Enum):

@@ -17,12 +17,12 @@ import zlib
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
 
 __all__ = [
-    "PREFIX_SIZE",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "PREFIX_SIZE",
     "SUPPORTED_ENCODINGS",
-    "encode",
     "FrameDecoder",
     "decode_all",
+    "encode",
 ]
 
 PREFIX_SIZE = 5
