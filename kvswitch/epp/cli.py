@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvswitch.epp.request import EndpointPicker
