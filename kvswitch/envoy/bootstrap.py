@@ -88,10 +88,10 @@ class GatewayOptions:
     """OpenAI frontend processes (`host:port`), served on `/v1/*` and `/health`."""
     round_robin: bool = False
     routing: Routing = "override-host"
-    message_timeout_s: float = 30.0
+    message_timeout_s: float = 40.0
     """How long ext_proc waits for each EPP reply. The EPP holds the headers reply until it has
-    parsed the body and scheduled, which includes flow-control queueing; keep it above the flow
-    control queue TTL."""
+    parsed the body and scheduled, which includes flow-control queueing: keep it above the flow
+    control queue's max wait (30 s by default), so the EPP's own 503 arrives first."""
     fallback_retries: int = 2
     """Retries onto fallback endpoints (`override-host` routing only)."""
     access_log: bool = False

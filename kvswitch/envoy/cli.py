@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no EPP: plain round robin over the pool (benchmark baseline)")
     parser.add_argument("--routing", choices=["original-dst", "override-host"],
                         default="override-host", help="how the pool cluster honours the pick")
-    parser.add_argument("--message-timeout", type=float, default=30.0,
+    parser.add_argument("--message-timeout", type=float, default=40.0,
                         help="seconds ext_proc waits for each EPP reply")
     parser.add_argument("--access-log", action="store_true", help="access log to stdout")
     parser.add_argument("-o", "--output", help="file to write (.yaml or .json); default stdout")
