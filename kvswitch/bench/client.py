@@ -38,6 +38,8 @@ class RequestResult:
     cached_tokens: int = 0
     endpoint: str = ""
     """The engine that served it, when the target knows (oracle); else empty."""
+    sent_at: float = 0.0
+    """Simulated seconds from the start of the run to the send (set by the runner)."""
 
 
 class Channels:

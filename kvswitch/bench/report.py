@@ -1,8 +1,8 @@
 """Summaries, JSON, Markdown and PNG plots of a bench run.
 
 Per target and per QPS step: TTFT p50/p90/p99, ITL p50/p90, e2e p50/p90 (simulated seconds),
-output tokens per simulated second (output tokens of the step's finished requests / the step's
-simulated duration), success rate, and the client-side cache hit rate (cached / prompt tokens
+output tokens per simulated second (output tokens of the step's requests / simulated seconds
+from the step's first send to its last completion, so a router that falls behind scores lower), success rate, and the client-side cache hit rate (cached / prompt tokens
 the engines reported per request). Per target: the engines' prefix-cache hit rate
 (vllm:prefix_cache_hits / queries deltas), requests per replica and their imbalance
 (max / mean; 1.0 is perfect balance).
@@ -30,6 +30,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def _throughput(ok: Sequence[RequestResult]) -> float | None:
+    """Output tokens / simulated seconds from the first send to the last completion."""
+    if not ok:
+        return None
+    span = max(r.sent_at + (r.e2e or 0.0) for r in ok) - min(r.sent_at for r in ok)
+    return sum(r.output_tokens for r in ok) / span if span > 0 else None
+
+
 def step_summary(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
@@ -44,7 +52,7 @@ def step_summary(results: Sequence[RequestResult], duration: float) -> dict[str,
         "ttft_p99": percentile(ttft, 0.99),
         "itl_p50": percentile(itl, 0.5), "itl_p90": percentile(itl, 0.9),
         "e2e_p50": percentile(e2e, 0.5), "e2e_p90": percentile(e2e, 0.9),
-        "output_tok_s": sum(r.output_tokens for r in ok) / duration if duration else None,
+        "output_tok_s": _throughput(ok),
         "client_cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }

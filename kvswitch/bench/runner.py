@@ -10,6 +10,7 @@ and after; their deltas give the cache hit rate and the per-replica load.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ async def _drive(target: Target, workload: Workload, channels: Channels, run_id:
     results: list[RequestResult] = []
 
     async def one(request: BenchRequest) -> None:
+        sent = time.perf_counter()
         address, endpoint = target.choose(request)
         text = workload.text(request) if target.text_prompts else None
         http_send = getattr(target, "send_request", None)
@@ -80,7 +82,7 @@ async def _drive(target: Target, workload: Workload, channels: Channels, run_id:
             result = await send(channels.stub(address), message, request, time_scale,
                                 request_timeout, endpoint, lambda: target.first_token(request))
         target.finished(request, result)
-        results.append(result)
+        results.append(dataclasses.replace(result, sent_at=(sent - t0) * time_scale))
         bar.update(1)
 
     tasks: list[asyncio.Task[None]] = []
