@@ -55,6 +55,9 @@ _CHANNEL_OPTIONS = [
     # Envoy or an engine restarting: reconnect quickly rather than after the default backoff.
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # A target naming several engines ("ipv4:127.0.0.1:5001,127.0.0.1:5002") is spread over
+    # them; a single address (Envoy, one engine) is unaffected.
+    ("grpc.lb_policy_name", "round_robin"),
 ]
 
 
