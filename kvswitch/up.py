@@ -47,21 +47,22 @@ logger = logging.getLogger("kvswitch.up")
 H2C = "kubernetes.io/h2c"
 READY_ENDPOINTS_METRIC = "kvswitch_epp_pool_ready_endpoints"
 
-# Upstream-like default: prefix affinity first, load as the tie-breaker and spill-over signal
-# (the llm-d "precise prefix" example weights), max-score picker with random tie-break.
+# Precise prefix affinity (the engines' KV events) first, load as the tie-breaker and spill-over
+# signal (the llm-d "precise prefix" example weights), max-score picker with random tie-break.
 DEFAULT_EPP_CONFIG = {
     "apiVersion": "llm-d.ai/v1alpha1",
     "kind": "EndpointPickerConfig",
     "plugins": [
         {"name": "vllmgrpc-parser", "type": "vllmgrpc-parser"},
         {"name": "openai-parser", "type": "openai-parser"},
-        {"name": "prefix-cache-scorer", "type": "prefix-cache-scorer"},
+        {"name": "precise-prefix-cache-scorer", "type": "precise-prefix-cache-scorer",
+         "parameters": {"blockSize": 16}},
         {"name": "queue-scorer", "type": "queue-scorer"},
         {"name": "kv-cache-utilization-scorer", "type": "kv-cache-utilization-scorer"},
         {"name": "max-score-picker", "type": "max-score-picker"},
     ],
     "schedulingProfiles": [{"name": "default", "plugins": [
-        {"pluginRef": "prefix-cache-scorer", "weight": 3},
+        {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
         {"pluginRef": "queue-scorer", "weight": 2},
         {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
         {"pluginRef": "max-score-picker"},

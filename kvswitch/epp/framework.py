@@ -89,6 +89,16 @@ class PreRequest(Protocol):
 
 
 @runtime_checkable
+class Lifecycle(Protocol):
+    """A plugin with background work (e.g. KV-event subscriptions): the router starts it after
+    the data layer and stops it before."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@runtime_checkable
 class ResponseComplete(Protocol):
     name: str
 
@@ -156,6 +166,7 @@ class Scheduler:
                  plugins: Sequence[object]) -> None:
         self.handler = handler
         self.profiles = dict(profiles)
+        self.plugins = tuple(plugins)
         self.producers = [p for p in plugins if isinstance(p, DataProducer)]
         self.pre_request = [p for p in plugins if isinstance(p, PreRequest)]
         self.response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
@@ -224,6 +235,7 @@ REGISTRY: dict[str, str] = {
     "openai-parser": "kvswitch.epp.parsers.openai",
     "passthrough-parser": "kvswitch.epp.parsers.passthrough",
     "prefix-cache-scorer": "kvswitch.epp.plugins.prefix_cache_scorer",
+    "precise-prefix-cache-scorer": "kvswitch.epp.kvindex.precise_prefix_cache_scorer",
     "queue-scorer": "kvswitch.epp.plugins.queue_scorer",
     "kv-cache-utilization-scorer": "kvswitch.epp.plugins.kv_cache_utilization_scorer",
     "running-requests-size-scorer": "kvswitch.epp.plugins.running_requests_size_scorer",

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
 from kvswitch.epp.flowcontrol import FlowGate, Verdict
-from kvswitch.epp.framework import Scheduler
+from kvswitch.epp.framework import Lifecycle, Scheduler
 from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.request import InferenceRequest, RequestOutcome, RoutingDecision
+
+logger = logging.getLogger(__name__)
 
 NO_READY = RoutingDecision(status=503, reason="no ready endpoint")
 NO_SUBSET = RoutingDecision(status=503, reason="no eligible endpoint in subset")
@@ -59,9 +62,19 @@ class EppRouter:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def _lifecycle_plugins(self) -> list[Lifecycle]:
+        # Deduplicated: a plugin may be listed both as configured and as a shared object.
+        seen: dict[int, Lifecycle] = {}
+        for plugin in self.scheduler.plugins:
+            if isinstance(plugin, Lifecycle):
+                seen.setdefault(id(plugin), plugin)
+        return list(seen.values())
+
     async def start(self) -> None:
         if self.refresher is not None:
             await self.refresher.start()
+        for plugin in self._lifecycle_plugins():
+            await plugin.start()
         await self.gate.start()
         self._gauges = asyncio.create_task(self._update_gauges(), name="epp-gauges")
 
@@ -72,6 +85,11 @@ class EppRouter:
                 await self._gauges
             self._gauges = None
         await self.gate.stop()
+        for plugin in reversed(self._lifecycle_plugins()):
+            try:
+                await plugin.stop()
+            except Exception:  # one plugin failing to stop must not keep the others running
+                logger.exception("plugin %s failed to stop", getattr(plugin, "name", plugin))
         if self.refresher is not None:
             await self.refresher.stop()
 

@@ -170,3 +170,57 @@ def test_stale_endpoint_is_not_ready_until_refreshed() -> None:
     assert [e.address for e in datalayer.ready()] == ["b:1"]
     datalayer.update("a:1", Metrics(updated_at=100.3))
     assert [e.address for e in datalayer.ready()] == ["a:1", "b:1"]
+
+
+def test_pushed_load_updates_metrics_and_stays_fresh_while_records_flow() -> None:
+    from kvswitch.epp.datalayer import Metrics
+
+    now = [100.0]
+    datalayer = Datalayer(staleness=0.2, clock=lambda: now[0])
+    datalayer.set_endpoints([EndpointSpec("a:1")])
+    datalayer.update("a:1", Metrics(max_tokens=4096, block_size=16, updated_at=100.0))
+    datalayer.push("a:1", running=4, waiting=7, kv_usage=0.5, waiting_tokens=900, ttl=2.5)
+    m = datalayer.get("a:1").metrics  # type: ignore[union-attr]
+    assert (m.running, m.waiting, m.kv_usage, m.waiting_tokens) == (4, 7, 0.5, 900)
+    assert (m.max_tokens, m.block_size) == (4096, 16)  # capacity facts come from polling
+    now[0] = 102.0  # quiet engine: no new record, but the stream is live (heartbeats)
+    assert [e.address for e in datalayer.ready()] == ["a:1"]
+    now[0] = 102.6  # records stopped: stale like any unrefreshed endpoint
+    assert datalayer.ready() == []
+    datalayer.mark_failed("a:1")
+    datalayer.push("a:1", running=0, waiting=0, kv_usage=0.0, waiting_tokens=None, ttl=2.5)
+    assert datalayer.ready() == []  # pushes never override a failed health check
+
+
+class CountingCollector:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def collect(self, now: float):  # type: ignore[no-untyped-def]
+        from kvswitch.epp.datalayer import Metrics
+
+        self.calls += 1
+        return Metrics(updated_at=now)
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("pushed", [False, True])
+async def test_refresher_polls_rarely_while_load_is_pushed(pushed: bool) -> None:
+    datalayer = Datalayer()
+    collector = CountingCollector()
+    refresher = Refresher(datalayer, StaticDiscovery([EndpointSpec("a:1", H2C)]), interval=0.0,
+                          collector_factory=lambda spec: collector, push_poll_interval=1e9)
+    await refresher.start()
+    try:
+        if pushed:
+            datalayer.push("a:1", running=1, waiting=0, kv_usage=0.1, waiting_tokens=0,
+                           ttl=1e9)
+        before = collector.calls
+        for _ in range(50):
+            await asyncio.sleep(0)
+    finally:
+        await refresher.stop()
+    # Pushed (and polled once within push_poll_interval): no more polls; else one per turn.
+    assert (collector.calls == before) if pushed else (collector.calls > before + 10)

@@ -30,3 +30,16 @@ def test_scores_are_matched_fraction_for_tokens_and_text() -> None:
         state: dict[str, object] = {}
         scorer.produce(request, state, endpoints)
         assert scorer.score(request, state, endpoints) == [1.0, 2 / full, 0.0]
+
+
+def test_pushed_load_records_reach_the_endpoint_metrics() -> None:
+    from kvswitch.epp.kvindex import LoadRecord
+
+    datalayer = Datalayer()
+    datalayer.set_endpoints([EndpointSpec("a:1")])
+    scorer = create("p", {"blockSize": 16, "tokenizer": "none"}, PluginHandle(datalayer))
+    record = LoadRecord(running=2, waiting=5, waiting_uncached_tokens=3000, token_usage=0.25,
+                        gen_throughput=0.0, max_running=256, sample=1)
+    scorer.subscriptions.on_load("a:1", record)  # type: ignore[misc]
+    m = datalayer.get("a:1").metrics  # type: ignore[union-attr]
+    assert (m.running, m.waiting, m.waiting_tokens, m.kv_usage) == (2, 5, 3000, 0.25)

@@ -178,3 +178,22 @@ async def test_baseline_pickers_ignore_prefixes(picker: str) -> None:
     base = prompt(10)
     picks = Counter([(await router.route(request(base), None)).endpoints[0] for _ in range(40)])
     assert len(picks) == 4
+
+
+async def test_router_starts_and_stops_plugin_subscriptions() -> None:
+    cfg = config(plugins=[{"type": "precise-prefix-cache-scorer",
+                           "parameters": {"tokenizer": "none"}}])
+    router = build_endpoint_picker(cfg, static_pool(["127.0.0.1:1", "127.0.0.1:2"]),
+                                   metrics=EppMetrics()).router
+    assert isinstance(router, EppRouter)
+    scorer = next(p for p in router.scheduler.plugins
+                  if getattr(p, "name", "") == "precise-prefix-cache-scorer")
+    await router.start()
+    try:
+        # Started with the router, before any request: one subscription per pool endpoint.
+        assert set(scorer.subscriptions.subscribers) == {"127.0.0.1:1", "127.0.0.1:2"}  # type: ignore[attr-defined]
+        tasks = [s._task for s in scorer.subscriptions.subscribers.values()]  # type: ignore[attr-defined]
+    finally:
+        await router.stop()
+    assert scorer.subscriptions.subscribers == {}  # type: ignore[attr-defined]
+    assert all(t is not None and t.done() for t in tasks)

@@ -1,7 +1,7 @@
 """Collectors: one refresh of one endpoint's load.
 
-- `GrpcCollector` (h2c pools): `GetLoads` every refresh, `HealthCheck` + `GetServerInfo` every
-  `health_every` refreshes, over one grpc.aio channel per endpoint. Loads of several DP ranks are
+- `GrpcCollector` (h2c pools): `GetLoads` every refresh, `HealthCheck` + `GetServerInfo` at most
+  every `health_interval` seconds (and after any failure), over one grpc.aio channel per endpoint. Loads of several DP ranks are
   summed; kv usage = sum(num_used_tokens) / sum(max_total_num_tokens) when capacity is known,
   else the mean of `token_usage`.
 - `PrometheusCollector` (http pools): `GET /metrics` over a plain asyncio stream (HTTP/1.1,
@@ -34,14 +34,15 @@ class Collector(Protocol):
 
 
 class GrpcCollector:
-    def __init__(self, address: str, timeout: float = 1.0, health_every: int = 20) -> None:
+    def __init__(self, address: str, timeout: float = 1.0, health_interval: float = 1.0) -> None:
         self.address = address
         self.timeout = timeout
-        self.health_every = health_every
+        self.health_interval = health_interval
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
-        self._count = 0
+        self._health_due = float("-inf")
         self._block_size = 0
+        self._request = vllm_engine_pb2.GetLoadsRequest()
 
     async def _check_health(self) -> None:
         health = await self._stub.HealthCheck(
@@ -54,14 +55,17 @@ class GrpcCollector:
 
     async def collect(self, now: float) -> Metrics:
         try:
-            if self._count % self.health_every == 0:
+            if now >= self._health_due:
                 await self._check_health()
-            self._count += 1
-            loads = await self._stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=self.timeout)
+                self._health_due = now + self.health_interval
+            loads = await self._stub.GetLoads(self._request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
-            self._count = 0  # re-check health as soon as it answers again
+            self._health_due = float("-inf")  # re-check health as soon as it answers again
             raise CollectorError(f"{self.address}: {exc.code().name}: {exc.details()}") from exc
-        running = waiting = used = capacity = 0
+        except CollectorError:
+            self._health_due = float("-inf")
+            raise
+        running = waiting = used = capacity = waiting_tokens = 0
         usage_sum = 0.0
         for load in loads.loads:
             running += load.num_running_reqs
@@ -69,12 +73,14 @@ class GrpcCollector:
             used += load.num_used_tokens
             capacity += load.max_total_num_tokens
             usage_sum += load.token_usage
+            waiting_tokens += load.num_waiting_uncached_tokens
         if capacity:
             usage = used / capacity
         else:
             usage = usage_sum / len(loads.loads) if loads.loads else 0.0
         return Metrics(running=running, waiting=waiting, kv_usage=min(max(usage, 0.0), 1.0),
-                       max_tokens=capacity, block_size=self._block_size, updated_at=now)
+                       max_tokens=capacity, block_size=self._block_size, updated_at=now,
+                       waiting_tokens=waiting_tokens)
 
     async def close(self) -> None:
         await self._channel.close()

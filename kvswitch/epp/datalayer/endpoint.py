@@ -1,8 +1,15 @@
 """Endpoint state: what the EPP knows about one model-server replica.
 
 `Endpoint` is the one mutable record per replica: its address, protocol, the latest metrics
-snapshot a collector produced, and the EPP's own in-flight count. `Datalayer` holds them and
-answers "which endpoints are ready now": healthy, and refreshed within the staleness window.
+snapshot (polled by a collector, or pushed on the engine's KV-event stream), and the EPP's own
+in-flight count. `Datalayer` holds them and answers "which endpoints are ready now": healthy, and
+refreshed within the staleness window.
+
+Push-based telemetry: an engine with a KV-event stream pushes an `EngineLoad` record with every
+event batch and a heartbeat when quiet (every 1 s). While records keep coming (`live_until`, the
+last push plus a TTL above the heartbeat period) the latest record *is* the engine's current
+load, so the endpoint counts as fresh however long ago that record arrived; the refresher then
+polls only for health, rarely.
 """
 
 from __future__ import annotations
@@ -43,12 +50,16 @@ class Metrics:
     """The engine's KV block size; 0 when unknown."""
     updated_at: float = 0.0
     """Datalayer clock (monotonic seconds) of the refresh."""
+    waiting_tokens: int = 0
+    """Prompt tokens of waiting requests not served from the prefix cache (queued prefill work;
+    GetLoads num_waiting_uncached_tokens / EngineLoad waiting_uncached_tokens); 0 if unknown."""
 
 
 class Endpoint:
     """One replica. Mutated only by the datalayer (metrics, health) and the router (in-flight)."""
 
-    __slots__ = ("address", "app_protocol", "failures", "healthy", "in_flight", "metrics")
+    __slots__ = ("address", "app_protocol", "failures", "healthy", "in_flight", "live_until",
+                 "metrics")
 
     def __init__(self, spec: EndpointSpec) -> None:
         self.address = spec.address
@@ -58,6 +69,12 @@ class Endpoint:
         self.healthy = False
         self.in_flight = 0
         self.failures = 0
+        # Datalayer clock until which pushed load records keep the metrics current (0: no push).
+        self.live_until = 0.0
+
+    def fresh(self, now: float, staleness: float) -> bool:
+        """Metrics current at `now`: pushed records still flowing, or refreshed recently."""
+        return self.live_until >= now or self.metrics.updated_at >= now - staleness
 
     def __repr__(self) -> str:
         m = self.metrics
@@ -112,6 +129,20 @@ class Datalayer:
             endpoint.healthy = True
             endpoint.failures = 0
 
+    def push(self, address: str, *, running: int, waiting: int, kv_usage: float,
+             waiting_tokens: int | None, ttl: float) -> None:
+        """Record a pushed load record (KV-event stream). Health stays the collector's call."""
+        endpoint = self._endpoints.get(address)
+        if endpoint is None:
+            return
+        now = self.clock()
+        old = endpoint.metrics
+        endpoint.metrics = Metrics(
+            running=running, waiting=waiting, kv_usage=min(max(kv_usage, 0.0), 1.0),
+            max_tokens=old.max_tokens, block_size=old.block_size, updated_at=now,
+            waiting_tokens=old.waiting_tokens if waiting_tokens is None else waiting_tokens)
+        endpoint.live_until = now + ttl
+
     def mark_failed(self, address: str) -> None:
         """Record a failed refresh or health check: the endpoint is not ready until it recovers."""
         endpoint = self._endpoints.get(address)
@@ -121,6 +152,6 @@ class Datalayer:
 
     def ready(self) -> list[Endpoint]:
         """Endpoints eligible for scheduling now."""
-        oldest = self.clock() - self.staleness
-        return [e for e in self._endpoints.values()
-                if e.healthy and e.metrics.updated_at >= oldest]
+        now = self.clock()
+        staleness = self.staleness
+        return [e for e in self._endpoints.values() if e.healthy and e.fresh(now, staleness)]

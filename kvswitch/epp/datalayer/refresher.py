@@ -1,8 +1,11 @@
 """Background refresh: follow discovery, and refresh every endpoint every `interval` seconds.
 
 One asyncio task per endpoint runs `collector.collect()` in a loop; success updates the
-endpoint's metrics, failure marks it not ready. Staleness (no success within `staleness`
-seconds, default 4 intervals) is judged by `Datalayer.ready()`.
+endpoint's metrics, failure marks it not ready. Staleness is judged by `Datalayer.ready()`.
+While the endpoint's load is pushed (KV-event stream live, `Endpoint.live_until`), polling
+drops to once per `push_poll_interval` seconds (1 s): it then only confirms health (GetLoads
+doubles as the liveness probe, HealthCheck + GetServerInfo ride along on their own period).
+Engines without events, or whose stream dropped, are polled every `interval` as before.
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ def default_collector(spec: EndpointSpec) -> Collector:
 
 class Refresher:
     def __init__(self, datalayer: Datalayer, discovery: Discovery, interval: float = 0.05,
-                 collector_factory: CollectorFactory = default_collector) -> None:
+                 collector_factory: CollectorFactory = default_collector,
+                 push_poll_interval: float = 1.0) -> None:
         self.datalayer = datalayer
         self.discovery = discovery
         self.interval = interval
+        self.push_poll_interval = push_poll_interval
+        self.polls = 0
+        """Collector calls made (all endpoints), for tests and benchmarks."""
         self.collector_factory = collector_factory
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._watch: asyncio.Task[None] | None = None
@@ -76,16 +83,25 @@ class Refresher:
     async def _refresh_loop(self, spec: EndpointSpec) -> None:
         collector = self.collector_factory(spec)
         clock = self.datalayer.clock
+        endpoint = self.datalayer.get(spec.address)
+        last_poll = float("-inf")
         try:
             while True:
                 started = clock()
-                try:
-                    metrics = await collector.collect(started)
-                except CollectorError as exc:
-                    log.debug("refresh failed: %s", exc)
-                    self.datalayer.mark_failed(spec.address)
-                else:
-                    self.datalayer.update(spec.address, metrics)
+                pushed = endpoint is not None and endpoint.live_until >= started
+                if not pushed or started - last_poll >= self.push_poll_interval:
+                    last_poll = started
+                    await self._poll(collector, spec.address, started)
                 await asyncio.sleep(max(0.0, self.interval - (clock() - started)))
         finally:
             await collector.close()
+
+    async def _poll(self, collector: Collector, address: str, now: float) -> None:
+        self.polls += 1
+        try:
+            metrics = await collector.collect(now)
+        except CollectorError as exc:
+            log.debug("refresh failed: %s", exc)
+            self.datalayer.mark_failed(address)
+        else:
+            self.datalayer.update(address, metrics)

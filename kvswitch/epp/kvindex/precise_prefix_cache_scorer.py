@@ -13,8 +13,13 @@ Parameters (llm-d's type name):
       another size are not indexed).
   tokenizer (str, default "bundled"): "bundled" (Qwen3), a tokenizer directory, or "none"
       (text prompts then score 0 everywhere).
-Lifecycle: subscriptions follow the datalayer's endpoint set; they start on the first scheduling
-cycle (or `start()`), one grpc.aio stream per endpoint, and end with `stop()`.
+  loadRecordTtl (duration, default 2.5s): how long a pushed `EngineLoad` record keeps the
+      endpoint's metrics current (above the engines' 1 s heartbeat).
+Lifecycle: the router calls `start()` (one grpc.aio stream per endpoint of the datalayer) and
+`stop()`; afterwards subscriptions follow the endpoint set as scheduling cycles see it change.
+Push-based load: every `EngineLoad` record on a stream goes into the endpoint's metrics
+(`Datalayer.push`), so load scorers and flow control see the engine's scheduler-step load and
+the refresher polls GetLoads only rarely while records flow.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvswitch.epp.datalayer import Endpoint
-from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
+from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, duration, param
+from kvswitch.epp.kvindex.events import LoadRecord
 from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriptions
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
@@ -36,11 +42,12 @@ TYPE = "precise-prefix-cache-scorer"
 
 class PrecisePrefixCacheScorer:
     def __init__(self, name: str, index: PrefixIndex, handle: PluginHandle | None = None,
-                 tokenizer: TokenizerBundle | None = None) -> None:
+                 tokenizer: TokenizerBundle | None = None, load_ttl: float = 2.5) -> None:
         self.name = name
         self.index = index
         self.tokenizer = tokenizer
-        self.subscriptions = KvEventSubscriptions(index)
+        self.load_ttl = load_ttl
+        self.subscriptions = KvEventSubscriptions(index, on_load=self._pushed_load)
         self._handle = handle
         self._following: frozenset[str] = frozenset()
         self._sync: asyncio.Task[None] | None = None
@@ -64,6 +71,12 @@ class PrecisePrefixCacheScorer:
         self._following = pool
         self._sync = loop.create_task(
             self.subscriptions.set_endpoints(pool), name="kv-events-follow")
+
+    def _pushed_load(self, address: str, load: LoadRecord) -> None:
+        if self._handle is not None:
+            self._handle.datalayer.push(
+                address, running=load.running, waiting=load.waiting, kv_usage=load.token_usage,
+                waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl)
 
     async def start(self) -> None:
         self._following = self._pool()
@@ -113,8 +126,9 @@ def create(name: str, parameters: Mapping[str, Any],
             tokenizer = load_tokenizer(None if source == "bundled" else source)
         except Exception as exc:  # noqa: BLE001 - any load failure is a config error here
             raise ConfigError(f"parameters.tokenizer: {exc}") from exc
+    ttl = duration(parameters.get("loadRecordTtl", 2.5), "parameters.loadRecordTtl")
     index = handle.shared("precise-prefix-index", lambda: PrefixIndex(block_size))
     if index.block_size != block_size:
         raise ConfigError("parameters.blockSize: every precise-prefix-cache-scorer must share "
                           "one block size")
-    return PrecisePrefixCacheScorer(name, index, handle, tokenizer)
+    return PrecisePrefixCacheScorer(name, index, handle, tokenizer, ttl)
