@@ -7,7 +7,9 @@ instantiates plugins. Accepted documents:
 
 - `EndpointPickerConfig` (apiVersion llm-d.ai/v1alpha1, or upstream's older
   inference.networking.x-k8s.io/v1alpha1): plugins, schedulingProfiles, requestHandler,
-  saturationDetector, flowControl, featureGates, plus kvswitch's `dataLayer.refreshInterval`.
+  saturationDetector, flowControl, featureGates, plus kvswitch's `dataLayer` (refreshInterval,
+  stalenessThreshold: readiness, default max(2 s, 20 x refreshInterval); the saturation
+  detector's metricsStalenessThreshold keeps upstream's meaning and only affects shedding).
 - `InferencePool` (inference.networking.k8s.io/v1): selector, targetPorts, endpointPickerRef.
 - `EndpointList` (kvswitch.dev/v1alpha1): the pool's endpoints outside Kubernetes, `ip:port` or
   `ip` (one endpoint per targetPort). Lives in the pool file next to the InferencePool.
@@ -101,12 +103,23 @@ class ProfileSpec:
     """In order; filters run in this order."""
 
 
+def default_staleness(refresh_interval: float) -> float:
+    """Readiness staleness when not configured: max(2 s, 20 x refreshInterval). Long enough that
+    refreshes delayed by CPU contention (or a GC pause) never empty the ready set, short enough
+    that a hung engine leaves it within seconds (a dead one leaves at its first failed poll)."""
+    return max(2.0, 20 * refresh_interval)
+
+
 @dataclass(frozen=True, slots=True)
 class DataLayerSpec:
     """kvswitch's data-layer settings."""
 
     refresh_interval: float = 0.05
     """Seconds between two refreshes of one endpoint (upstream refreshes every 50 ms)."""
+    staleness_threshold: float = 2.0
+    """Seconds without a successful refresh (or pushed load) after which an endpoint is not
+    ready (`dataLayer.stalenessThreshold`; default `default_staleness(refresh_interval)`).
+    Distinct from saturationDetector.metricsStalenessThreshold, which only affects shedding."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,10 +260,16 @@ def parse_config(docs: Sequence[Mapping[str, Any]]) -> ConfigSpec:
     names = {p.name for p in plugins}
     gates = tuple(typed(g, f"featureGates[{i}]", str)
                   for i, g in enumerate(typed(doc.get("featureGates") or [], "featureGates", list)))
-    data = fields(doc.get("dataLayer") or {}, "dataLayer", (), ("refreshInterval",))
+    data = fields(doc.get("dataLayer") or {}, "dataLayer", (),
+                  ("refreshInterval", "stalenessThreshold"))
     interval = duration(data.get("refreshInterval", 0.05), "dataLayer.refreshInterval")
     if interval <= 0:
         raise ConfigError("dataLayer.refreshInterval: must be positive")
+    staleness = default_staleness(interval)
+    if "stalenessThreshold" in data:
+        staleness = duration(data["stalenessThreshold"], "dataLayer.stalenessThreshold")
+        if staleness <= interval:
+            raise ConfigError("dataLayer.stalenessThreshold: must exceed refreshInterval")
     return ConfigSpec(
         plugins=plugins,
         profiles=_parse_profiles(doc.get("schedulingProfiles") or [], names),
@@ -258,7 +277,8 @@ def parse_config(docs: Sequence[Mapping[str, Any]]) -> ConfigSpec:
         saturation=_parse_saturation(doc.get("saturationDetector") or {}),
         flow_control=_parse_flow_control(doc.get("flowControl") or {}),
         queueing="flowControl" in gates or "flowControl" in doc,
-        feature_gates=gates, data_layer=DataLayerSpec(interval), objectives=objectives)
+        feature_gates=gates, data_layer=DataLayerSpec(interval, staleness),
+        objectives=objectives)
 
 
 # ---- defaults (the one place) ------------------------------------------------------------------
@@ -421,8 +441,7 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
                  handle: PluginHandle | None = None) -> tuple[EppRouter, list[Parser]]:
     """Instantiate a parsed config against a parsed pool."""
     dl = spec.data_layer
-    staleness = spec.saturation.metrics_staleness
-    datalayer = Datalayer(staleness=staleness)
+    datalayer = Datalayer(staleness=dl.staleness_threshold)
     handle = handle or PluginHandle(datalayer)
     built = _instantiate(spec.plugins, handle, {})
     spec = apply_defaults(spec, {n: _role(p) for n, p in built.items()})

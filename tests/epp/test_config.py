@@ -146,6 +146,8 @@ BASE = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig"}
     ({"flowControl": {"fairness": "lottery"}}, "^flowControl.fairness: expected"),
     ({"featureGates": "flowControl"}, "^featureGates: expected list"),
     ({"kind": "Other"}, "^kind: expected EndpointPickerConfig"),
+    ({"dataLayer": {"refreshInterval": "1s", "stalenessThreshold": "500ms"}},
+     "^dataLayer.stalenessThreshold: must exceed refreshInterval"),
     ({"apiVersion": "v1"}, "^apiVersion: expected one of"),
 ])
 def test_config_errors_name_the_field(extra: dict[str, object], message: str) -> None:
@@ -186,3 +188,16 @@ endpoints: ["10.0.0.1:9000", "10.0.0.2"]
 def test_pool_errors_name_the_field(docs: list[dict[str, object]], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_pool(docs)
+
+
+def test_readiness_staleness_is_its_own_setting() -> None:
+    base = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig"}
+    assert parse_config([base]).data_layer.staleness_threshold == 2.0  # max(2 s, 20 x 50 ms)
+    slow = {**base, "dataLayer": {"refreshInterval": "500ms"}}
+    assert parse_config([slow]).data_layer.staleness_threshold == 10.0  # 20 x interval
+    both = {**base, "dataLayer": {"stalenessThreshold": "3s"},
+            "saturationDetector": {"metricsStalenessThreshold": "200ms"}}
+    spec = parse_config([both])
+    assert (spec.data_layer.staleness_threshold, spec.saturation.metrics_staleness) == (3.0, 0.2)
+    router = build_endpoint_picker(both, static_pool(["127.0.0.1:1"]), EppMetrics()).router
+    assert router.datalayer.staleness == 3.0  # type: ignore[attr-defined]

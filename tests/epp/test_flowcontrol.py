@@ -110,3 +110,24 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     waiter.cancel()
     await asyncio.sleep(0.01)
     assert len(gate.queues) == 0
+
+
+def test_stale_metrics_count_as_saturated_only_when_shedding() -> None:
+    cfg = SaturationConfig(metrics_staleness=0.2)
+    stale = ep()
+    stale.metrics = Metrics(updated_at=10.0)
+    assert not is_saturated([stale], cfg)  # load alone: idle
+    assert is_saturated([stale], cfg, now=10.5)  # for shedding: unsure means saturated
+    assert not is_saturated([stale], cfg, now=10.1)
+    stale.live_until = 11.0  # pushed load records still flowing: current
+    assert not is_saturated([stale], cfg, now=10.5)
+
+
+async def test_gate_sheds_sheddable_on_stale_metrics_but_dispatches_the_rest() -> None:
+    now = [10.5]
+    stale = ep()
+    stale.metrics = Metrics(updated_at=10.0)
+    gate = FlowGate(lambda: [stale], SaturationConfig(metrics_staleness=0.2),
+                    clock=lambda: now[0])
+    assert await gate.admit("t", -1, [stale]) == SHED
+    assert await gate.admit("t", 0, [stale]) == DISPATCH

@@ -197,3 +197,15 @@ async def test_router_starts_and_stops_plugin_subscriptions() -> None:
         await router.stop()
     assert scorer.subscriptions.subscribers == {}  # type: ignore[attr-defined]
     assert all(t is not None and t.done() for t in tasks)
+
+
+async def test_readiness_uses_the_data_layer_threshold_not_the_saturation_one() -> None:
+    router = make_router(config(dataLayer={"refreshInterval": "50ms"},
+                                saturationDetector={"metricsStalenessThreshold": "200ms"}),
+                         objectives=OBJECTIVES)
+    router.datalayer.staleness = 2.0  # what the config gives (make_router overrides it)
+    for a in ADDRS:  # every refresh 1 s late (CPU contention): stale for saturation only
+        router.datalayer.update(a, Metrics(updated_at=router.datalayer.clock() - 1.0))
+    assert (await router.route(request(prompt(11)), None)).status == 200
+    shed = await router.route(request(prompt(12), objective="batch"), None)
+    assert shed.status == 429

@@ -89,7 +89,7 @@ class Datalayer:
     `staleness` seconds old. Failing or stale endpoints come back on their next good refresh.
     """
 
-    def __init__(self, staleness: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, staleness: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.staleness = staleness
         self.clock = clock
         self._endpoints: dict[str, Endpoint] = {}

@@ -4,7 +4,11 @@ Model (after upstream's flow control, kept small):
 - A flow is (priority, fairness_id). Priority comes from the request's InferenceObjective
   (default 0); priority < 0 means sheddable.
 - Saturation (upstream "saturation detection"): the pool is saturated when EVERY eligible
-  endpoint has waiting >= queueDepthThreshold or kv_usage >= kvCacheUtilThreshold.
+  endpoint has waiting >= queueDepthThreshold or kv_usage >= kvCacheUtilThreshold. For
+  shedding sheddable requests only, an endpoint whose metrics are older than
+  metricsStalenessThreshold (upstream's 200 ms) also counts as saturated: shed when unsure.
+  Readiness has its own, longer threshold (`dataLayer.stalenessThreshold`), so slow refreshes
+  under CPU contention never turn into 503s for everyone.
 - admit(): not saturated and nothing queued -> dispatch at once. Saturated and sheddable ->
   reject 429. Otherwise queue in the flow's FIFO (bounded: full -> 429); with queueing off
   (upstream's legacy admission, flowControl feature gate unset) dispatch instead.
@@ -34,7 +38,9 @@ class SaturationConfig:
     kv_cache_util_threshold: float = 0.8
     """An endpoint with this KV usage is saturated (upstream default 0.8)."""
     metrics_staleness: float = 0.2
-    """Seconds after which an endpoint's metrics are stale and it is not eligible."""
+    """Seconds after which an endpoint's metrics are stale: it then counts as saturated when
+    deciding whether to shed a sheddable request (and only then; readiness uses
+    `dataLayer.stalenessThreshold`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +57,18 @@ class FlowControlConfig:
     """fairness_id -> consecutive turns (weighted fairness); absent ids weigh 1."""
 
 
-def endpoint_saturated(e: Endpoint, cfg: SaturationConfig) -> bool:
+def endpoint_saturated(e: Endpoint, cfg: SaturationConfig, now: float | None = None) -> bool:
+    """By load; with `now`, stale metrics (older than metrics_staleness) count as saturated."""
     m = e.metrics
-    return m.waiting >= cfg.queue_depth_threshold or m.kv_usage >= cfg.kv_cache_util_threshold
+    if m.waiting >= cfg.queue_depth_threshold or m.kv_usage >= cfg.kv_cache_util_threshold:
+        return True
+    return now is not None and not e.fresh(now, cfg.metrics_staleness)
 
 
-def is_saturated(endpoints: Sequence[Endpoint], cfg: SaturationConfig) -> bool:
-    return all(endpoint_saturated(e, cfg) for e in endpoints)
+def is_saturated(endpoints: Sequence[Endpoint], cfg: SaturationConfig,
+                 now: float | None = None) -> bool:
+    """Every endpoint saturated (see `endpoint_saturated`; pass `now` when deciding to shed)."""
+    return all(endpoint_saturated(e, cfg, now) for e in endpoints)
 
 
 def headroom(endpoints: Sequence[Endpoint], cfg: SaturationConfig) -> int:

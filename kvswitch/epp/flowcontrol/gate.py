@@ -57,7 +57,10 @@ class FlowGate:
     async def admit(self, fairness_id: str, priority: int,
                     candidates: Sequence[Endpoint]) -> Admission:
         """DISPATCH, or a REJECTED admission (429/503) with its reason."""
-        saturated = is_saturated(candidates, self.saturation)
+        # Sheddable requests are shed when unsure (stale metrics count as saturated); others
+        # queue on load alone.
+        saturated = is_saturated(candidates, self.saturation,
+                                 self.clock() if priority < 0 else None)
         if not saturated and not self._waiters:
             return DISPATCH
         key = next(self._keys)
