@@ -37,7 +37,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 TOKENIZER_DIR = REPO.parent / "shared" / "assets" / "tokenizers" / "qwen3"
-_CONTENT = re.compile(rb'"content":"[^"]')
+# SMG streams Qwen3's output as reasoning_content (its reasoning parser); both count.
+_CONTENT = re.compile(rb'content":"[^"]')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
 
 
