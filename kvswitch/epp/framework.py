@@ -237,6 +237,7 @@ REGISTRY: dict[str, str] = {
     "prefix-cache-scorer": "kvswitch.epp.plugins.prefix_cache_scorer",
     "precise-prefix-cache-scorer": "kvswitch.epp.kvindex.precise_prefix_cache_scorer",
     "queue-scorer": "kvswitch.epp.plugins.queue_scorer",
+    "estimated-ttft-scorer": "kvswitch.epp.plugins.estimated_ttft_scorer",
     "kv-cache-utilization-scorer": "kvswitch.epp.plugins.kv_cache_utilization_scorer",
     "running-requests-size-scorer": "kvswitch.epp.plugins.running_requests_size_scorer",
     "session-affinity-scorer": "kvswitch.epp.plugins.session_affinity_scorer",

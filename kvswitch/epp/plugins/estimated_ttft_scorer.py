@@ -1,0 +1,94 @@
+"""estimated-ttft-scorer: prefix-cache affinity and load in one number, the prefill work ahead.
+
+A prefix hit on an overloaded replica is not a win: what a request waits for is the prefill
+work queued ahead of it plus its own uncached prefill. Per endpoint e, in prompt tokens
+(prefill cost per token, ~17 us on the H100 fit of DESIGN section 4, is the same on every
+replica and cancels out):
+
+    P        = the prompt's tokens (token ids; else full blocks x block size)
+    m(e)     = matched leading blocks / prompt blocks   (the prefix index's `PrefixMatch`)
+    Wq(e)    = queued uncached prefill tokens the engine reports (waiting_tokens), or
+               waiting(e) x P when the engine does not report tokens
+    U(e)     = max(0, in_flight(e) - running(e) - waiting(e)) x P
+               requests the EPP sent that the engine has not reported yet (a burst between
+               two load updates), costed as uncached prompts of this size
+    est(e)   = Wq(e) + U(e) + (1 - m(e)) x P + runningRequestTokens x running(e)
+    score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
+                                                       +1 keeps an idle all-cached pool finite)
+
+What it does, by construction:
+- a strong prefix match wins while its replica's queue is shorter than the prefill it saves:
+  7,200-token prompt, 6,000 cached on e1 with 2,000 tokens queued: est 3,200 vs 7,200 empty;
+- a hot prefix group spreads: once e1's queue exceeds the saving (Wq > m x P), an empty
+  replica's est is lower and the group's next request goes there (and is cached there next);
+- a new prefix group (m = 0 everywhere) goes to the replica with the least queued work.
+This is SGLang's cache-aware rule (prefix match above a threshold while the fleet is balanced,
+shortest queue when imbalanced) turned continuous: the threshold is where the saved prefill
+equals the extra queue, measured in the same unit, instead of fixed ratios (0.5, 32, 1.1).
+The ratio normalisation keeps scale: twice the work scores 0.5, whatever the prompt length.
+Inputs: `state["prefix-index"]` (written by precise-prefix-cache-scorer or prefix-cache-scorer,
+either must be configured), `Metrics.waiting_tokens/waiting/running`, `Endpoint.in_flight`.
+Parameters: runningRequestTokens (float >= 0, default 16): prefill-token equivalent of one
+running request (decode steps interleave with prefill; 6 us per decode token vs 17 us per
+prefill token in the step model, over a few steps of a queued prefill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvswitch.epp.datalayer import Endpoint
+from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
+from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
+from kvswitch.epp.request import InferenceRequest
+
+TYPE = "estimated-ttft-scorer"
+_DEFAULT_BLOCK = 16
+
+
+def prompt_tokens(request: InferenceRequest, match: PrefixMatch | None) -> int:
+    body = request.body
+    if body.prompt_token_ids is not None:
+        return len(body.prompt_token_ids)
+    if match is not None and match.hashes:
+        return len(match.hashes) * _DEFAULT_BLOCK
+    if body.prompt_text:
+        return len(body.prompt_text) // 4  # ~4 characters per token
+    return 0
+
+
+def estimated_work(endpoint: Endpoint, prompt: int, matched_fraction: float,
+                   running_tokens: float) -> float:
+    """est(e) of the module docstring, in prompt tokens."""
+    m = endpoint.metrics
+    queued = m.waiting_tokens if m.waiting_tokens else m.waiting * prompt
+    unseen = endpoint.in_flight - m.running - m.waiting
+    if unseen > 0:
+        queued += unseen * prompt
+    return queued + (1.0 - matched_fraction) * prompt + running_tokens * m.running
+
+
+class EstimatedTtftScorer:
+    def __init__(self, name: str, running_tokens: float = 16.0) -> None:
+        self.name = name
+        self.running_tokens = running_tokens
+
+    def score(self, request: InferenceRequest, state: CycleState,
+              endpoints: Sequence[Endpoint]) -> list[float]:
+        match: PrefixMatch | None = state.get(STATE_KEY)
+        prompt = prompt_tokens(request, match)
+        blocks = len(match.hashes) if match is not None else 0
+        matched = match.matched if match is not None and blocks else {}
+        work = [estimated_work(e, prompt, matched.get(e.address, 0) / blocks if blocks else 0.0,
+                               self.running_tokens) for e in endpoints]
+        least = min(work) + 1.0
+        return [least / (w + 1.0) for w in work]
+
+
+def create(name: str, parameters: Mapping[str, Any],
+           handle: PluginHandle) -> EstimatedTtftScorer:
+    running_tokens = param(parameters, "runningRequestTokens", float, 16.0)
+    if running_tokens < 0:
+        raise ConfigError(f"parameters.runningRequestTokens: must be >= 0, got {running_tokens}")
+    return EstimatedTtftScorer(name, running_tokens)

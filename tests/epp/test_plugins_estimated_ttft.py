@@ -1,0 +1,76 @@
+"""estimated-ttft-scorer: prefix affinity weighed against queued work, with exact inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
+from kvswitch.epp.framework import PluginHandle, SchedulerProfile
+from kvswitch.epp.plugins.estimated_ttft_scorer import TYPE, create
+from kvswitch.epp.plugins.max_score_picker import MaxScorePicker
+from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
+from kvswitch.epp.request import InferenceRequest, ParsedBody
+
+PROMPT = 7200  # tokens: 450 blocks of 16
+BLOCKS = PROMPT // 16
+
+
+def endpoints(n: int = 4) -> list[Endpoint]:
+    return [Endpoint(EndpointSpec(f"e{i}:1")) for i in range(n)]
+
+
+def load(e: Endpoint, *, waiting: int = 0, waiting_tokens: int = 0, running: int = 0) -> None:
+    e.metrics = Metrics(waiting=waiting, waiting_tokens=waiting_tokens, running=running)
+
+
+def pick(eps: Sequence[Endpoint], matched: dict[str, int]) -> str:
+    """One scheduling cycle with the scorer alone and the default picker."""
+    scorer = create("t", {}, PluginHandle(Datalayer()))
+    profile = SchedulerProfile("p", [], [(scorer, 1.0)], MaxScorePicker("m"))
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), matched)}
+    return profile.run(request, state, eps).endpoints[0].address
+
+
+def test_strong_prefix_match_wins_under_mild_load() -> None:
+    assert TYPE == "estimated-ttft-scorer"
+    eps = endpoints()
+    load(eps[0], waiting=1, waiting_tokens=2000, running=8)  # mildly loaded, holds 6,000 tokens
+    assert pick(eps, {"e0:1": 375}) == "e0:1"
+
+
+def test_hot_group_spreads_once_its_replica_queue_grows() -> None:
+    eps = endpoints()
+    # The group's prefix (6,000 of 7,200 tokens) lives on e0; its queue grows with the group.
+    picks = []
+    for queued in range(0, 12):
+        load(eps[0], waiting=queued, waiting_tokens=queued * 1200, running=8)
+        picks.append(pick(eps, {"e0:1": 375}))
+    assert picks[0] == "e0:1"
+    assert picks[-1] != "e0:1"  # 13,200 tokens queued > 6,000 saved: an empty replica wins
+    first_spill = picks.index(next(p for p in picks if p != "e0:1"))
+    assert all(p != "e0:1" for p in picks[first_spill:])  # and keeps winning as e0 grows
+
+
+def test_burst_before_a_load_update_spreads_by_in_flight() -> None:
+    eps = endpoints(2)
+    eps[0].in_flight = 3  # routed by the EPP, not yet seen by the engine
+    assert pick(eps, {"e0:1": 375, "e1:1": 375}) == "e1:1"
+
+
+def test_new_groups_go_to_empty_replicas() -> None:
+    eps = endpoints()
+    load(eps[0], waiting=2, waiting_tokens=3000, running=20)
+    load(eps[1], running=30)
+    load(eps[2], waiting=1, waiting_tokens=500)
+    # No replica holds the prompt: the one with the least work ahead wins.
+    assert pick(eps, {}) == "e3:1"
+
+
+def test_scores_are_ratios_of_work() -> None:
+    eps = endpoints(2)
+    load(eps[1], waiting=1, waiting_tokens=PROMPT)  # exactly one more prompt queued
+    scorer = create("t", {"runningRequestTokens": 0}, PluginHandle(Datalayer()))
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    scores = scorer.score(request, {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {})}, eps)
+    assert scores[0] == 1.0 and abs(scores[1] - (PROMPT + 1) / (2 * PROMPT + 1)) < 1e-12
