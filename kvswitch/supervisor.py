@@ -99,6 +99,7 @@ class Child:
         self.restarts = 0
         self.reported = False
         """Its exit has been reported by `Supervisor.poll` (and it was not restarted)."""
+        self._terminated_pid: int | None = None
         self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = self._spawn()
 
@@ -134,7 +135,10 @@ class Child:
             time.sleep(0.05)
 
     def terminate(self) -> None:
-        if self.alive():
+        """SIGTERM once: a second SIGTERM would cut a graceful shutdown short (the child's
+        handler is gone once it starts draining), turning exit 0 into -15."""
+        if self.alive() and self._terminated_pid != self.proc.pid:
+            self._terminated_pid = self.proc.pid
             os.kill(self.proc.pid, signal.SIGTERM)
 
     def stop(self, timeout: float | None = None) -> int | None:
