@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
 from typing import Any
 
 from kvswitch.engine.server import EngineServer, ServerOptions
@@ -92,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency, but stay runnable
         uvloop = None
+    # grpc.aio hands every completion (a new RPC, a sent message) from its poller thread to
+    # the event loop; while the loop is busy that thread waits for the GIL up to the switch
+    # interval (5 ms by default), which caps accepted RPCs at a few hundred per second.
+    sys.setswitchinterval(float(os.environ.get("KVSWITCH_SWITCH_INTERVAL", "0.0002")))
     main = _serve(args)
     try:
         if uvloop is not None:
