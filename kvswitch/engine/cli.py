@@ -92,18 +92,17 @@ def run(args: argparse.Namespace) -> int:
                         datefmt="%m-%d %H:%M:%S")
     try:
         import uvloop
+
+        runner: Any = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency, but stay runnable
-        uvloop = None
+        runner = asyncio.run
     # grpc.aio hands every completion (a new RPC, a sent message) from its poller thread to
     # the event loop; while the loop is busy that thread waits for the GIL up to the switch
     # interval (5 ms by default), which caps accepted RPCs at a few hundred per second.
     sys.setswitchinterval(float(os.environ.get("KVSWITCH_SWITCH_INTERVAL", "0.0002")))
     main = _serve(args)
     try:
-        if uvloop is not None:
-            uvloop.run(main)
-        else:
-            asyncio.run(main)
+        runner(main)
     except (ValueError, OSError) as exc:
         # Bad configuration (unknown profile, KV too small) or a port in use: say so plainly.
         logger.error("kvswitch engine: %s", exc)

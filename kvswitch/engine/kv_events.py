@@ -97,7 +97,7 @@ class KvEventStream:
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), HEARTBEAT_SECONDS)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if self._last_sequence is not None:
                         yield self._load_only()
                     continue

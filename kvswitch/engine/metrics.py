@@ -147,7 +147,7 @@ class MetricsHttpServer:
                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
             writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
             await writer.drain()
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        except (TimeoutError, OSError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()

@@ -35,13 +35,12 @@ from kvswitch.engine.kv_events import KvEventStream
 from kvswitch.engine.metrics import EngineMetrics
 from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
 from kvswitch.errors import InvalidRequest, KvswitchError
-from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import USAGE_TRAILER
 from kvswitch.tokenization import TokenizerBundle
 
 logger = logging.getLogger(__name__)
-
-pb = vllm_engine_pb2
 
 _PACE_FROM = 8  # active requests; below this, nothing to pace
 _PACE_PER_STREAM = 20e-6
@@ -91,7 +90,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                                 _PACE_MIN), _PACE_MAX))
         except KvswitchError as exc:
             failure = exc
-        except Exception as exc:  # noqa: BLE001 - any backend fault is INTERNAL, as in vLLM
+        except Exception as exc:
             logger.exception("Error in Generate for request %s", request_id)
             failure = KvswitchError(str(exc) or type(exc).__name__)
         finally:
@@ -99,7 +98,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             # once: this runs on normal end, on error, and when a client cancel or an expired
             # deadline cancels this handler.
             self.active_requests -= 1
-            await updates.aclose()
+            close = getattr(updates, "aclose", None)
+            if close is not None:
+                await close()
         trailer = ((USAGE_TRAILER, builder.usage_trailer()),)
         if failure is not None:
             await context.abort(failure.grpc_code, failure.message, trailing_metadata=trailer)
@@ -139,14 +140,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             embedding = await self.engine.embed(request_id, token_ids)
         except KvswitchError as exc:
             await context.abort(exc.grpc_code, exc.message)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             logger.exception("Error in Embed for request %s", request_id)
             await context.abort(grpc.StatusCode.INTERNAL, str(exc) or type(exc).__name__)
         finally:
             self.active_requests -= 1
-        context.set_trailing_metadata(
-            ((USAGE_TRAILER, f"prompt_tokens={len(token_ids)};completion_tokens=0;"
-                             f"cached_tokens=0"),))
+        usage = f"prompt_tokens={len(token_ids)};completion_tokens=0;cached_tokens=0"
+        context.set_trailing_metadata(((USAGE_TRAILER, usage),))
         return pb.EmbedResponse(embedding=embedding, prompt_tokens=len(token_ids),
                                 embedding_dim=len(embedding))
 
@@ -203,7 +203,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
                        ) -> pb.GetLoadsResponse:
         response = pb.GetLoadsResponse(
-            timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            timestamp=datetime.datetime.now(datetime.UTC).isoformat(),
             version=f"kvswitch-{__version__}",
             dp_rank_count=1,
         )
@@ -287,7 +287,7 @@ def scheduler_load(engine: Engine) -> pb.SchedulerLoad:
 class _Timer:
     """Per-request latency observations (wall clock): TTFT, inter-token latency, e2e."""
 
-    __slots__ = ("metrics", "start", "last", "first_done")
+    __slots__ = ("first_done", "last", "metrics", "start")
 
     def __init__(self, metrics: EngineMetrics | None):
         self.metrics = metrics

@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvswitch.engine import conversion
-from kvswitch.engine.base import GenerationUpdate, SamplingOptions, SequenceDelta, TokenLogprob
+from kvswitch.engine.base import (
+    GenerationUpdate,
+    KvBlockStored,
+    KvEventBatchData,
+    SamplingOptions,
+    SequenceDelta,
+    TokenLogprob,
+)
 from kvswitch.engine.kv_events import batch_events, to_int64
-from kvswitch.engine.base import KvBlockStored, KvEventBatchData
 from kvswitch.errors import InvalidRequest
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from tests.engine.fake_engine import CARD

@@ -398,6 +398,10 @@ async def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
     with running(argv, port, tmp_path / "drain.log") as process:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            # A KV-event subscription never ends by itself: drain must end it, not wait on it.
+            kv_events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+                load_records_before_first_batch=True))
+            await kv_events.read()
             call = stub.Generate(gen("drain", ids=[5] * 8, max_tokens=60, stream=True))
             first = await call.read()
             process.signal(signal.SIGTERM)
@@ -406,6 +410,8 @@ async def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
             tokens = sum(len(m.chunk.token_ids) for m in messages
                          if m.WhichOneof("response") == "chunk")
             assert tokens == 60
-        assert await asyncio.to_thread(process.wait, 20) == 0
+            while (batch := await kv_events.read()) is not grpc.aio.EOF:
+                assert batch.HasField("load")
+        assert await asyncio.to_thread(process.wait, 10) == 0
         log = process.output()
         assert "Received SIGTERM" in log and "Shutdown complete" in log
