@@ -2,7 +2,8 @@
 
 `FlowGate.admit()` returns at once in the common case (pool not saturated, nothing queued).
 Otherwise the request waits until `pump()` - run every `tick` seconds, and after every finished
-request - releases it (headroom appeared) or expires it (maxWait).
+request - releases it (headroom appeared) or expires it (maxWait). A waiter cancelled while
+queued (its ext_proc stream was reset) leaves the queue at once.
 """
 
 from __future__ import annotations
@@ -74,7 +75,12 @@ class FlowGate:
         try:
             return await future
         except asyncio.CancelledError:
+            # The caller is gone (Envoy reset the ext_proc stream): give the queue slot back,
+            # and if headroom had already been released to it, hand that on to the next waiter.
             self.queues.remove(key)
+            self._waiters.pop(key, None)
+            if future.done() and not future.cancelled() and future.result() is DISPATCH:
+                self.pump()
             raise
         finally:
             self._waiters.pop(key, None)

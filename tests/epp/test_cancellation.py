@@ -1,0 +1,83 @@
+"""A request waiting in flow control whose ext_proc stream Envoy resets gives its slot back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from kvswitch.epp.datalayer import Endpoint, EndpointSpec, Metrics
+from kvswitch.epp.flowcontrol import FlowGate, SaturationConfig
+from kvswitch.epp.flowcontrol.core import DISPATCH
+from kvswitch.epp.parsers import default_parsers
+from kvswitch.epp.request import EndpointPicker, InferenceRequest, RequestOutcome, RoutingDecision
+from kvswitch.epp.router import EppRouter
+from kvswitch.epp.server import EppServer
+from tests.epp.test_extproc import GENERATE, body, grpc_headers
+from tests.epp.test_router import ADDRS, config, make_router, prompt, request, set_load
+
+
+class NoBackground:
+    """The real router's route/finish, without its refresher (the test sets the load)."""
+
+    def __init__(self, router: EppRouter) -> None:
+        self.router = router
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def route(self, req: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
+        return await self.router.route(req, subset)
+
+    def request_finished(self, req: InferenceRequest, outcome: RequestOutcome) -> None:
+        self.router.request_finished(req, outcome)
+
+
+async def until(predicate, limit: int = 500) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(limit):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_stream_reset_while_queued_releases_the_queue_slot() -> None:
+    router = make_router(config(featureGates=["flowControl"], flowControl={"maxWait": "30s"}))
+    for a in ADDRS:
+        set_load(router, a, waiting=9)  # saturated: the request queues
+    server = EppServer(EndpointPicker(default_parsers(), NoBackground(router)), port=0)  # type: ignore[arg-type]
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(grpc_headers())
+            await call.write(body(GENERATE, eos=True))
+            await until(lambda: len(router.gate.queues) == 1)
+            call.cancel()  # Envoy resets the stream
+            await until(lambda: len(router.gate.queues) == 0 and not router.gate._waiters)
+    finally:
+        await server.stop(grace=0.1)
+    assert router.in_flight() == dict.fromkeys(ADDRS, 0)
+    set_load(router, ADDRS[1], waiting=0)
+    assert (await router.route(request(prompt(1)), None)).endpoints == (ADDRS[1],)
+
+
+async def test_cancelled_after_release_hands_the_slot_to_the_next_waiter() -> None:
+    e = Endpoint(EndpointSpec("a:1"))
+    e.metrics = Metrics(waiting=5)
+    e.healthy = True
+    gate = FlowGate(lambda: [e], SaturationConfig(queue_depth_threshold=5))
+    first = asyncio.ensure_future(gate.admit("t", 0, [e]))
+    second = asyncio.ensure_future(gate.admit("t", 0, [e]))
+    await asyncio.sleep(0)
+    assert len(gate.queues) == 2
+    e.metrics = Metrics(waiting=4)  # room for exactly one
+    gate.pump()  # releases `first`...
+    first.cancel()  # ...whose stream is reset before it resumes
+    assert await second == DISPATCH  # the slot went on to the next waiter
+    assert first.cancelled() and len(gate.queues) == 0
