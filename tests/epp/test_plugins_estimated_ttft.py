@@ -43,7 +43,7 @@ def test_hot_group_spreads_once_its_replica_queue_grows() -> None:
     eps = endpoints()
     # The group's prefix (6,000 of 7,200 tokens) lives on e0; its queue grows with the group.
     picks = []
-    for queued in range(0, 12):
+    for queued in range(12):
         load(eps[0], waiting=queued, waiting_tokens=queued * 1200, running=8)
         picks.append(pick(eps, {"e0:1": 375}))
     assert picks[0] == "e0:1"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
 
+
 def root_hash(namespace: tuple[str, str] = ("", "")) -> int:
     """The parent of a chain's first block. Strings hash per process: fine, the index is too."""
     return 0 if namespace == ("", "") else hash(("kvswitch-root", *namespace))
@@ -56,7 +57,7 @@ class ApplyStats:
 class _Entry:
     """One engine hash: the own hash it maps to (None: unplaced) and its physical copies."""
 
-    __slots__ = ("own", "copies")
+    __slots__ = ("copies", "own")
 
     def __init__(self, own: int | None) -> None:
         self.own = own
@@ -237,7 +238,7 @@ class PrefixIndex:
             alive |= 1 << bit
         get = self._holders.get
         position = 0
-        for position, own in enumerate(hashes):  # noqa: B007 - position is used after the loop
+        for position, own in enumerate(hashes):
             held = alive & get(own, 0)
             if held != alive:
                 self._record(alive & ~held, bits, position, result)

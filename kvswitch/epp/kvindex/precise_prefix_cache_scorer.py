@@ -124,7 +124,7 @@ def create(name: str, parameters: Mapping[str, Any],
     if source != "none":
         try:
             tokenizer = load_tokenizer(None if source == "bundled" else source)
-        except Exception as exc:  # noqa: BLE001 - any load failure is a config error here
+        except Exception as exc:
             raise ConfigError(f"parameters.tokenizer: {exc}") from exc
     ttl = duration(parameters.get("loadRecordTtl", 2.5), "parameters.loadRecordTtl")
     index = handle.shared("precise-prefix-index", lambda: PrefixIndex(block_size))
