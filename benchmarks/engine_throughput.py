@@ -63,6 +63,9 @@ async def _client(target: str, streams: int, channels: int, max_tokens: int, pro
     async def loop(i: int) -> None:
         stub = stubs[i % len(stubs)]
         n = 0
+        # Open streams gradually over most of the warm-up: grpc.aio admits new streams slowly
+        # while many stream, and a call left unadmitted for 30 s is cancelled by gRPC core.
+        await asyncio.sleep(warmup * 0.8 * i / max(streams, 1))
         while time.monotonic() < stop_at:
             n += 1
             request = pb.GenerateRequest(
