@@ -47,8 +47,10 @@ logger = logging.getLogger("kvswitch.up")
 H2C = "kubernetes.io/h2c"
 READY_ENDPOINTS_METRIC = "kvswitch_epp_pool_ready_endpoints"
 
-# Precise prefix affinity (the engines' KV events) first, load as the tie-breaker and spill-over
-# signal (the llm-d "precise prefix" example weights), max-score picker with random tie-break.
+# Precise prefix matches (the engines' KV events) weighed against queued prefill work in one
+# estimate (estimated-ttft-scorer: a hot prefix group spreads once its replica's queue exceeds
+# the prefill it saves; new groups take the least-loaded replica), max-score picker.
+# The precise scorer is listed for its KV-event index (it produces the prefix match) only.
 DEFAULT_EPP_CONFIG = {
     "apiVersion": "llm-d.ai/v1alpha1",
     "kind": "EndpointPickerConfig",
@@ -57,14 +59,11 @@ DEFAULT_EPP_CONFIG = {
         {"name": "openai-parser", "type": "openai-parser"},
         {"name": "precise-prefix-cache-scorer", "type": "precise-prefix-cache-scorer",
          "parameters": {"blockSize": 16}},
-        {"name": "queue-scorer", "type": "queue-scorer"},
-        {"name": "kv-cache-utilization-scorer", "type": "kv-cache-utilization-scorer"},
+        {"name": "estimated-ttft-scorer", "type": "estimated-ttft-scorer"},
         {"name": "max-score-picker", "type": "max-score-picker"},
     ],
     "schedulingProfiles": [{"name": "default", "plugins": [
-        {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
-        {"pluginRef": "queue-scorer", "weight": 2},
-        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+        {"pluginRef": "estimated-ttft-scorer", "weight": 1},
         {"pluginRef": "max-score-picker"},
     ]}],
     "requestHandler": {"parsers": [{"pluginRef": "vllmgrpc-parser"},
