@@ -77,15 +77,19 @@ class EngineServer:
 
     async def start(self) -> int:
         """Start the engine and both servers; returns the bound gRPC port."""
-        await self.engine.start()
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         address = f"{self.options.host}:{self.options.port}"
-        self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc reports a port in use this way
+            raise OSError(f"cannot bind the gRPC server to {address} (in use?)") from exc
         if self.port == 0:
             raise OSError(f"cannot bind the gRPC server to {address}")
+        # Bind first, so a port clash fails before the engine starts its scheduler.
+        await self.engine.start()
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._health_task = asyncio.create_task(self._follow_engine_health())

@@ -38,6 +38,10 @@ class Engine:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5) as r:
             return str(r.read().decode())
 
+    def health_status(self) -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=5) as r:
+            return int(r.status)
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
@@ -288,6 +292,13 @@ async def test_health_service_and_reflection(engine: Engine) -> None:
             list_services="")]))
         names = [s.name async for r in replies for s in r.list_services_response.service]
     assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
+    # grpcurl resolves the service's methods through reflection.
+    async with grpc.aio.insecure_channel(engine.target) as channel:
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol=SERVICE_NAME)]))
+        files = [f async for r in replies for f in r.file_descriptor_response.file_descriptor_proto]
+    assert files and any(b"GenerateRequest" in f for f in files)
 
 
 async def test_metrics_have_vllm_names(stub: vllm_engine_pb2_grpc.VllmEngineStub,
@@ -305,6 +316,7 @@ async def test_metrics_have_vllm_names(stub: vllm_engine_pb2_grpc.VllmEngineStub
                  "vllm:request_queue_time_seconds_bucket{", "vllm:cache_config_info{"):
         assert name in text, name
     assert 'num_gpu_blocks="29205"' in text and 'model_name="' in text
+    assert await asyncio.to_thread(engine.health_status) == 200
 
 
 # ---- scheduler behaviour on the tiny profile ----------------------------------------------------
@@ -415,3 +427,19 @@ async def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
         assert await asyncio.to_thread(process.wait, 10) == 0
         log = process.output()
         assert "Received SIGTERM" in log and "Shutdown complete" in log
+
+
+@pytest.mark.parametrize(("kind", "code"), [("internal", grpc.StatusCode.INTERNAL),
+                                            ("unavailable", grpc.StatusCode.UNAVAILABLE)])
+async def test_engine_failures_map_to_status_codes(tmp_path: Path, kind: str,
+                                                   code: grpc.StatusCode) -> None:
+    port = free_port()
+    argv = kvswitch_argv("engine", "--port", str(port), "--profile", "tiny", "--time-scale",
+                         "100", "--failure-rate", "1", "--failure-kind", kind)
+    with running(argv, port, tmp_path / f"{kind}.log"):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(stub.Generate(gen("boom", text="Hi", max_tokens=4)))
+            assert info.value.code() == code
+            assert (await stub.HealthCheck(pb.HealthCheckRequest())).healthy
