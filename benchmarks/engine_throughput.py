@@ -28,6 +28,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,7 +153,9 @@ def main() -> int:
         port = free_port()
         target = f"127.0.0.1:{port}"
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        log = open(Path(args.out).with_suffix(".engine.log"), "w")  # noqa: SIM115
+        # The engine's log goes to a temporary file: nothing to keep next to the results.
+        log = tempfile.NamedTemporaryFile("w", prefix="kvswitch-engine-", suffix=".log",  # noqa: SIM115
+                                          delete=False)
         engine = subprocess.Popen(
             [sys.executable, "-m", "kvswitch", "engine", "--port", str(port),
              "--time-scale", str(args.time_scale),
