@@ -9,6 +9,8 @@ Three figures, each CPU seconds per request (not wall time):
   the child's user+sys CPU time (from /proc) over the run;
 - `grpc_floor`: the same child and load with a servicer that only answers constants -- what
   grpc.aio itself costs for one ext_proc stream (4 messages in, 5 out), the floor under `server`.
+With `--skip-response-headers` the driver sends what Envoy sends for a gRPC pool with
+response_header_mode SKIP (kvswitch's bootstrap): no response headers, 3 messages in, 4 out.
 
     .venv/bin/python benchmarks/epp_request_path.py [--requests 20000] [--out FILE.json]
 """
@@ -137,8 +139,13 @@ uvloop.run(main())
 """
 
 
+SKIP_RESPONSE_HEADERS = False
+
+
 async def drive(port: int, n: int, concurrency: int) -> None:
     msgs = messages()
+    if SKIP_RESPONSE_HEADERS:
+        del msgs[2]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
 
@@ -182,8 +189,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--server-requests", type=int, default=4000)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--skip-response-headers", action="store_true",
+                        help="drive the server as Envoy does with response_header_mode SKIP")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "epp_request_path.json"))
     args = parser.parse_args()
+    global SKIP_RESPONSE_HEADERS
+    SKIP_RESPONSE_HEADERS = args.skip_response_headers
     picker = EndpointPicker(parsers=default_parsers(), router=ConstantRouter())
     run_core(picker, 2000, wire=True)  # warm up
     core = run_core(picker, args.requests, wire=False)
@@ -201,6 +212,7 @@ def main() -> None:
         "server_cpu_ms_per_request": round(server * 1e3, 4),
         "server_requests_per_second": round(rate, 1),
         "grpc_floor_cpu_ms_per_request": round(floor * 1e3, 4),
+        "skip_response_headers": args.skip_response_headers,
         "load_average_1m": os.getloadavg()[0],
         "python": sys.version.split()[0],
     }

@@ -205,7 +205,10 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
                 # Full-duplex body mode requires trailers to be sent; gRPC clients send none,
                 # so nothing extra reaches the EPP in practice.
                 "request_trailer_mode": "SEND",
-                "response_header_mode": "SEND",
+                # gRPC pools: the trailers carry grpc-status and usage, so the response headers
+                # are one ext_proc round trip the EPP does not need (measured: benchmarks/
+                # epp_request_path.py). HTTP pools: the status is in the headers only.
+                "response_header_mode": "SKIP" if options.pool.app_protocol == H2C else "SEND",
                 "response_body_mode": "NONE",
                 "response_trailer_mode": "SEND",
             },

@@ -16,7 +16,7 @@ Envoy's request body mode decides the reply order (it arrives in `protocol_confi
 Requests no parser claims (or whose parser needs no body) are routed on their headers.
 
 Response side: only response headers and trailers are expected (never the body; see DESIGN
-section 3). They yield the status and the usage trailer; the routed request is reported
+section 3); for gRPC pools Envoy skips the headers too (the trailers hold grpc-status and usage). They yield the status and the usage trailer; the routed request is reported
 finished exactly once -- at its trailers, at headers with end_of_stream, or at `close()`.
 Nothing here raises on input: a malformed request becomes an ImmediateResponse for its stream.
 """
@@ -311,11 +311,12 @@ class ExtProcStream:
         if not self._routed or self._finished or self.request is None:
             return []
         self._finished = True
-        http_ok = self._http_status is not None and self._http_status < 400
+        status = self._http_status
         if self._grpc:
-            ok = http_ok and self._grpc_status == 0
+            # Envoy may skip response headers for gRPC pools: the trailers' status decides.
+            ok = self._grpc_status == 0 and (status is None or status < 400)
         else:
-            ok = http_ok and self._grpc_status in (None, 0)
+            ok = status is not None and status < 400 and self._grpc_status in (None, 0)
         outcome = RequestOutcome(
             endpoint=self.endpoints[0],
             ok=ok,

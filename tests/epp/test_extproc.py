@@ -329,6 +329,16 @@ def test_stream_closed_before_the_response_finishes_once() -> None:
     assert stream.close() == []
 
 
+def test_grpc_response_with_headers_skipped_finishes_ok_at_the_trailers() -> None:
+    # Envoy's response_header_mode SKIP (gRPC pools): the trailers alone carry the outcome.
+    stream, need = routed_stream()
+    out = stream.receive(response_trailers(
+        ("grpc-status", "0"), ("x-kvswitch-usage", "prompt_tokens=4;completion_tokens=2")))
+    assert out == [RESPONSE_TRAILERS_OK, RequestFinished(need.request, RequestOutcome(
+        endpoint="10.0.0.1:8000", ok=True, grpc_status=0, http_status=None, prompt_tokens=4,
+        completion_tokens=2))]
+
+
 def test_trailers_only_grpc_error_finishes_at_the_headers() -> None:
     stream, need = routed_stream()
     out = stream.receive(response_headers((":status", "200"), ("grpc-status", "13"), eos=True))

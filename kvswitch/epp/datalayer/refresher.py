@@ -92,7 +92,12 @@ class Refresher:
                 if not pushed or started - last_poll >= self.push_poll_interval:
                     last_poll = started
                     await self._poll(collector, spec.address, started)
-                await asyncio.sleep(max(0.0, self.interval - (clock() - started)))
+                wake = started + self.interval
+                if pushed and endpoint is not None:
+                    # Sleep to the next health poll, or to when pushes would have gone quiet.
+                    wake = max(wake, min(last_poll + self.push_poll_interval,
+                                         endpoint.live_until))
+                await asyncio.sleep(max(0.0, wake - clock()))
         finally:
             await collector.close()
 
