@@ -109,7 +109,7 @@ def build_app(settings: FrontendSettings) -> Starlette:
             except asyncio.CancelledError:
                 status = 499
                 raise
-            except Exception as exc:  # noqa: BLE001 - a 500 with a body, and a log line
+            except Exception as exc:
                 logger.exception("%s failed", name)
                 status = 500
                 return error_response(InternalError(f"internal error: {exc}"))

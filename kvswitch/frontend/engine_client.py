@@ -3,6 +3,11 @@
 The channel is created lazily on the running event loop, so a worker process forked or spawned
 by `kvswitch frontend --workers N` builds its own (gRPC channels do not survive a fork).
 gRPC failures become kvswitch errors here, at the boundary (`error_from_rpc`).
+
+Generate, the per-token hot path, goes over `h2stream.H2Channel` (a lean HTTP/2 client) when
+the target is a list of addresses; the other calls, and any Generate that channel cannot take
+(no connection, a request larger than the peer's window), use grpc.aio. Both hand back a
+`GenerateStream`: `read_batch()` returns every response already received.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import grpc.aio
@@ -28,9 +34,12 @@ from kvswitch.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvswitch.protocol import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc
+from kvswitch.frontend.h2stream import H2Channel, NotAccepted, StreamError, parse_target
+from kvswitch.frontend.h2stream import available as h2_available
+from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol import vllm_engine_pb2 as pb
 
-__all__ = ["EngineClient", "error_from_rpc", "Metadata"]
+__all__ = ["EngineClient", "GenerateStream", "Metadata", "error_from_rpc", "error_from_status"]
 
 Metadata = Sequence[tuple[str, str]]
 
@@ -61,13 +70,51 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def error_from_rpc(exc: grpc.aio.AioRpcError, what: str = "the engine") -> KvswitchError:
-    """Translate a failed call into the kvswitch error with the same meaning."""
-    code = exc.code()
-    details = exc.details() or code.name
+_GENERATE_PATH = "/vllm.grpc.engine.VllmEngine/Generate"
+
+
+def error_from_status(code: grpc.StatusCode, details: str, what: str = "the engine"
+                      ) -> KvswitchError:
+    """The kvswitch error with the same meaning as a gRPC status."""
+    details = details or code.name
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"{what} is unavailable: {details}"
     return _BY_CODE.get(code, InternalError)(details)
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError | StreamError, what: str = "the engine"
+                   ) -> KvswitchError:
+    """Translate a failed call into the kvswitch error with the same meaning."""
+    if isinstance(exc, StreamError):
+        return error_from_status(exc.code, exc.details, what)
+    return error_from_status(exc.code(), exc.details() or "", what)
+
+
+class GenerateStream(Protocol):
+    async def read_batch(self) -> list[pb.GenerateResponse]:
+        """Every response received so far (at least one); [] once the call ended OK. Raises
+        `StreamError` or `grpc.aio.AioRpcError` when it failed."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the call (the engine aborts the request); a no-op once it ended."""
+        ...
+
+
+class _AioStream:
+    """A grpc.aio call behind the `GenerateStream` interface (one response per batch)."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def read_batch(self) -> list[pb.GenerateResponse]:
+        message = await self._call.read()
+        return [] if message is grpc.aio.EOF else [message]
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class EngineClient:
@@ -77,6 +124,8 @@ class EngineClient:
         self.target = target
         self._channel: grpc.aio.Channel | None = None
         self._stub: vllm_engine_pb2_grpc.VllmEngineStub | None = None
+        addresses = parse_target(target)
+        self._h2 = H2Channel(addresses) if addresses and h2_available() else None
 
     @property
     def stub(self) -> vllm_engine_pb2_grpc.VllmEngineStub:
@@ -86,17 +135,24 @@ class EngineClient:
         return self._stub
 
     async def close(self) -> None:
+        if self._h2 is not None:
+            self._h2.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel, self._stub = None, None
 
-    def generate(self, request: pb.GenerateRequest, metadata: Metadata,
-                 timeout: float | None = None) -> grpc.aio.UnaryStreamCall:
-        """Start a Generate call; the caller iterates it and must `cancel()` it if it stops
+    async def generate(self, request: pb.GenerateRequest, metadata: Metadata
+                       ) -> GenerateStream:
+        """Start a Generate call; the caller reads it and must `cancel()` it if it stops
         early (a client that went away), which makes the engine abort the request at once."""
-        call: grpc.aio.UnaryStreamCall = self.stub.Generate(request, metadata=tuple(metadata),
-                                                            timeout=timeout)
-        return call
+        if self._h2 is not None:
+            try:
+                return await self._h2.start(_GENERATE_PATH, metadata,
+                                            request.SerializeToString(),
+                                            pb.GenerateResponse.FromString)
+            except NotAccepted:
+                pass
+        return _AioStream(self.stub.Generate(request, metadata=tuple(metadata)))
 
     async def embed(self, request: pb.EmbedRequest, metadata: Metadata) -> pb.EmbedResponse:
         try:

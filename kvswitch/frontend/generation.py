@@ -18,11 +18,12 @@ import grpc
 import grpc.aio
 
 from kvswitch.frontend.engine_client import EngineClient, Metadata, error_from_rpc
+from kvswitch.frontend.h2stream import StreamError
 from kvswitch.frontend.serving_models import ServedModel
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.detokenizer import StopStringMatcher, new_detokenizer
 
-__all__ = ["ChoiceDelta", "TokenLogprobs", "Generation", "Usage", "prime"]
+__all__ = ["ChoiceDelta", "Generation", "TokenLogprobs", "Usage", "prime"]
 
 
 @dataclass(slots=True)
@@ -148,44 +149,61 @@ class Generation:
                 task.cancel()
 
     async def _run(self, prompt: _Prompt) -> AsyncIterator[ChoiceDelta]:
-        call = self._client.generate(prompt.request, self._metadata)
-        choices, base, usage = self._choices, prompt.first_index, prompt.usage
+        stream = await self._client.generate(prompt.request, self._metadata)
         try:
-            async for message in call:
-                if message.HasField("chunk"):
-                    chunk = message.chunk
-                    usage.prompt_tokens = chunk.prompt_tokens
-                    usage.cached_tokens = chunk.cached_tokens
-                    choice = choices[base + chunk.index]
-                    if choice.done:
-                        continue
-                    choice.seen_chunk = True
-                    delta = self._on_tokens(choice, chunk.token_ids, chunk.output_logprobs)
-                    if delta is not None:
-                        yield delta
+            while True:
+                batch = await stream.read_batch()
+                if not batch:
+                    break
+                deltas = self._on_batch(prompt, batch)
+                if len(deltas) == 1:
+                    yield next(iter(deltas.values()))
                 else:
-                    complete = message.complete
-                    usage.prompt_tokens = complete.prompt_tokens
-                    usage.cached_tokens = complete.cached_tokens
-                    choice = choices[base + complete.index]
-                    if choice.done:
-                        continue
-                    delta = None
-                    if not choice.seen_chunk and complete.output_ids:
-                        delta = self._on_tokens(choice, complete.output_ids,
-                                                complete.output_logprobs)
-                    if not choice.done:
-                        delta = self._on_complete(choice, complete, delta)
-                    if delta is not None:
+                    for delta in deltas.values():
                         yield delta
                 if self._open == 0:
                     break  # every choice finished (maybe on a stop string found here)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, StreamError) as exc:
             raise error_from_rpc(exc) from exc
         finally:
             # Cancelling is a no-op on a finished call; on a live one (client gone, stop string
             # found here) it makes the engine abort the request now.
-            call.cancel()
+            stream.cancel()
+
+    def _on_batch(self, prompt: _Prompt, batch: list[pb.GenerateResponse]
+                  ) -> dict[int, ChoiceDelta]:
+        """The deltas of responses that had already arrived together, one per choice: what
+        the engine sent in several messages goes out as one event (no waiting for more)."""
+        choices, base, usage = self._choices, prompt.first_index, prompt.usage
+        out: dict[int, ChoiceDelta] = {}
+        for message in batch:
+            delta: ChoiceDelta | None
+            if message.HasField("chunk"):
+                chunk = message.chunk
+                usage.prompt_tokens = chunk.prompt_tokens
+                usage.cached_tokens = chunk.cached_tokens
+                choice = choices[base + chunk.index]
+                if choice.done:
+                    continue
+                choice.seen_chunk = True
+                delta = self._on_tokens(choice, chunk.token_ids, chunk.output_logprobs)
+            else:
+                complete = message.complete
+                usage.prompt_tokens = complete.prompt_tokens
+                usage.cached_tokens = complete.cached_tokens
+                choice = choices[base + complete.index]
+                if choice.done:
+                    continue
+                delta = None
+                if not choice.seen_chunk and complete.output_ids:
+                    delta = self._on_tokens(choice, complete.output_ids,
+                                            complete.output_logprobs)
+                if not choice.done:
+                    delta = self._on_complete(choice, complete, delta)
+            if delta is not None:
+                earlier = out.get(choice.index)
+                out[choice.index] = delta if earlier is None else _merge(earlier, delta)
+        return out
 
     def _on_tokens(self, choice: _Choice, ids: Sequence[int],
                    logprobs: pb.OutputLogProbs) -> ChoiceDelta | None:
@@ -231,6 +249,20 @@ class Generation:
             choice.done = True
             self._open -= 1
 
+
+
+def _merge(earlier: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
+    """One delta for two consecutive ones of a choice (`earlier` has no finish_reason)."""
+    earlier.text += later.text
+    earlier.finish_reason, earlier.stop_reason = later.finish_reason, later.stop_reason
+    if later.logprobs is not None:
+        if earlier.logprobs is None:
+            earlier.logprobs = later.logprobs
+        else:
+            earlier.logprobs.token_ids += later.logprobs.token_ids
+            earlier.logprobs.logprobs += later.logprobs.logprobs
+            earlier.logprobs.top += later.logprobs.top
+    return earlier
 
 
 async def prime(deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:

@@ -16,11 +16,11 @@ from kvswitch.errors import InvalidRequest
 
 __all__ = [
     "ChatCompletionRequest",
+    "ChatMessage",
     "CompletionRequest",
     "EmbeddingRequest",
-    "ChatMessage",
-    "StreamOptions",
     "ResponseFormat",
+    "StreamOptions",
     "parse_request",
 ]
 

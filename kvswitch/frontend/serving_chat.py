@@ -16,8 +16,8 @@ import orjson
 from kvswitch.errors import InvalidRequest
 from kvswitch.frontend.context import RequestContext, new_request_context
 from kvswitch.frontend.engine_client import EngineClient
-from kvswitch.frontend.metrics import FrontendMetrics
 from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
+from kvswitch.frontend.metrics import FrontendMetrics
 from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel

@@ -22,7 +22,7 @@ from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 from kvswitch.tokenization.chat_template import ChatTemplate
 from kvswitch.tokenization.detokenizer import DecodeTable
 
-__all__ = ["ServedModel", "ModelRegistry"]
+__all__ = ["ModelRegistry", "ServedModel"]
 
 logger = logging.getLogger(__name__)
 

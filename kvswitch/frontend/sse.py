@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvswitch.errors import InternalError, KvswitchError, openai_type_for_http
 
-__all__ = ["SSEResponse", "error_body", "error_response", "DONE"]
+__all__ = ["DONE", "SSEResponse", "error_body", "error_response"]
 
 logger = logging.getLogger(__name__)
 
