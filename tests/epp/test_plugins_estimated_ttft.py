@@ -56,6 +56,11 @@ def test_burst_before_a_load_update_spreads_by_in_flight() -> None:
     eps = endpoints(2)
     eps[0].in_flight = 3  # routed by the EPP, not yet seen by the engine
     assert pick(eps, {"e0:1": 375, "e1:1": 375}) == "e1:1"
+    # A hot group's burst stays on its holder until the unseen work outweighs the saving.
+    eps[0].in_flight = 2
+    assert pick(eps, {"e0:1": 375}) == "e0:1"
+    eps[0].in_flight = 6
+    assert pick(eps, {"e0:1": 375}) == "e1:1"
 
 
 def test_new_groups_go_to_empty_replicas() -> None:

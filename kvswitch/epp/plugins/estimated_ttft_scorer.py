@@ -9,10 +9,10 @@ replica and cancels out):
     m(e)     = matched leading blocks / prompt blocks   (the prefix index's `PrefixMatch`)
     Wq(e)    = queued uncached prefill tokens the engine reports (waiting_tokens), or
                waiting(e) x P when the engine does not report tokens
-    U(e)     = max(0, in_flight(e) - running(e) - waiting(e)) x P
+    U(e)     = max(0, in_flight(e) - running(e) - waiting(e))
                requests the EPP sent that the engine has not reported yet (a burst between
-               two load updates), costed as uncached prompts of this size
-    est(e)   = Wq(e) + U(e) + (1 - m(e)) x P + runningRequestTokens x running(e)
+               two load updates), assumed to look like this one (a hot group's burst)
+    est(e)   = Wq(e) + (U(e) + 1) x (1 - m(e)) x P + runningRequestTokens x running(e)
     score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
                                                        +1 keeps an idle all-cached pool finite)
 
@@ -63,10 +63,8 @@ def estimated_work(endpoint: Endpoint, prompt: int, matched_fraction: float,
     """est(e) of the module docstring, in prompt tokens."""
     m = endpoint.metrics
     queued = m.waiting_tokens if m.waiting_tokens else m.waiting * prompt
-    unseen = endpoint.in_flight - m.running - m.waiting
-    if unseen > 0:
-        queued += unseen * prompt
-    return queued + (1.0 - matched_fraction) * prompt + running_tokens * m.running
+    unseen = max(0, endpoint.in_flight - m.running - m.waiting)
+    return queued + (unseen + 1) * (1.0 - matched_fraction) * prompt + running_tokens * m.running
 
 
 class EstimatedTtftScorer:
