@@ -7,6 +7,7 @@ the bottleneck), then, one at a time, each gateway in front of the whole pool:
             (gRPC round robin over the pool, no Envoy: this measures the transcoder alone)
   smg:      `smg launch --worker-urls grpc://127.0.0.1:P1 grpc://... --policy round_robin`
 
+(with `--rounds R`, the targets take turns R times, so a noisy shared machine hits them alike)
 and drives it from a separate process with `--concurrency` streamed chat completions in flight
 (max_tokens = `--output-tokens`, ignore_eos), over a minimal asyncio HTTP/1.1 client (keep-alive,
 chunked SSE; the OpenAI SDK would be the bottleneck). It reports output tokens/s (from the usage
@@ -238,7 +239,7 @@ def _wait_port(port: int, timeout: float) -> None:
 
 
 def _start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+    return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -312,6 +313,42 @@ def run_cell(name: str, argv: list[str], port: int, engines: list[subprocess.Pop
         first_error=result.first_error, command=" ".join(argv))
 
 
+def _targets(args: argparse.Namespace, engine_ports: list[int]
+             ) -> list[tuple[str, list[str], int]]:
+    """(name, argv, port) of every gateway to measure, on fresh ports."""
+    pool = ",".join(f"127.0.0.1:{p}" for p in engine_ports)
+    out = []
+    if "kvswitch" in args.targets:
+        for workers in args.workers:
+            port = _free_port()
+            out.append((f"kvswitch-frontend-w{workers}", [
+                sys.executable, "-m", "kvswitch", "frontend", "--target", f"ipv4:{pool}",
+                "--port", str(port), "--workers", str(workers),
+                "--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning"], port))
+    smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
+    if "smg" in args.targets and Path(smg).exists():
+        port = _free_port()
+        out.append(("smg", [smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+                            "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in engine_ports],
+                            "--policy", "round_robin", "--tokenizer-path", str(TOKENIZER_DIR),
+                            "--log-level", "warn"], port))
+    elif "smg" in args.targets:
+        print("smg is not installed (pip install smg); skipped", file=sys.stderr)
+    return out
+
+
+def _summary(cells: list[Cell]) -> dict[str, dict[str, float]]:
+    """Per target, the median over rounds of tokens/s and gateway CPU per token."""
+    by_target: dict[str, list[Cell]] = {}
+    for cell in cells:
+        by_target.setdefault(cell.target, []).append(cell)
+    return {name: {"cells": len(group),
+                   "tokens_per_s": round(statistics.median(c.tokens_per_s for c in group), 1),
+                   "gateway_cpu_us_per_token": round(statistics.median(
+                       c.gateway_cpu_us_per_token for c in group), 2)}
+            for name, group in by_target.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=2)
@@ -322,6 +359,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="kvswitch frontend --workers values to measure")
     parser.add_argument("--targets", nargs="+", default=["kvswitch", "smg"])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every target this many times, interleaved")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -335,27 +374,10 @@ def main() -> int:
     try:
         for p in engine_ports:
             _wait_port(p, 120)
-        pool = ",".join(f"127.0.0.1:{p}" for p in engine_ports)
-        if "kvswitch" in args.targets:
-            for workers in args.workers:
-                port = _free_port()
-                argv = [sys.executable, "-m", "kvswitch", "frontend", "--target", f"ipv4:{pool}",
-                        "--port", str(port), "--workers", str(workers),
-                        "--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning"]
-                cells.append(run_cell(f"kvswitch-frontend-w{workers}", argv, port, engines,
-                                      args, logs))
+        for _ in range(args.rounds):
+            for name, argv, port in _targets(args, engine_ports):
+                cells.append(run_cell(name, argv, port, engines, args, logs))
                 print(json.dumps(asdict(cells[-1])), flush=True)
-        smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
-        if "smg" in args.targets and Path(smg).exists():
-            port = _free_port()
-            argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port),
-                    "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in engine_ports],
-                    "--policy", "round_robin", "--tokenizer-path", str(TOKENIZER_DIR),
-                    "--log-level", "warn"]
-            cells.append(run_cell("smg", argv, port, engines, args, logs))
-            print(json.dumps(asdict(cells[-1])), flush=True)
-        elif "smg" in args.targets:
-            print("smg is not installed (pip install smg); skipped", file=sys.stderr)
     finally:
         for engine in engines:
             _stop(engine)
@@ -367,9 +389,14 @@ def main() -> int:
         print(f"{c.target:<24}{c.tokens_per_s:>10.0f}{c.requests_per_s:>8.1f}"
               f"{c.ttft_p50_ms:>10.1f}{c.ttft_p99_ms:>8.1f}{c.gateway_cpu_us_per_token:>11.1f}"
               f"{c.gateway_cpu_cores:>10.2f}{c.engines_cpu_cores:>10.2f}{c.errors:>8}")
+    summary = _summary(cells)
+    for name, row in summary.items():
+        print(f"{name:<24} median of {row['cells']}: {row['tokens_per_s']:.0f} tok/s, "
+              f"{row['gateway_cpu_us_per_token']:.1f} us/tok")
     report = {"machine_cpus": os.cpu_count(), "engines": args.engines,
               "concurrency": args.concurrency, "output_tokens": args.output_tokens,
-              "duration_s": args.duration, "cells": [asdict(c) for c in cells], "logs": str(logs)}
+              "duration_s": args.duration, "rounds": args.rounds, "summary": summary,
+              "cells": [asdict(c) for c in cells], "logs": str(logs)}
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2))
     return 0

@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, PayloadTooLarge
 from kvswitch.frontend.engine_client import EngineClient
@@ -85,7 +86,24 @@ async def _until_disconnect(work: Awaitable[Any], request: Request) -> Any:
 Handler = Callable[[Any, Mapping[str, str]], Awaitable[Any]]
 
 
-def build_app(settings: FrontendSettings) -> Starlette:
+class _FastPost:
+    """ASGI: the POST routes are called straight, without Starlette's router and its two
+    middlewares wrapping every `send` (one per SSE event); everything else goes to Starlette."""
+
+    def __init__(self, app: Starlette, routes: dict[str, Callable[[Request], Awaitable[Any]]]
+                 ) -> None:
+        self._app, self._routes = app, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self._routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
+            await self._app(scope, receive, send)
+            return
+        response = await route(Request(scope, receive))
+        await response(scope, receive, send)
+
+
+def build_app(settings: FrontendSettings) -> _FastPost:
     client = EngineClient(settings.target)
     models = ModelRegistry(client, served_model_names=settings.served_model_names,
                            tokenizer_dir=settings.tokenizer_dir)
@@ -150,12 +168,13 @@ def build_app(settings: FrontendSettings) -> Starlette:
         yield
         await client.close()
 
+    posts = {"/v1/chat/completions": endpoint("chat", chat.create),
+             "/v1/completions": endpoint("completions", completions.create),
+             "/v1/embeddings": endpoint("embeddings", embeddings.create)}
     routes = [
-        Route("/v1/chat/completions", endpoint("chat", chat.create), methods=["POST"]),
-        Route("/v1/completions", endpoint("completions", completions.create), methods=["POST"]),
-        Route("/v1/embeddings", endpoint("embeddings", embeddings.create), methods=["POST"]),
+        *(Route(path, handler, methods=["POST"]) for path, handler in posts.items()),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return _FastPost(Starlette(routes=routes, lifespan=lifespan), posts)

@@ -73,6 +73,7 @@ def serve(args: argparse.Namespace, reuse_port: bool) -> None:
     sock = _bind(args.host, args.port, reuse_port)
     config = uvicorn.Config(build_app(_settings(args)), loop="uvloop", http="httptools",
                             log_level=args.log_level, access_log=False, lifespan="on",
+                            proxy_headers=False,
                             timeout_keep_alive=30, backlog=2048)
     uvicorn.Server(config).run(sockets=[sock])
 

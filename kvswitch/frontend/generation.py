@@ -76,6 +76,8 @@ class _Prompt:
     request: pb.GenerateRequest
     first_index: int
     usage: Usage = field(default_factory=Usage)
+    completes: int = 0
+    """`complete` messages the engine sent: once it has sent one per choice it is done."""
 
 
 def _logprobs(proto: pb.OutputLogProbs) -> TokenLogprobs | None:
@@ -92,6 +94,7 @@ class Generation:
                  requests: Sequence[pb.GenerateRequest], metadata: Metadata, *, n: int) -> None:
         self._client = client
         self._metadata = metadata
+        self._n = n
         self._prompts = [_Prompt(r, i * n) for i, r in enumerate(requests)]
         params = requests[0].sampling_params
         stops = list(params.stop)
@@ -166,9 +169,10 @@ class Generation:
         except (grpc.aio.AioRpcError, StreamError) as exc:
             raise error_from_rpc(exc) from exc
         finally:
-            # Cancelling is a no-op on a finished call; on a live one (client gone, stop string
-            # found here) it makes the engine abort the request now.
-            stream.cancel()
+            # On a live call (client gone, stop string found here) cancelling makes the engine
+            # abort the request now; one that completed every choice just ends (no RST_STREAM).
+            if prompt.completes < self._n:
+                stream.cancel()
 
     def _on_batch(self, prompt: _Prompt, batch: list[pb.GenerateResponse]
                   ) -> dict[int, ChoiceDelta]:
@@ -189,6 +193,7 @@ class Generation:
                 delta = self._on_tokens(choice, chunk.token_ids, chunk.output_logprobs)
             else:
                 complete = message.complete
+                prompt.completes += 1
                 usage.prompt_tokens = complete.prompt_tokens
                 usage.cached_tokens = complete.cached_tokens
                 choice = choices[base + complete.index]
