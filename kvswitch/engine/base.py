@@ -9,7 +9,8 @@ one update (as vLLM's output collector does), so a slow stream never stalls the 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -51,7 +52,7 @@ class GenerationRequest:
     prompt_token_ids: Sequence[int]
     sampling: SamplingOptions
     arrival_time: float = 0.0
-    """Wall-clock arrival (time.time()), for queue-time metrics."""
+    """Wall-clock arrival (time.time()), as vLLM's arrival_time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +88,12 @@ class GenerationUpdate:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """Only on the first update when asked; the first prompt token has none."""
     queue_seconds: float | None = None
-    """On the first update: wall-clock seconds the request waited before the scheduler first
-    ran it (vllm:request_queue_time_seconds); None when the backend does not tell."""
+    """On the first update: seconds on the engine's clock (see `Engine.now`) from arrival until
+    the scheduler first ran the request (vllm:request_queue_time_seconds); None when the
+    backend does not tell."""
+    time: float | None = None
+    """The engine's clock when the newest token here was produced; None: the consumer uses its
+    own read time. Merged deltas keep the newest token's time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +181,11 @@ class EngineCounters:
 
 @runtime_checkable
 class Engine(Protocol):
-    """A model-server backend. All methods run on the server's event loop."""
+    """A model-server backend. All methods run on the server's event loop.
+
+    Optional: `now() -> float`, the engine's clock in seconds (a simulator's simulated time).
+    When present the servicer times requests with it, so latency histograms are in the engine's
+    seconds; without it they are in wall seconds (`engine_clock`)."""
 
     @property
     def model(self) -> ModelCard: ...
@@ -213,3 +222,9 @@ class Engine(Protocol):
     async def flush_cache(self) -> bool:
         """Drop every cached block not in use (AllBlocksCleared); False if requests are running."""
         ...
+
+
+def engine_clock(engine: Engine) -> Callable[[], float]:
+    """The engine's optional `now()` clock, else the wall clock (time.monotonic)."""
+    now = getattr(engine, "now", None)
+    return now if callable(now) else time.monotonic

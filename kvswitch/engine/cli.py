@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Serve vllm.grpc.engine.VllmEngine (every RPC, vLLM semantics), grpc.health.v1 and "
         "server reflection on one gRPC port, backed by the simulated model server (continuous "
         "batching, paged KV cache with prefix caching, a step-time model). Optional Prometheus "
-        "/metrics with vLLM's metric names on --http-port. SIGTERM drains gracefully.")
+        "/metrics with vLLM's metric names on --http-port; its latency histograms (TTFT, "
+        "inter-token, e2e, queue time) are in SIMULATED seconds, comparable with a real vLLM's "
+        "at any --time-scale (equal to wall seconds at 1). SIGTERM drains gracefully.")
     net = parser.add_argument_group("serving")
     net.add_argument("--host", default="127.0.0.1", help="address to bind")
     net.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
@@ -58,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="hardware/model profile: llama3-8b-h100 (default), "
                             "qwen3-32b-2xh100, tiny")
     model.add_argument("--time-scale", type=float, default=None, metavar="X",
-                       help="run the simulated clock X times faster than real time")
+                       help="run the simulated clock X times faster than real time "
+                            "(/metrics latencies stay in simulated seconds)")
     model.add_argument("--mode", choices=["echo", "random"], default=None,
                        help="output tokens: echo the prompt, or random (seeded)")
     model.add_argument("--seed", type=int, default=None, help="simulator random seed")

@@ -2,8 +2,15 @@
 
 Gauges and counters are read from the engine (`load()`, `counters()`) at scrape time, so the
 request path pays nothing for them; the latency histograms are observed by the servicer, once
-per request or per streamed update (wall-clock seconds, as clients see them). Labels are
-`model_name` and `engine` ("0", vLLM's engine index), as vLLM labels them.
+per request or per streamed update. Labels are `model_name` and `engine` ("0", vLLM's engine
+index), as vLLM labels them.
+
+Latency histograms (TTFT, inter-token latency, e2e, queue time) are in the engine's seconds
+(`Engine.now`): SIMULATED seconds for the simulator, so that at any --time-scale they compare
+with a real vLLM's (at time scale 1 they coincide with wall seconds). As in vLLM, a token is
+timed when the engine produced it, not when a slow client read it; TTFT and e2e run from the
+request's arrival at the servicer, queue time from arrival to the first scheduled step. An
+engine without a clock is timed in wall seconds.
 """
 
 from __future__ import annotations

@@ -24,13 +24,13 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from kvswitch import __version__
 from kvswitch.engine import conversion
-from kvswitch.engine.base import Engine, GenerationRequest, GenerationUpdate
+from kvswitch.engine.base import Engine, GenerationRequest, GenerationUpdate, engine_clock
 from kvswitch.engine.kv_events import KvEventStream
 from kvswitch.engine.metrics import EngineMetrics
 from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
@@ -56,6 +56,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.tokenizer = tokenizer
         self.tokenizer_dir = tokenizer_dir
         self.metrics = metrics
+        self._clock = engine_clock(engine)
         self.start_time = time.time()
         self.last_receive_timestamp = 0.0
         self.active_requests = 0
@@ -76,8 +77,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except KvswitchError as exc:
             await context.abort(exc.grpc_code, exc.message)
         builder = conversion.ResponseBuilder(prompt, sampling, request.stream)
+        timer = _Timer(self.metrics, self._clock)
         updates = self.engine.generate(GenerationRequest(request_id, prompt, sampling, received))
-        timer = _Timer(self.metrics)
         failure: KvswitchError | None = None
         self.active_requests += 1
         try:
@@ -285,13 +286,16 @@ def scheduler_load(engine: Engine) -> pb.SchedulerLoad:
 
 
 class _Timer:
-    """Per-request latency observations (wall clock): TTFT, inter-token latency, e2e."""
+    """Per-request latency observations on the engine's clock (`engine_clock`: simulated seconds
+    for the simulator): TTFT, inter-token latency, e2e, queue time. A token's time is the one
+    the engine stamped on its update (when it was produced), else when it was read here."""
 
-    __slots__ = ("first_done", "last", "metrics", "start")
+    __slots__ = ("clock", "first_done", "last", "metrics", "start")
 
-    def __init__(self, metrics: EngineMetrics | None):
+    def __init__(self, metrics: EngineMetrics | None, clock: Callable[[], float]):
         self.metrics = metrics
-        self.start = self.last = time.monotonic()
+        self.clock = clock
+        self.start = self.last = clock()
         self.first_done = False
 
     def update(self, update: GenerationUpdate) -> None:
@@ -300,9 +304,11 @@ class _Timer:
         if update.queue_seconds is not None:
             self.metrics.queue_time.observe(update.queue_seconds)
         tokens = sum(len(s.token_ids) for s in update.sequences)
+        now = self.clock() if update.time is None else update.time
         if not tokens:
+            if update.finished:
+                self.last = now
             return
-        now = time.monotonic()
         if not self.first_done:
             self.first_done = True
             self.metrics.ttft.observe(now - self.start)
@@ -312,5 +318,6 @@ class _Timer:
         self.last = now
 
     def finish(self) -> None:
+        """The request ended with its last update: e2e is arrival to that update."""
         if self.metrics is not None:
-            self.metrics.e2e.observe(time.monotonic() - self.start)
+            self.metrics.e2e.observe(self.last - self.start)

@@ -5,7 +5,9 @@ the wall clock x `time_scale` while it is idle. The real time a step should end 
 
     real_target = anchor_real + (sim - anchor_sim) / time_scale
 
-The engine sleeps until then. Sleeps shorter than `min_sleep` (the event loop's timer
+The engine sleeps until then. `now()` is the simulated time the scheduler has reached (the end of
+the step being paced); `at_real_time()` maps the current real time into simulated time (clamped
+to `now()`), so an event during a paced step lands inside that step, as it would on a GPU. Sleeps shorter than `min_sleep` (the event loop's timer
 granularity, ~1 ms) are skipped and the debt carried, so pacing stays right on average; when
 Python falls more than `max_lag` behind, the anchor moves (the "GPU" was slow) instead of
 bursting steps to catch up.
@@ -44,6 +46,13 @@ class SimClock:
         if self._busy:
             return self._sim
         return self._anchor_sim + (self._real() - self._anchor_real) * self.time_scale
+
+    def at_real_time(self) -> float:
+        """The simulated instant of the current real time: wall-following while idle; while busy
+        between the current step's pacing anchor and `now()`, never beyond it (Python running
+        late does not move simulated time). Monotonic."""
+        mapped = self._anchor_sim + (self._real() - self._anchor_real) * self.time_scale
+        return min(mapped, self._sim) if self._busy else mapped
 
     def resume(self) -> None:
         """Leave idle: the simulated time is wherever the wall clock has taken it."""

@@ -220,7 +220,12 @@ class SimEngine:
             if s.prompt_logprobs is None
             else prompt_logprobs(prompt, s.prompt_logprobs, self.vocab_size)
         )
-        req = _Request(request.request_id, seqs, OutputStream(request.request_id, seqs, plp))
+        # Leave idle now, so the request's arrival (and its first step) is at this instant of
+        # simulated time, not one event-loop wake-up x time_scale later.
+        self.clock.resume()
+        arrival = self.clock.at_real_time()
+        stream = OutputStream(request.request_id, seqs, plp, arrival)
+        req = _Request(request.request_id, seqs, stream)
         for seq in seqs:
             seq.owner = req
             self.scheduler.add(seq)
@@ -253,7 +258,7 @@ class SimEngine:
         for seq in req.sequences:
             if self.scheduler.abort(seq):
                 self._count_finished("abort")
-                req.stream.push_finish(seq, "abort")
+                req.stream.push_finish(seq, "abort", self.clock.at_real_time())
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -299,9 +304,12 @@ class SimEngine:
 
     def _deliver(self, result: StepResult, start: float) -> None:
         count = self._count_finished
+        for seq in result.first_scheduled:
+            seq.owner.stream.mark_scheduled(start)
+        end = start + result.duration
         for seq in result.outputs:
             req = seq.owner
-            req.stream.push(seq)
+            req.stream.push(seq, end)
             if seq.finish_reason is not None:
                 count(seq.finish_reason)
             elif req.abort_after_first:
@@ -322,6 +330,10 @@ class SimEngine:
             self._events.publish(time.time(), events, cleared=cleared, load=self.load())
 
     # -- state -------------------------------------------------------------------------------
+    def now(self) -> float:
+        """Simulated seconds since start (the `Engine.now` clock the servicer times with)."""
+        return self.clock.at_real_time()
+
     def load(self) -> EngineLoadSnapshot:
         sched, p = self.scheduler, self.profile
         return EngineLoadSnapshot(

@@ -4,6 +4,9 @@ The scheduler pushes every new token into the request's `OutputStream`. If the c
 taken the previous update, the push starts a new one; otherwise it is appended to the pending
 update (a merge), so the scheduler never waits for a slow gRPC stream and the consumer always
 gets everything since its last read in one update.
+
+Each update carries the simulated time of its newest token (`time`) and, on the first one, the
+simulated seconds from arrival to the first scheduled step (`queue_seconds`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ __all__ = ["OutputStream"]
 
 class OutputStream:
     __slots__ = (
+        "arrival",
         "cached_tokens",
         "delta0",
         "done",
@@ -26,8 +30,10 @@ class OutputStream:
         "num_done",
         "pending",
         "prompt_logprobs",
+        "queue_seconds",
         "request_id",
         "sequences",
+        "scheduled",
         "single",
         "waiter",
     )
@@ -37,8 +43,14 @@ class OutputStream:
         request_id: str,
         sequences: list[SimSequence],
         prompt_logprobs: list[TokenLogprob | None] | None = None,
+        arrival: float = 0.0,
     ) -> None:
         self.request_id = request_id
+        self.arrival = arrival
+        """Simulated arrival time."""
+        self.scheduled = False
+        self.queue_seconds: float | None = None
+        """Set when first scheduled; sent once, on the first update."""
         self.sequences = sequences
         self.pending: GenerationUpdate | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -72,8 +84,9 @@ class OutputStream:
                 deltas,
                 False,
                 self.prompt_logprobs,
+                self.queue_seconds,
             )
-            self.prompt_logprobs = None
+            self.prompt_logprobs = self.queue_seconds = None
             w = self.waiter
             if w is not None and not w.done():
                 w.set_result(None)
@@ -89,12 +102,20 @@ class OutputStream:
         u.sequences.append(d)
         return d
 
-    def push(self, seq: SimSequence) -> None:
-        """Add `seq`'s newest token (and its finish, if it finished)."""
+    def mark_scheduled(self, now: float) -> None:
+        """The scheduler ran one of the request's sequences for the first time at `now`."""
+        if not self.scheduled:
+            self.scheduled = True
+            self.queue_seconds = max(0.0, now - self.arrival)
+
+    def push(self, seq: SimSequence, now: float) -> None:
+        """Add `seq`'s newest token, produced at simulated time `now` (and its finish, if it
+        finished)."""
         index = seq.index
         if self.index_done[index]:
             return  # ended by an abort while the step that produced this token ran
         u = self.pending or self._update()
+        u.time = now
         d = self.delta0 if self.single else self._delta(u, index)
         assert d is not None
         d.token_ids.append(seq.token_ids[-1])
@@ -105,11 +126,12 @@ class OutputStream:
         if seq.finish_reason is not None:
             self._end(u, d, seq.finish_reason, seq.matched_stop)
 
-    def push_finish(self, seq: SimSequence, reason: str) -> None:
-        """End a sequence without a new token (abort)."""
+    def push_finish(self, seq: SimSequence, reason: str, now: float) -> None:
+        """End a sequence without a new token (abort) at simulated time `now`."""
         if self.index_done[seq.index]:
             return
         u = self._update()
+        u.time = now
         self._end(u, self._delta(u, seq.index), reason, None)
 
     def _end(

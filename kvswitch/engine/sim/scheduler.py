@@ -49,6 +49,8 @@ class StepResult:
     """Sequences that produced a token (their last in `token_ids`); some may have finished."""
     scheduled: int = 0
     preempted: int = 0
+    first_scheduled: list[SimSequence] = field(default_factory=list)
+    """Sequences this step ran for the first time (their queue time ends at the step's start)."""
 
 
 class Scheduler:
@@ -157,8 +159,9 @@ class Scheduler:
                 prefill += n
             i += 1
 
+        first: list[SimSequence] = []
         if not preempted:
-            prefill += self._admit(scheduled, budget)
+            prefill += self._admit(scheduled, budget, first)
 
         out = StepResult(
             duration=self.profile.step_seconds(prefill, decode),
@@ -166,12 +169,14 @@ class Scheduler:
             decode_tokens=decode,
             scheduled=len(scheduled),
             preempted=preempted,
+            first_scheduled=first,
         )
         self._update(scheduled, out.outputs)
         return out
 
-    def _admit(self, scheduled: list[SimSequence], budget: int) -> int:
-        """Admit waiting sequences FCFS; returns the prefill tokens scheduled for them."""
+    def _admit(self, scheduled: list[SimSequence], budget: int, first: list[SimSequence]) -> int:
+        """Admit waiting sequences FCFS (first admissions also go to `first`); returns the
+        prefill tokens scheduled for them."""
         kv, waiting, running = self.kv, self.waiting, self.running
         max_seqs = self.limits.max_num_seqs
         tokens = 0
@@ -189,6 +194,7 @@ class Scheduler:
                 seq.num_cached_tokens = num_hit
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += num_hit
+                first.append(seq)
             seq.status = SeqStatus.RUNNING
             running.append(seq)
             seq.num_scheduled = n

@@ -29,7 +29,7 @@ def bench_scheduler(num_seqs: int = 1000, steps: int = 300) -> dict[str, float]:
         r = sched.step()
         tokens += len(r.outputs)
         for seq in r.outputs:  # what the engine does per token
-            seq.owner.stream.push(seq)
+            seq.owner.stream.push(seq, 0.0)
         for req in engine._requests.values():
             req.stream.pending = None
     dt = time.perf_counter() - t0

@@ -204,6 +204,26 @@ async def test_queue_is_visible_in_load() -> None:
         await it.aclose()  # type: ignore[attr-defined]
 
 
+async def test_queue_time_and_token_times_are_simulated_seconds() -> None:
+    e = make_engine()  # time_scale 1e6: only simulated time can tell these apart
+    await e.start()
+    # Submitted in one tick: the first four fill max_num_seqs, the last two wait for them.
+    runs = await asyncio.gather(*(collect(e.generate(request(f"r{i}", [i + 1] * 8,
+                                                             max_tokens=5)))
+                                  for i in range(6)))
+    await e.stop()
+    queued = [r[0].queue_seconds for r in runs]
+    assert queued[:4] == [0.0] * 4
+    assert queued[4] == queued[5] and queued[4] is not None and queued[4] > 0
+    # They started when the first four had finished: at the (simulated) time of their last token.
+    first_batch_end = max(u.time for r in runs[:4] for u in r if u.time is not None)
+    first_token = min(u.time for u in runs[4] if u.time is not None)
+    assert first_batch_end < first_token
+    assert all(u.queue_seconds is None for r in runs for u in r[1:])
+    times = [u.time for u in runs[0]]
+    assert times == sorted(times) and None not in times
+
+
 async def test_validation_names_the_problem(engine: SimEngine) -> None:
     cases = [
         (request("a", []), "empty"),
