@@ -3,7 +3,7 @@
 Two engines per module: a default-profile one (llama3-8b-h100, time scale 20) for API semantics,
 and a `tiny` one (4 sequences, 64 KV blocks, slowed to time scale 0.25) where queueing, KV
 pressure, cancellation and prefix caching are visible. No assertion depends on wall-clock
-timing except one ordering with a >10x simulated margin (cached vs uncached TTFT).
+timing: latencies are compared in simulated seconds, read from the /metrics histograms.
 """
 
 from __future__ import annotations
@@ -415,22 +415,25 @@ async def test_queued_requests_report_simulated_queue_time(
 
 
 async def test_repeated_prompt_is_cached_and_starts_sooner(
-        tiny_stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+        tiny_stub: vllm_engine_pb2_grpc.VllmEngineStub, tiny: Engine) -> None:
     prompt = [7000 + (i % 500) for i in range(960)]  # 60 blocks: 15 prefill steps uncached
+    ttft_sum = "vllm:time_to_first_token_seconds_sum"
 
     async def first_token(rid: str) -> tuple[float, int]:
-        start = time.monotonic()
-        call = tiny_stub.Generate(gen(rid, ids=prompt, max_tokens=1, stream=True))
-        first = await call.read()
-        elapsed = time.monotonic() - start
-        await collect(call)
-        return elapsed, first.chunk.cached_tokens
+        """(simulated TTFT from the /metrics histogram, cached tokens) of one request alone."""
+        await wait_idle(tiny_stub)
+        before = await asyncio.to_thread(tiny.metric, ttft_sum)
+        messages = await collect(tiny_stub.Generate(gen(rid, ids=prompt, max_tokens=1,
+                                                        stream=True)))
+        ttft = await asyncio.to_thread(tiny.metric, ttft_sum) - before
+        return ttft, messages[0].chunk.cached_tokens
 
     cold, cold_cached = await first_token("ttft-cold")
     warm, warm_cached = await first_token("ttft-warm")
     assert cold_cached == 0 and warm_cached >= 944
-    # Simulated: 15 chunked-prefill steps (~98 ms at this time scale) against one (~6 ms).
-    assert warm < cold
+    # Simulated: 15 chunked-prefill steps of >= 1 ms against one; scheduling noise on the
+    # test machine only reaches these through the idle clock (x0.25), far below the margin.
+    assert cold >= 15 * 0.001 and warm < cold / 5
 
 
 # ---- shutdown ---------------------------------------------------------------------------------
