@@ -15,7 +15,7 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.kvswitch-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 # Without node/npm the grpc-js interop tests skip; every other test still runs.
@@ -29,6 +29,9 @@ install: $(STAMP)
 
 up: $(STAMP)
 	$(BIN)/kvswitch up $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/kvswitch bench $(ARGS)
 
 test: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
