@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from dataclasses import dataclass
 
@@ -76,11 +77,29 @@ class EngineServer:
         return self.engine.is_healthy() and not self.servicer.draining.is_set()
 
     async def start(self) -> int:
-        """Start the engine and both servers; returns the bound gRPC port."""
+        """Start the engine and both servers; returns the bound gRPC port. Raises OSError when
+        a port cannot be bound, after undoing whatever had started."""
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        try:
+            # The gRPC port first, so that clash fails before the engine starts its scheduler.
+            # A /metrics clash comes after gRPC started (grpc.aio only releases a port it
+            # served), so it is undone below; health says SERVING only once both are bound.
+            self._bind_grpc()
+            await self.engine.start()
+            await self.server.start()
+            await self._start_http()
+        except BaseException:
+            await self._undo_start()
+            raise
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._health_task = asyncio.create_task(self._follow_engine_health())
+        self._log_started()
+        return self.port
+
+    def _bind_grpc(self) -> None:
         address = f"{self.options.host}:{self.options.port}"
         try:
             self.port = self.server.add_insecure_port(address)
@@ -88,15 +107,26 @@ class EngineServer:
             raise OSError(f"cannot bind the gRPC server to {address} (in use?)") from exc
         if self.port == 0:
             raise OSError(f"cannot bind the gRPC server to {address}")
-        # Bind first, so a port clash fails before the engine starts its scheduler.
-        await self.engine.start()
-        await self.server.start()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self._health_task = asyncio.create_task(self._follow_engine_health())
-        if self.options.http_port is not None:
+
+    async def _start_http(self) -> None:
+        if self.options.http_port is None:
+            return
+        address = f"{self.options.host}:{self.options.http_port}"
+        try:
             await self.http.start(self.options.host, self.options.http_port)
-            sockets = self.http._server.sockets if self.http._server else []
-            self.http_port = sockets[0].getsockname()[1] if sockets else 0
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise OSError(f"cannot bind the /metrics HTTP server to {address}: {reason}") from exc
+        sockets = self.http._server.sockets if self.http._server else []
+        self.http_port = sockets[0].getsockname()[1] if sockets else 0
+
+    async def _undo_start(self) -> None:
+        # A grpc.aio server dropped without stop() complains from __del__ once the loop closed.
+        await self.server.stop(None)
+        await self.engine.stop()
+        await self.http.stop()
+
+    def _log_started(self) -> None:
         card = self.engine.model
         logger.info("kvswitch engine serving %s on %s:%d (gRPC%s) %s; max_model_len=%d, "
                     "block_size=%d, num_gpu_blocks=%d, max_num_seqs=%d",
@@ -104,7 +134,6 @@ class EngineServer:
                     f", metrics on :{self.http_port}/metrics" if self.http_port else "",
                     self.options.description, card.max_model_len, card.block_size,
                     card.num_gpu_blocks, card.max_num_seqs)
-        return self.port
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         for service in ("", SERVICE_NAME):

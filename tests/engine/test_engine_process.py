@@ -464,6 +464,34 @@ async def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
         assert "Received SIGTERM" in log and "Shutdown complete" in log
 
 
+def test_metrics_port_in_use_exits_2_cleanly(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        http_port = holder.getsockname()[1]
+        argv = kvswitch_argv("engine", "--port", str(port), "--http-port", str(http_port),
+                             "--profile", "tiny")
+        process = Process(argv, tmp_path / "clash.log")
+        try:
+            code = process.wait(30)
+        except subprocess.TimeoutExpired:
+            print(process.output(), file=sys.stderr)
+            raise
+        finally:
+            process.stop()
+    log = (tmp_path / "clash.log").read_text()
+    assert code == 2, log
+    assert f"cannot bind the /metrics HTTP server to 127.0.0.1:{http_port}" in log
+    assert "Traceback" not in log and "Exception ignored" not in log
+    with socket.socket() as again:  # the gRPC port was released
+        again.bind(("127.0.0.1", port))
+
+
 @pytest.mark.parametrize(("kind", "code"), [("internal", grpc.StatusCode.INTERNAL),
                                             ("unavailable", grpc.StatusCode.UNAVAILABLE)])
 async def test_engine_failures_map_to_status_codes(tmp_path: Path, kind: str,

@@ -279,3 +279,19 @@ async def test_stop_drains_then_goes_not_serving(served: Served) -> None:
     assert messages[-1].complete.finish_reason == "length"
     await stopping
     assert served.server.servicer.draining.is_set()
+
+
+async def test_metrics_port_in_use_undoes_the_start() -> None:
+    import socket
+
+    engine = FakeEngine()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        server = EngineServer(engine, load_tokenizer(None),
+                              ServerOptions(port=0, http_port=holder.getsockname()[1]))
+        with pytest.raises(OSError, match="cannot bind the /metrics HTTP server"):
+            await server.start()
+    assert server.port  # gRPC had bound its port, and released it
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", server.port))
