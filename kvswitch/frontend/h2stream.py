@@ -72,6 +72,28 @@ def parse_target(target: str) -> list[tuple[str, int]] | None:
     return out
 
 
+def _hpack_int(value: int, bits: int, flags: int = 0) -> bytes:
+    """HPACK's prefixed integer (RFC 7541 §5.1)."""
+    limit = (1 << bits) - 1
+    if value < limit:
+        return bytes((flags | value,))
+    out = bytearray((flags | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _hpack_literal(name: str, value: str) -> bytes:
+    """A header as "literal without indexing, new name", no Huffman: encoding it touches no
+    HPACK state, so request header blocks are plain concatenations (RFC 7541 §6.2.2)."""
+    raw_name, raw_value = name.encode("latin-1"), value.encode("latin-1", "replace")
+    return (b"\x00" + _hpack_int(len(raw_name), 7) + raw_name
+            + _hpack_int(len(raw_value), 7) + raw_value)
+
+
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return _FRAME.pack(len(payload))[1:] + bytes((kind, flags)) + _FRAME.pack(stream) + payload
 
@@ -198,9 +220,10 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._next_id = 1
         self._buffer = b""
-        from hpack import Decoder, Encoder
+        from hpack import Decoder
 
-        self._encoder, self._decoder = Encoder(), Decoder()
+        self._decoder = Decoder()
+        self._fixed_headers: dict[str, bytes] = {}
         self._header_block: tuple[int, int, bytearray] | None = None
         self._send_window = 65535
         self._peer_initial_window = 65535
@@ -228,10 +251,14 @@ class _Connection(asyncio.Protocol):
                 or size > min(self._send_window, self._peer_initial_window)):
             raise NotAccepted
         stream_id, self._next_id = self._next_id, self._next_id + 2
-        headers: list[tuple[str, str]] = [(":method", "POST"), (":scheme", "http"), (":path", path),
-                   (":authority", self.authority), ("content-type", "application/grpc"),
-                   ("te", "trailers"), ("user-agent", "kvswitch-frontend"), *metadata]
-        block = self._encoder.encode(headers)
+        fixed = self._fixed_headers.get(path)
+        if fixed is None:
+            fixed = b"".join(_hpack_literal(k, v) for k, v in (
+                (":method", "POST"), (":scheme", "http"), (":path", path),
+                (":authority", self.authority), ("content-type", "application/grpc"),
+                ("te", "trailers"), ("user-agent", "kvswitch-frontend")))
+            self._fixed_headers[path] = fixed
+        block = fixed + b"".join([_hpack_literal(k, v) for k, v in metadata])
         call = StreamCall(self, stream_id, parse)
         self.streams[stream_id] = call
         message = b"\x00" + _FRAME.pack(len(body)) + body
@@ -329,10 +356,16 @@ class _Connection(asyncio.Protocol):
             return
         sid, first_flags, block = self._header_block
         self._header_block = None
-        headers = self._decoder.decode(bytes(block))  # always, to keep HPACK state in step
+        try:  # always, to keep HPACK state in step
+            headers = self._decoder.decode(bytes(block), raw=True)
+        except Exception:  # noqa: BLE001 - any HPACK error breaks the connection (RFC 7540 §4.3)
+            self.close()
+            self.connection_lost(None)
+            return
         call = self.streams.get(sid)
         if call is not None:
-            call._headers([(str(k), str(v)) for k, v in headers], bool(first_flags & _END_STREAM))
+            call._headers([(bytes(k).decode("latin-1"), bytes(v).decode("utf-8", "replace"))
+                           for k, v in headers], bool(first_flags & _END_STREAM))
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
