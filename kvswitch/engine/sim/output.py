@@ -32,8 +32,8 @@ class OutputStream:
         "prompt_logprobs",
         "queue_seconds",
         "request_id",
-        "sequences",
         "scheduled",
+        "sequences",
         "single",
         "waiter",
     )
