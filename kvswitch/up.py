@@ -181,24 +181,48 @@ class Ports:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument("--port", type=int, default=8000, help="public port (gRPC + HTTP)")
-    parser.add_argument("--admin-port", type=int, default=None, help="Envoy admin port")
-    parser.add_argument("--replicas", type=int, default=4, help="simulated engines")
-    parser.add_argument("--profile", default="llama3-8b-h100", help="engine profile")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="engine clock speed-up")
-    parser.add_argument("--mode", choices=["echo", "random"], default="random")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (
+        "Start the embedded default on loopback: N simulated vLLM engines (kvswitch engine),\n"
+        "the endpoint picker (kvswitch epp), the OpenAI frontend (kvswitch frontend) and Envoy,\n"
+        "all behind one port that answers both gRPC (vllm.grpc.engine.VllmEngine) and the\n"
+        "OpenAI HTTP API. Prints how to call it; Ctrl-C or SIGTERM stops every process.")
+    parser.epilog = (
+        "examples:\n"
+        "  kvswitch up                                  # 4 engines, port 8000\n"
+        "  kvswitch up --replicas 8 --profile qwen3-32b-2xh100 --time-scale 10\n"
+        "  kvswitch up --mode echo --epp-config my-epp.yaml --log-dir ./logs")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="public port for gRPC and HTTP (default: %(default)s)")
+    parser.add_argument("--admin-port", type=int, default=None,
+                        help="Envoy admin port (default: a free port)")
+    parser.add_argument("--replicas", type=int, default=4,
+                        help="simulated engines (default: %(default)s)")
+    parser.add_argument("--profile", default="llama3-8b-h100",
+                        help="engine profile: llama3-8b-h100, qwen3-32b-2xh100 or tiny "
+                             "(default: %(default)s)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="simulated seconds per real second (default: %(default)s)")
+    parser.add_argument("--mode", choices=["echo", "random"], default="random",
+                        help="echo returns the prompt's tokens; random draws seeded tokens "
+                             "(default: %(default)s)")
     parser.add_argument("--grace-period", type=float, default=5.0,
-                        help="seconds engines get to finish in-flight requests on shutdown")
+                        help="seconds engines get to finish in-flight requests on shutdown "
+                             "(default: %(default)s)")
     parser.add_argument("--epp-config", type=Path, default=None,
-                        help="EndpointPickerConfig YAML (default: prefix-cache + load scorers)")
-    parser.add_argument("--no-frontend", action="store_true", help="gRPC only, no OpenAI API")
-    parser.add_argument("--frontend-workers", type=int, default=1, help="frontend processes")
-    parser.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy worker threads")
+                        help="EndpointPickerConfig YAML (default: precise prefix-cache routing "
+                             "weighed against load, see docs/configuration.md)")
+    parser.add_argument("--no-frontend", action="store_true",
+                        help="gRPC only, no OpenAI HTTP API")
+    parser.add_argument("--frontend-workers", type=int, default=1,
+                        help="frontend processes (default: %(default)s)")
+    parser.add_argument("--envoy-concurrency", type=int, default=1,
+                        help="Envoy worker threads (default: %(default)s)")
     parser.add_argument("--routing", choices=["override-host", "original-dst"],
-                        default="override-host", help="how Envoy honours the EPP's pick")
+                        default="override-host",
+                        help="how Envoy honours the EPP's pick (default: %(default)s)")
     parser.add_argument("--log-dir", type=Path, default=None,
-                        help="where configs and child logs go (default: a temp dir)")
+                        help="where configs and child logs go (default: a new temp dir)")
 
 
 def run(args: argparse.Namespace) -> int:
