@@ -67,6 +67,8 @@ class _Choice:
     seen_chunk: bool = False
     done: bool = False
     tokens: int = 0
+    pending: list[int] | None = None
+    """Token ids of this batch not yet detokenized (choices without stop strings/logprobs)."""
 
 
 @dataclass
@@ -78,6 +80,9 @@ class _Prompt:
     usage: Usage = field(default_factory=Usage)
     completes: int = 0
     """`complete` messages the engine sent: once it has sent one per choice it is done."""
+
+
+_NO_LOGPROBS = pb.OutputLogProbs()
 
 
 def _logprobs(proto: pb.OutputLogProbs) -> TokenLogprobs | None:
@@ -180,6 +185,7 @@ class Generation:
         the engine sent in several messages goes out as one event (no waiting for more)."""
         choices, base, usage = self._choices, prompt.first_index, prompt.usage
         out: dict[int, ChoiceDelta] = {}
+        waiting: list[_Choice] = []
         for message in batch:
             delta: ChoiceDelta | None
             if message.HasField("chunk"):
@@ -190,6 +196,15 @@ class Generation:
                 if choice.done:
                     continue
                 choice.seen_chunk = True
+                if choice.stop is None and not chunk.output_logprobs.token_ids:
+                    # Detokenized once for the whole batch: same text, fewer calls.
+                    if choice.pending is None:
+                        choice.pending = list(chunk.token_ids)
+                        waiting.append(choice)
+                    else:
+                        choice.pending.extend(chunk.token_ids)
+                    continue
+                self._flush(choice, out)
                 delta = self._on_tokens(choice, chunk.token_ids, chunk.output_logprobs)
             else:
                 complete = message.complete
@@ -199,6 +214,7 @@ class Generation:
                 choice = choices[base + complete.index]
                 if choice.done:
                     continue
+                self._flush(choice, out)
                 delta = None
                 if not choice.seen_chunk and complete.output_ids:
                     delta = self._on_tokens(choice, complete.output_ids,
@@ -208,7 +224,19 @@ class Generation:
             if delta is not None:
                 earlier = out.get(choice.index)
                 out[choice.index] = delta if earlier is None else _merge(earlier, delta)
+        for choice in waiting:
+            self._flush(choice, out)
         return out
+
+    def _flush(self, choice: _Choice, out: dict[int, ChoiceDelta]) -> None:
+        ids = choice.pending
+        if ids is None:
+            return
+        choice.pending = None
+        delta = self._on_tokens(choice, ids, _NO_LOGPROBS)
+        if delta is not None:
+            earlier = out.get(choice.index)
+            out[choice.index] = delta if earlier is None else _merge(earlier, delta)
 
     def _on_tokens(self, choice: _Choice, ids: Sequence[int],
                    logprobs: pb.OutputLogProbs) -> ChoiceDelta | None:

@@ -279,6 +279,9 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer + data if self._buffer else data
         offset, size = 0, len(buffer)
+        # Plain DATA frames are gathered per stream and handed over once per read, so a stream
+        # whose messages arrived together is parsed and woken once.
+        gathered: dict[int, list[bytes]] = {}
         while size - offset >= 9:
             length = _FRAME.unpack_from(buffer, offset)[0] >> 8
             end = offset + 9 + length
@@ -288,17 +291,37 @@ class _Connection(asyncio.Protocol):
             stream_id = _FRAME.unpack_from(buffer, offset + 5)[0] & 0x7FFFFFFF
             payload = buffer[offset + 9:end]
             offset = end
+            if kind == _DATA and not flags:
+                self._received += length
+                parts = gathered.get(stream_id)
+                if parts is None:
+                    gathered[stream_id] = [payload]
+                else:
+                    parts.append(payload)
+                continue
+            if gathered:  # in order: what came before this frame first
+                self._deliver(gathered)
+                gathered = {}
             if kind == _DATA:
-                self._on_data(stream_id, flags, payload, length)
+                self._received += length
+                self._on_data(stream_id, flags, payload)
             else:
                 self._on_control(kind, flags, stream_id, payload)
         self._buffer = buffer[offset:] if offset < size else b""
-
-    def _on_data(self, stream_id: int, flags: int, payload: bytes, length: int) -> None:
-        self._received += length
+        if gathered:
+            self._deliver(gathered)
         if self._received >= _REFILL_AT and self.transport is not None:
             self.transport.write(_frame(_WINDOW, 0, 0, _FRAME.pack(self._received)))
             self._received = 0
+
+    def _deliver(self, gathered: dict[int, list[bytes]]) -> None:
+        streams = self.streams
+        for stream_id, parts in gathered.items():
+            call = streams.get(stream_id)
+            if call is not None:
+                call._data(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
         call = self.streams.get(stream_id)
         if call is None:
             return
