@@ -68,8 +68,9 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 
 async def _until_disconnect(work: Awaitable[Any], request: Request) -> Any:
-    """Run `work`; cancel it if the client disconnects first."""
-    task = asyncio.ensure_future(work)
+    """Await `work` in this task; cancel it if the client disconnects first."""
+    task = asyncio.current_task()
+    assert task is not None
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -78,7 +79,7 @@ async def _until_disconnect(work: Awaitable[Any], request: Request) -> Any:
 
     watcher = asyncio.create_task(watch())
     try:
-        return await task
+        return await work
     finally:
         watcher.cancel()
 

@@ -31,7 +31,8 @@ class RequestContext:
 def new_request_context(headers: Mapping[str, str], *, prefix: str, user: str | None,
                         user_as_fairness_id: bool, body_request_id: str | None = None
                         ) -> RequestContext:
-    """`headers` is case-insensitive (starlette's Headers)."""
+    """`headers`: the request's HTTP headers (any case)."""
+    headers = {name.lower(): value for name, value in headers.items()}  # one pass, then O(1)
     client_id = body_request_id or headers.get(h.REQUEST_ID)
     request_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
     metadata: list[tuple[str, str]] = [(h.REQUEST_ID, client_id or request_id)]

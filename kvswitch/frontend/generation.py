@@ -113,6 +113,11 @@ class Generation:
         self._open = len(self._choices)
 
     @property
+    def finished(self) -> bool:
+        """Every choice has finished: the deltas still to come are already here."""
+        return self._open == 0
+
+    @property
     def usage(self) -> Usage:
         total = Usage()
         for prompt in self._prompts:

@@ -21,6 +21,7 @@ from kvswitch.frontend.metrics import FrontendMetrics
 from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
+from kvswitch.frontend.sse import DONE
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.chat_template import ChatTemplate
 
@@ -136,9 +137,13 @@ class ChatServing:
         prefix = b"data: " + head[:-1] + b',"choices":['
         suffix = b"]}\n\n"
         dumps = orjson.dumps
-        for index in range(request.n):
-            yield prefix + dumps({"index": index, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}) + suffix
+        # The role chunks go out with the first delta (already here: `prime` waited for it);
+        # the deltas that finish the generation go out with the usage chunk and [DONE].
+        lead = b"".join(prefix + dumps({"index": index, "delta": {"role": "assistant",
+                                                                  "content": ""},
+                                        "logprobs": None, "finish_reason": None}) + suffix
+                        for index in range(request.n))
+        tail = b""
         want_logprobs = bool(request.logprobs)
         async for delta in deltas:
             choice: dict[str, Any] = {
@@ -150,11 +155,17 @@ class ChatServing:
             }
             if delta.finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
-            yield prefix + dumps(choice) + suffix
+            event = lead + prefix + dumps(choice) + suffix
+            lead = b""
+            if generation.finished:
+                tail += event
+            else:
+                yield event
         self._record(generation)
         if request.include_usage:
-            yield (b"data: " + head[:-1] + b',"choices":[],"usage":'
-                   + dumps(generation.usage.as_dict()) + b"}\n\n")
+            tail += (b"data: " + head[:-1] + b',"choices":[],"usage":'
+                     + dumps(generation.usage.as_dict()) + b"}\n\n")
+        yield lead + tail + DONE
 
 
     def _record(self, generation: Generation) -> None:

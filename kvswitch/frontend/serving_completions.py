@@ -19,6 +19,7 @@ from kvswitch.frontend.protocol import CompletionRequest, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_chat import token_bytes
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
+from kvswitch.frontend.sse import DONE
 from kvswitch.protocol import vllm_engine_pb2 as pb
 
 __all__ = ["CompletionServing", "completion_logprobs"]
@@ -120,12 +121,15 @@ class CompletionServing:
         suffix = b"]}\n\n"
         dumps = orjson.dumps
         offsets: dict[int, int] = {}
+        # Echoed prompts go out with the first delta (already here: `prime` waited for it);
+        # the deltas that finish the generation go out with the usage chunk and [DONE].
+        lead, tail = b"", b""
         if echoes:
             for index in range(len(echoes) * request.n):
                 text = echoes[index // request.n]
                 offsets[index] = len(text)
-                yield prefix + dumps({"index": index, "text": text, "logprobs": None,
-                                      "finish_reason": None}) + suffix
+                lead += prefix + dumps({"index": index, "text": text, "logprobs": None,
+                                        "finish_reason": None}) + suffix
         want_logprobs = request.logprobs is not None
         async for delta in deltas:
             logprobs = None
@@ -138,11 +142,17 @@ class CompletionServing:
                                       "finish_reason": delta.finish_reason}
             if delta.finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
-            yield prefix + dumps(choice) + suffix
+            event = lead + prefix + dumps(choice) + suffix
+            lead = b""
+            if generation.finished:
+                tail += event
+            else:
+                yield event
         self._record(generation)
         if request.include_usage:
-            yield (b"data: " + head[:-1] + b',"choices":[],"usage":'
-                   + dumps(generation.usage.as_dict()) + b"}\n\n")
+            tail += (b"data: " + head[:-1] + b',"choices":[],"usage":'
+                     + dumps(generation.usage.as_dict()) + b"}\n\n")
+        yield lead + tail + DONE
 
     def _record(self, generation: Generation) -> None:
         if self._metrics is not None:

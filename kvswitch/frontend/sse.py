@@ -3,7 +3,8 @@
 `SSEResponse` is a minimal ASGI response that sends each item of an async iterator of bytes as
 it comes, and watches for the client going away: a disconnect cancels the iterator at once (so
 the Generate call behind it is cancelled and the engine frees the request), rather than when
-the next token fails to send. An error raised by the iterator after the 200 has gone out can
+the next token fails to send. An event that already ends with `data: [DONE]` ends the stream
+(the last content, usage and [DONE] go out in one write). An error raised by the iterator after the 200 has gone out can
 only travel in-band: an SSE `data: {"error": ...}` event, then `data: [DONE]`.
 """
 
@@ -83,6 +84,9 @@ class SSEResponse:
     async def _stream(self, send: Send) -> None:
         try:
             async for event in self._events:
+                if event.endswith(DONE):
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
+                    return
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         except KvswitchError as error:
             await send({"type": "http.response.body", "body": sse_error_event(error),

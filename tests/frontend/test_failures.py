@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import openai
 import orjson
 import pytest
 
-from kvswitch.protocol import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc
+from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.protocol import vllm_engine_pb2_grpc
 from tests.frontend.conftest import Stack
 from tests.support.processes import free_port, kvswitch_argv, running
 
@@ -71,3 +73,23 @@ def test_engine_dying_mid_stream_is_an_sse_error_event(slow_stack: Stack) -> Non
     error = orjson.loads(rest[-2])["error"]
     assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_disconnected_non_streamed_request_frees_the_engine(slow_stack: Stack) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 800}
+
+    def call() -> None:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(slow_stack.base_url + "/v1/chat/completions", json=body, timeout=1.5)
+
+    client = threading.Thread(target=call)
+    client.start()
+    deadline = time.monotonic() + 5
+    while _active_requests(slow_stack.engine_port) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _active_requests(slow_stack.engine_port) == 1
+    client.join()
+    deadline = time.monotonic() + 5
+    while _active_requests(slow_stack.engine_port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _active_requests(slow_stack.engine_port) == 0
