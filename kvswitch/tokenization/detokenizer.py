@@ -30,11 +30,11 @@ from typing import Protocol
 from tokenizers import Tokenizer
 
 __all__ = [
-    "IncrementalDetokenizer",
     "ByteLevelDetokenizer",
-    "WindowDetokenizer",
     "DecodeTable",
+    "IncrementalDetokenizer",
     "StopStringMatcher",
+    "WindowDetokenizer",
     "new_detokenizer",
 ]
 
@@ -77,14 +77,20 @@ class DecodeTable:
         size = tokenizer.get_vocab_size(with_added_tokens=True)
         added = tokenizer.get_added_tokens_decoder()
         table: list[bytes] = [b""] * max(size, max(added, default=-1) + 1)
-        for token, token_id in tokenizer.get_vocab(with_added_tokens=False).items():
-            table[token_id] = bytes(byte_of[c] for c in token if c in byte_of)
-        for token_id, token in added.items():
+        # str.translate to latin-1 code points, then one encode: the same bytes as mapping each
+        # character through `byte_of`, several times faster over a 150k vocabulary.
+        to_latin1 = {ord(c): b for c, b in byte_of.items()}
+        for piece, token_id in tokenizer.get_vocab(with_added_tokens=False).items():
+            try:
+                table[token_id] = piece.translate(to_latin1).encode("latin-1")
+            except UnicodeEncodeError:  # characters outside the byte map decode to nothing
+                table[token_id] = bytes(byte_of[c] for c in piece if c in byte_of)
+        for token_id, added_token in added.items():
             # Added tokens decode to their literal content, outside the byte-level map.
-            table[token_id] = token.content.encode("utf-8")
+            table[token_id] = added_token.content.encode("utf-8")
         self.with_special: tuple[bytes, ...] = tuple(table)
-        for token_id, token in added.items():
-            if token.special:
+        for token_id, added_token in added.items():
+            if added_token.special:
                 table[token_id] = b""
         self.without_special: tuple[bytes, ...] = tuple(table)
 
@@ -98,7 +104,7 @@ class DecodeTable:
 class ByteLevelDetokenizer:
     """Table-driven exact detokenizer for byte-level BPE (see the module docstring)."""
 
-    __slots__ = ("_table", "_size", "_decoder")
+    __slots__ = ("_decoder", "_size", "_table")
 
     def __init__(self, table: DecodeTable, *, skip_special_tokens: bool) -> None:
         self._table = table.without_special if skip_special_tokens else table.with_special
@@ -174,7 +180,7 @@ class StopStringMatcher:
     back; the tail of the sent text is kept so a stop string split across deltas is still found.
     """
 
-    __slots__ = ("_stops", "_include", "_hold", "_keep", "_pending", "_tail", "matched")
+    __slots__ = ("_hold", "_include", "_keep", "_pending", "_stops", "_tail", "matched")
 
     def __init__(self, stops: Iterable[str], *, include_stop_str_in_output: bool) -> None:
         self._stops = tuple(s for s in stops if s)
