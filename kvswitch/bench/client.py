@@ -12,6 +12,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -95,7 +96,8 @@ async def send(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_p
     started = time.perf_counter()
     first: float | None = None
     tokens = prompt = cached = 0
-    base = dict(index=request.index, stage=request.stage, qps=request.qps, endpoint=endpoint)
+    base: dict[str, Any] = dict(index=request.index, stage=request.stage, qps=request.qps,
+                                endpoint=endpoint)
     try:
         async for response in stub.Generate(message, timeout=timeout):
             kind = response.WhichOneof("response")

@@ -28,6 +28,13 @@ COUNTERS = {
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:num_preemptions_total": "preemptions",
+    # The engine's own latency histograms, in its clock (simulated seconds for the simulator):
+    # their mean over a run, next to the client's wall-clock x time-scale mean, shows whether
+    # the processes kept up with the simulated clock.
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
+    "vllm:e2e_request_latency_seconds_count": "e2e_count",
 }
 
 
@@ -39,6 +46,10 @@ class EngineCounters:
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     preemptions: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    e2e_sum: float = 0.0
+    e2e_count: float = 0.0
 
     def minus(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(*(getattr(self, f) - getattr(other, f) for f in COUNTERS.values()))

@@ -70,6 +70,8 @@ def target_summary(run: TargetRun, qps: Sequence[float], stage_duration: float
     hits = sum(c.cache_hits for c in run.counters.values())
     per_replica = {a: c.requests for a, c in run.counters.items()}
     mean = sum(per_replica.values()) / len(per_replica) if per_replica else 0.0
+    ttft_count = sum(c.ttft_count for c in run.counters.values())
+    ok_ttft = [r.ttft for r in run.results if r.ok and r.ttft is not None]
     return {
         "target": run.target,
         "wall_seconds": run.wall_seconds,
@@ -80,6 +82,14 @@ def target_summary(run: TargetRun, qps: Sequence[float], stage_duration: float
         "prompt_tokens_per_replica": {a: c.prompt_tokens for a, c in run.counters.items()},
         "load_imbalance": max(per_replica.values()) / mean if mean else None,
         "preemptions": sum(c.preemptions for c in run.counters.values()),
+        # Mean TTFT by the engines' own clock (histogram sum / count deltas) next to the client's
+        # (wall x time scale, includes the gateway): close values mean the processes kept up
+        # with the simulated clock; a client mean far above the engines' means starvation or
+        # gateway overhead.
+        "engine_ttft_mean": (sum(c.ttft_sum for c in run.counters.values()) / ttft_count
+                             if ttft_count else None),
+        "client_ttft_mean": sum(ok_ttft) / len(ok_ttft) if ok_ttft else None,
+        "cpu": run.cpu,
     }
 
 
@@ -114,6 +124,39 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_fmt(o['ttft_p99'])} | {_fmt(o['itl_p50'])} | {_fmt(o['e2e_p90'])} | "
             f"{_fmt(o['output_tok_s'])} | {_fmt(o['success_rate'])} | "
             f"{_fmt(t['engine_cache_hit_rate'])} | {_fmt(t['load_imbalance'])} |")
+    lines += ["", "## Per QPS step", "",
+              "| target | QPS | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | output tok/s | "
+              "cache hit (client) | success |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for t in targets:
+        for step in t.get("steps", ()):
+            lines.append(
+                f"| {t['target']} | {step['qps']:g} | {_fmt(step['ttft_p50'])} | "
+                f"{_fmt(step['ttft_p90'])} | {_fmt(step['ttft_p99'])} | "
+                f"{_fmt(step['itl_p50'])} | {_fmt(step['output_tok_s'])} | "
+                f"{_fmt(step['client_cache_hit_rate'])} | {step['succeeded']}/{step['requests']} |")
+    lines += ["", "## CPU during each target's run", "",
+              "Cores = CPU seconds / wall seconds over the run. A Python process cannot use more "
+              "than ~1 core; a busiest process near 1.0 or a load average above the core count "
+              "means the simulated clock may have slipped. Engine vs client mean TTFT: the "
+              "engines' own histograms (simulated s) against the client's measurement.", "",
+              "| target | wall s | load 1m mean / max | machine busy cores mean / max | "
+              "bench cores (engines, envoy, epp, smg, client) | busiest process (mean / any "
+              "peak) | engine / client mean TTFT |",
+              "|---|---|---|---|---|---|---|"]
+    for t in targets:
+        cpu = t.get("cpu") or {}
+        if not cpu.get("available"):
+            continue
+        roles = cpu["bench_cores_by_role"]
+        lines.append(
+            f"| {t['target']} | {cpu['wall_seconds']:.0f} | {cpu['load_avg_1m_mean']:.2f} / "
+            f"{cpu['load_avg_1m_max']:.2f} | {_fmt(cpu['machine_busy_cores_mean'])} / "
+            f"{_fmt(cpu['machine_busy_cores_max'])} | "
+            + ", ".join(_fmt(roles.get(r)) for r in ("engine", "envoy", "epp", "smg", "client"))
+            + f" | {cpu['busiest_process']} {cpu['busiest_process_cores_mean']:.2f} / "
+            f"{cpu['busiest_process_cores_peak']:.2f} | {_fmt(t.get('engine_ttft_mean'))} / "
+            f"{_fmt(t.get('client_ttft_mean'))} |")
     lines += ["", "## TTFT p90 (s) / output tok/s per QPS step", "",
               "| QPS | " + " | ".join(t["target"] for t in targets if "steps" in t) + " |",
               "|---|" + "---|" * sum(1 for t in targets if "steps" in t)]
@@ -141,8 +184,10 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
             ys = [s[key] for s in t["steps"]]
             ax.plot(qps, [float("nan") if y is None else y for y in ys], marker="o",
                     label=t["target"])
-        ax.set_xlabel("QPS (simulated)")
-        ax.set_ylabel(label)
+        ax.set_xlabel("QPS (simulated requests / simulated s)")
+        ax.set_ylabel(label + (" (log scale)" if log else ""))
+        ax.set_title(f"{report['meta']['preset']}: {label} vs QPS "
+                     f"({report['meta']['replicas']} replicas)", fontsize=9)
         if log:
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
@@ -157,6 +202,7 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
     left.bar(names, [t["engine_cache_hit_rate"] or 0.0 for t in targets])
     left.set_ylabel("engine prefix-cache hit rate")
     left.set_ylim(0, 1)
+    left.set_title("engine prefix-cache hit rate (whole run)", fontsize=9)
     left.tick_params(axis="x", rotation=30)
     width = 0.8 / max(len(targets), 1)
     for i, t in enumerate(targets):
@@ -164,6 +210,7 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
         right.bar([j + i * width for j in range(len(counts))], counts, width, label=t["target"])
     right.set_xlabel("replica")
     right.set_ylabel("requests served")
+    right.set_title("requests per replica (load balance)", fontsize=9)
     right.legend(fontsize=8)
     fig.tight_layout()
     path = out / "cache_and_load.png"

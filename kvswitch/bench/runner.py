@@ -14,10 +14,12 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
 from kvswitch.bench.client import Channels, RequestResult, generate_request, send
+from kvswitch.bench.cpu import CpuMonitor
 from kvswitch.bench.engines import EngineCounters, deltas
 from kvswitch.bench.targets import RunContext, Target
 from kvswitch.bench.workloads import BenchRequest, Workload
@@ -32,6 +34,8 @@ class TargetRun:
     wall_seconds: float
     unavailable: str = ""
     """Non-empty when the target could not run (the reason)."""
+    cpu: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """`CpuMonitor.summary()` over the run: load, machine busy cores, cores per process."""
 
 
 async def run_target(target: Target, workload: Workload, ctx: RunContext, time_scale: float,
@@ -49,16 +53,22 @@ async def run_target(target: Target, workload: Workload, ctx: RunContext, time_s
         if not hasattr(target, "send_request"):
             await channels.connect(target.addresses())
         before = await ctx.pool.counters()
+        monitor = CpuMonitor(lambda: [(c.name, c.pid) for c in ctx.supervisor.children
+                                      if c.alive()])
+        monitor.start()
         started = time.perf_counter()
-        results = await _drive(target, workload, channels, run_id, time_scale, drain_timeout,
-                               request_timeout, progress)
+        try:
+            results = await _drive(target, workload, channels, run_id, time_scale,
+                                   drain_timeout, request_timeout, progress)
+        finally:
+            cpu = await monitor.stop()
         wall = time.perf_counter() - started
         await asyncio.sleep(0.2)  # the engines' last counter updates
         after = await ctx.pool.counters()
     finally:
         await channels.close()
         await target.stop()
-    return TargetRun(target.name, tuple(results), deltas(after, before), wall)
+    return TargetRun(target.name, tuple(results), deltas(after, before), wall, cpu=cpu)
 
 
 async def _drive(target: Target, workload: Workload, channels: Channels, run_id: str,

@@ -89,6 +89,9 @@ class SmgTarget:
     def choose(self, request: BenchRequest) -> tuple[str, str]:
         return f"127.0.0.1:{self._port}", ""
 
+    def addresses(self) -> list[str]:
+        return []  # OpenAI HTTP (`send_request`), no gRPC channels
+
     def first_token(self, request: BenchRequest) -> None:
         pass
 
@@ -101,7 +104,7 @@ class SmgTarget:
         body = {"model": self._model, "prompt": text, "max_tokens": request.max_tokens,
                 "ignore_eos": True, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
-        base = dict(index=request.index, stage=request.stage, qps=request.qps)
+        base: dict[str, Any] = dict(index=request.index, stage=request.stage, qps=request.qps)
         started = time.perf_counter()
         first: float | None = None
         usage: dict[str, Any] = {}

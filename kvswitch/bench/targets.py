@@ -14,6 +14,7 @@ Every target gets the same engines, flushed cold before it runs.
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass, field
 from importlib import resources
@@ -83,7 +84,8 @@ class GatewayTarget:
         await asyncio.to_thread(self._start_processes, ctx)
 
     def _start_processes(self, ctx: RunContext) -> None:
-        state = ctx.state_dir / self.name.replace(":", "_").replace("/", "_")
+        label = safe_label(self.name)
+        state = ctx.state_dir / label
         state.mkdir(parents=True, exist_ok=True)
         port, admin = free_port(), free_port()
         epp_address = None
@@ -94,7 +96,7 @@ class GatewayTarget:
             epp_port, metrics_port = free_port(), free_port()
             spec = epp_spec(config, pool, epp_port, metrics_port,
                             want_ready=len(ctx.pool.addresses))
-            spec = type(spec)(f"epp-{self.name}", spec.argv, spec.ready, spec.env,
+            spec = type(spec)(f"epp-{label}", spec.argv, spec.ready, spec.env,
                               spec.stop_timeout)
             self._children.append(ctx.supervisor.start(spec, timeout=60.0))
             epp_address = f"127.0.0.1:{epp_port}"
@@ -104,7 +106,7 @@ class GatewayTarget:
         envoy_config = state / "envoy.yaml"
         envoy_config.write_text(render(build_bootstrap(options)))
         self._children.append(ctx.supervisor.start(
-            envoy_spec(envoy_config, admin, name=f"envoy-{self.name}"), timeout=60.0))
+            envoy_spec(envoy_config, admin, name=f"envoy-{label}"), timeout=60.0))
         self._address = f"127.0.0.1:{port}"
 
     def choose(self, request: BenchRequest) -> tuple[str, str]:
@@ -169,17 +171,27 @@ class OracleTarget:
             await self._subscriptions.stop()
 
 
-TARGET_NAMES = ("kvswitch", "kvswitch-text", "round-robin", "random", "smg-cache-aware",
-                "smg-round-robin", "oracle")
+TARGET_NAMES = ("kvswitch", "kvswitch-weighted", "kvswitch-approximate", "kvswitch-text",
+                "round-robin", "random", "smg-cache-aware", "smg-round-robin", "oracle")
+
+
+def safe_label(name: str) -> str:
+    """`name` usable as a file name and a supervisor child name (a `kvswitch:/abs/path.yaml`
+    target's slashes and colon would otherwise end up in log file paths)."""
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_.") or "target"
+    return label if len(label) <= 80 else f"{label[:20]}_{label[-59:]}"
 
 
 def make_target(spec: str) -> Target:
-    """A target from its name; `kvswitch:PATH` uses the EPP config at PATH."""
+    """A target from its name; `kvswitch:PATH` uses the EPP config at PATH (or, when PATH is
+    not a file, the bundled `configs/PATH[.yaml]`)."""
     name, _, argument = spec.partition(":")
     if name in ("kvswitch", "kvswitch-text"):
         default = "kvswitch.yaml" if precise_plugin_available() else "kvswitch-approximate.yaml"
-        config = Path(argument) if argument else bundled_config(default)
+        config = _config_path(argument) if argument else bundled_config(default)
         return GatewayTarget(spec, config, text_prompts=name == "kvswitch-text")
+    if name in ("kvswitch-weighted", "kvswitch-approximate"):
+        return GatewayTarget(spec, bundled_config(f"{name}.yaml"))
     if name == "round-robin":
         return GatewayTarget(spec, None)
     if name == "random":
@@ -191,6 +203,18 @@ def make_target(spec: str) -> Target:
 
         return SmgTarget(spec, "cache_aware" if name == "smg-cache-aware" else "round_robin")
     raise ValueError(f"unknown target {spec!r}; known: {', '.join(TARGET_NAMES)}")
+
+
+def _config_path(argument: str) -> Path:
+    path = Path(argument).expanduser()
+    if path.is_file():
+        return path
+    for candidate in (argument, f"{argument}.yaml"):
+        bundled = bundled_config(candidate)
+        if "/" not in argument and bundled.is_file():
+            return bundled
+    raise ValueError(f"EPP config {argument!r} not found (a file, or a bundled config name: "
+                     f"kvswitch, kvswitch-weighted, kvswitch-approximate, random)")
 
 
 def precise_plugin_available() -> bool:
