@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -314,24 +315,23 @@ def run_cell(name: str, argv: list[str], port: int, engines: list[subprocess.Pop
 
 
 def _targets(args: argparse.Namespace, engine_ports: list[int]
-             ) -> list[tuple[str, list[str], int]]:
-    """(name, argv, port) of every gateway to measure, on fresh ports."""
+             ) -> list[tuple[str, Callable[[int], list[str]]]]:
+    """(name, argv for a port) of every gateway to measure."""
     pool = ",".join(f"127.0.0.1:{p}" for p in engine_ports)
-    out = []
+    out: list[tuple[str, Callable[[int], list[str]]]] = []
     if "kvswitch" in args.targets:
         for workers in args.workers:
-            port = _free_port()
-            out.append((f"kvswitch-frontend-w{workers}", [
+            out.append((f"kvswitch-frontend-w{workers}", lambda port, workers=workers: [
                 sys.executable, "-m", "kvswitch", "frontend", "--target", f"ipv4:{pool}",
                 "--port", str(port), "--workers", str(workers),
-                "--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning"], port))
+                "--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning"]))
     smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
     if "smg" in args.targets and Path(smg).exists():
-        port = _free_port()
-        out.append(("smg", [smg, "launch", "--host", "127.0.0.1", "--port", str(port),
-                            "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in engine_ports],
-                            "--policy", "round_robin", "--tokenizer-path", str(TOKENIZER_DIR),
-                            "--log-level", "warn"], port))
+        out.append(("smg", lambda port: [
+            smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in engine_ports],
+            "--policy", "round_robin", "--tokenizer-path", str(TOKENIZER_DIR),
+            "--log-level", "warn"]))
     elif "smg" in args.targets:
         print("smg is not installed (pip install smg); skipped", file=sys.stderr)
     return out
@@ -375,8 +375,9 @@ def main() -> int:
         for p in engine_ports:
             _wait_port(p, 120)
         for _ in range(args.rounds):
-            for name, argv, port in _targets(args, engine_ports):
-                cells.append(run_cell(name, argv, port, engines, args, logs))
+            for name, command in _targets(args, engine_ports):
+                port = _free_port()  # just before it is used: earlier, a client could take it
+                cells.append(run_cell(name, command(port), port, engines, args, logs))
                 print(json.dumps(asdict(cells[-1])), flush=True)
     finally:
         for engine in engines:
