@@ -41,6 +41,9 @@ class RequestResult:
     """The engine that served it, when the target knows (oracle); else empty."""
     sent_at: float = 0.0
     """Simulated seconds from the start of the run to the send (set by the runner)."""
+    tail: float | None = None
+    """Simulated seconds from the last response message to the end of the call (the trailers;
+    through kvswitch this includes the EPP's reply to the response-trailers message)."""
 
 
 class Channels:
@@ -95,6 +98,7 @@ async def send(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_p
     """Stream one request to the end; never raises (failures are results)."""
     started = time.perf_counter()
     first: float | None = None
+    last = started
     tokens = prompt = cached = 0
     base: dict[str, Any] = dict(index=request.index, stage=request.stage, qps=request.qps,
                                 endpoint=endpoint)
@@ -111,6 +115,7 @@ async def send(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_p
                 if on_first is not None:
                     on_first()
             prompt, cached = part.prompt_tokens or prompt, part.cached_tokens or cached
+            last = time.perf_counter()
     except grpc.aio.AioRpcError as exc:
         return RequestResult(ok=False, error=f"{exc.code().name}: {exc.details()}", **base)
     end = time.perf_counter()
@@ -119,4 +124,5 @@ async def send(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_p
     ttft, e2e = (first - started) * time_scale, (end - started) * time_scale
     itl = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
     return RequestResult(ok=True, ttft=ttft, e2e=e2e, itl=itl, output_tokens=tokens,
-                         prompt_tokens=prompt, cached_tokens=cached, **base)
+                         prompt_tokens=prompt, cached_tokens=cached,
+                         tail=(end - last) * time_scale, **base)

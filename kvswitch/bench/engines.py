@@ -35,6 +35,8 @@ COUNTERS = {
     "vllm:time_to_first_token_seconds_count": "ttft_count",
     "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
     "vllm:e2e_request_latency_seconds_count": "e2e_count",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
 }
 
 
@@ -50,6 +52,8 @@ class EngineCounters:
     ttft_count: float = 0.0
     e2e_sum: float = 0.0
     e2e_count: float = 0.0
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
 
     def minus(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(*(getattr(self, f) - getattr(other, f) for f in COUNTERS.values()))

@@ -72,6 +72,11 @@ def target_summary(run: TargetRun, qps: Sequence[float], stage_duration: float
     mean = sum(per_replica.values()) / len(per_replica) if per_replica else 0.0
     ttft_count = sum(c.ttft_count for c in run.counters.values())
     ok_ttft = [r.ttft for r in run.results if r.ok and r.ttft is not None]
+    e2e_count = sum(c.e2e_count for c in run.counters.values())
+    itl_count = sum(c.itl_count for c in run.counters.values())
+    ok = [r for r in run.results if r.ok]
+    client_tokens = sum(r.output_tokens - 1 for r in ok if r.itl is not None)
+    tails = [r.tail for r in ok if r.tail is not None]
     return {
         "target": run.target,
         "wall_seconds": run.wall_seconds,
@@ -89,6 +94,17 @@ def target_summary(run: TargetRun, qps: Sequence[float], stage_duration: float
         "engine_ttft_mean": (sum(c.ttft_sum for c in run.counters.values()) / ttft_count
                              if ttft_count else None),
         "client_ttft_mean": sum(ok_ttft) / len(ok_ttft) if ok_ttft else None,
+        # The same for the rest of a request: the engines' mean gap between tokens and e2e
+        # against the client's (token-weighted ITL; e2e), and the client's mean wait from the
+        # last response message to the end of the call (the trailers).
+        "engine_itl_mean": (sum(c.itl_sum for c in run.counters.values()) / itl_count
+                            if itl_count else None),
+        "client_itl_mean": (sum(r.itl * (r.output_tokens - 1) for r in ok if r.itl is not None)
+                            / client_tokens if client_tokens else None),
+        "engine_e2e_mean": (sum(c.e2e_sum for c in run.counters.values()) / e2e_count
+                            if e2e_count else None),
+        "client_e2e_mean": sum(r.e2e for r in ok if r.e2e) / len(ok) if ok else None,
+        "client_tail_mean": sum(tails) / len(tails) if tails else None,
         "cpu": run.cpu,
     }
 
@@ -139,11 +155,14 @@ def markdown(report: dict[str, Any]) -> str:
               "Cores = CPU seconds / wall seconds over the run. A Python process cannot use more "
               "than ~1 core; a busiest process near 1.0 or a load average above the core count "
               "means the simulated clock may have slipped. Engine vs client mean TTFT: the "
-              "engines' own histograms (simulated s) against the client's measurement.", "",
+              "engines' own histograms (simulated s) against the client's measurement; the same "
+              "for ITL and e2e; tail: the client's mean wait from the last response message to "
+              "the end of the call (trailers).", "",
               "| target | wall s | load 1m mean / max | machine busy cores mean / max | "
               "bench cores (engines, envoy, epp, smg, client) | busiest process (mean / any "
-              "peak) | engine / client mean TTFT |",
-              "|---|---|---|---|---|---|---|"]
+              "peak) | engine / client mean TTFT | engine / client mean ITL | "
+              "engine / client mean e2e | client tail |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for t in targets:
         cpu = t.get("cpu") or {}
         if not cpu.get("available"):
@@ -156,7 +175,9 @@ def markdown(report: dict[str, Any]) -> str:
             + ", ".join(_fmt(roles.get(r)) for r in ("engine", "envoy", "epp", "smg", "client"))
             + f" | {cpu['busiest_process']} {cpu['busiest_process_cores_mean']:.2f} / "
             f"{cpu['busiest_process_cores_peak']:.2f} | {_fmt(t.get('engine_ttft_mean'))} / "
-            f"{_fmt(t.get('client_ttft_mean'))} |")
+            f"{_fmt(t.get('client_ttft_mean'))} | {_fmt(t.get('engine_itl_mean'))} / "
+            f"{_fmt(t.get('client_itl_mean'))} | {_fmt(t.get('engine_e2e_mean'))} / "
+            f"{_fmt(t.get('client_e2e_mean'))} | {_fmt(t.get('client_tail_mean'))} |")
     lines += ["", "## TTFT p90 (s) / output tok/s per QPS step", "",
               "| QPS | " + " | ".join(t["target"] for t in targets if "steps" in t) + " |",
               "|---|" + "---|" * sum(1 for t in targets if "steps" in t)]

@@ -47,6 +47,13 @@ class EppMetrics:
             ["endpoint"], registry=r)
         self.ready_endpoints = Gauge(
             "kvswitch_epp_pool_ready_endpoints", "Endpoints eligible for scheduling.", registry=r)
+        self.loop_lag_seconds = Histogram(
+            "kvswitch_epp_event_loop_lag_seconds",
+            "How late the event loop ran a timer due now (every ext_proc reply waits as long).",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.loop_lag_max_seconds = Gauge(
+            "kvswitch_epp_event_loop_lag_max_seconds",
+            "The largest event-loop lag over the last gauge interval.", registry=r)
         self.queue_size = Gauge(
             "kvswitch_epp_flow_control_queue_size", "Requests waiting in flow control.",
             ["priority", "fairness_id"], registry=r)

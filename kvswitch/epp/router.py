@@ -42,7 +42,8 @@ class EppRouter:
 
     def __init__(self, scheduler: Scheduler, datalayer: Datalayer, gate: FlowGate,
                  refresher: Refresher | None = None, objectives: Mapping[str, int] | None = None,
-                 metrics: EppMetrics | None = None, gauge_interval: float = 1.0) -> None:
+                 metrics: EppMetrics | None = None, gauge_interval: float = 1.0,
+                 lag_interval: float = 0.05) -> None:
         self.scheduler = scheduler
         self.datalayer = datalayer
         self.gate = gate
@@ -50,8 +51,11 @@ class EppRouter:
         self.objectives = dict(objectives or {})
         self.metrics = metrics or EppMetrics()
         self.gauge_interval = gauge_interval
+        self.lag_interval = lag_interval
+        self._lag_max = 0.0
         self._routed: dict[str, Endpoint] = {}
         self._gauges: asyncio.Task[None] | None = None
+        self._lag: asyncio.Task[None] | None = None
         # prometheus_client's labels() costs microseconds; keep the children per label set.
         self._children: dict[tuple[str, ...], Any] = {}
 
@@ -77,13 +81,15 @@ class EppRouter:
             await plugin.start()
         await self.gate.start()
         self._gauges = asyncio.create_task(self._update_gauges(), name="epp-gauges")
+        self._lag = asyncio.create_task(self._watch_lag(), name="epp-loop-lag")
 
     async def stop(self) -> None:
-        if self._gauges is not None:
-            self._gauges.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._gauges
-            self._gauges = None
+        for task in (self._gauges, self._lag):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._gauges = self._lag = None
         await self.gate.stop()
         for plugin in reversed(self._lifecycle_plugins()):
             try:
@@ -168,6 +174,20 @@ class EppRouter:
         self.metrics.queue_size.clear()
         for (priority, flow), size in self.gate.queues.sizes().items():
             self.metrics.queue_size.labels(str(priority), flow).set(size)
+        self.metrics.loop_lag_max_seconds.set(self._lag_max)
+        self._lag_max = 0.0
+
+    async def _watch_lag(self) -> None:
+        """Event-loop lag: how late a `lag_interval` sleep wakes up (one timer, ~20 per s)."""
+        observe = self.metrics.loop_lag_seconds.observe
+        interval = self.lag_interval
+        clock = time.perf_counter
+        while True:
+            due = clock() + interval
+            await asyncio.sleep(interval)
+            lag = max(0.0, clock() - due)
+            observe(lag)
+            self._lag_max = max(self._lag_max, lag)
 
     async def _update_gauges(self) -> None:
         while True:

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from kvswitch.bench.client import RequestResult
 from kvswitch.bench.cpu import CpuMonitor, process_cpu_seconds, role
-from kvswitch.bench.engines import parse_counters
+from kvswitch.bench.engines import EngineCounters, parse_counters
+from kvswitch.bench.report import target_summary
+from kvswitch.bench.runner import TargetRun
 from kvswitch.bench.targets import GatewayTarget, bundled_config, make_target, safe_label
 
 
@@ -44,6 +47,23 @@ def test_engine_histogram_sums_are_parsed() -> None:
     ])
     counters = parse_counters(text)
     assert (counters.ttft_sum, counters.ttft_count, counters.cache_hits) == (1.5, 4.0, 10.0)
+
+
+def test_summary_puts_engine_and_client_itl_e2e_and_tail_side_by_side() -> None:
+    results = (
+        RequestResult(0, 0, 1.0, ok=True, ttft=0.5, e2e=10.5, itl=0.01, output_tokens=1001,
+                      tail=0.002),
+        RequestResult(1, 0, 1.0, ok=True, ttft=0.5, e2e=2.5, itl=0.02, output_tokens=101,
+                      tail=0.004),
+        RequestResult(2, 0, 1.0, ok=False, error="x"),
+    )
+    counters = {"e": EngineCounters(itl_sum=11.0, itl_count=1100.0, e2e_sum=12.0,
+                                    e2e_count=2.0)}
+    summary = target_summary(TargetRun("t", results, counters, 1.0), (1.0,), 10.0)
+    assert summary["engine_itl_mean"] == pytest.approx(0.01)
+    assert summary["client_itl_mean"] == pytest.approx((10.0 + 2.0) / 1100)
+    assert (summary["engine_e2e_mean"], summary["client_e2e_mean"]) == (6.0, 6.5)
+    assert summary["client_tail_mean"] == pytest.approx(0.003)
 
 
 def test_cpu_monitor_accounts_the_client() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -170,6 +171,24 @@ async def test_start_and_stop_with_unreachable_endpoints() -> None:
         assert (decision.status, decision.reason) == (503, "no ready endpoint")
     finally:
         await router.stop()
+
+
+async def test_event_loop_lag_is_measured_and_reported() -> None:
+    router = build_endpoint_picker(None, static_pool(["127.0.0.1:1"]), metrics=EppMetrics()).router
+    router.lag_interval = 0.01
+    await router.start()
+    try:
+        await asyncio.sleep(0.05)
+        time.sleep(0.05)  # noqa: ASYNC251 - block the loop: the next timer wakes up ~50 ms late
+        await asyncio.sleep(0.05)
+        router.update_gauges()
+    finally:
+        await router.stop()
+    text = generate_latest(router.metrics.registry).decode()
+    lag = next(float(line.split()[1]) for line in text.splitlines()
+               if line.startswith("kvswitch_epp_event_loop_lag_max_seconds "))
+    assert 0.03 < lag < 1.0
+    assert "kvswitch_epp_event_loop_lag_seconds_count" in text
 
 
 @pytest.mark.parametrize("picker", ["round-robin-picker", "random-picker"])
