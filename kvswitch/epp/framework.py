@@ -289,6 +289,14 @@ def param(parameters: Mapping[str, Any], key: str, kind: type[T], default: T) ->
     return value
 
 
+def max_endpoints_param(parameters: Mapping[str, Any]) -> int:
+    """Pickers' `maxNumOfEndpoints` (upstream's name): the pick plus fallbacks, >= 1, default 1."""
+    n = param(parameters, "maxNumOfEndpoints", int, 1)
+    if n < 1:
+        raise ConfigError(f"parameters.maxNumOfEndpoints: must be >= 1, got {n}")
+    return n
+
+
 # ---- strict reading of config documents (used by kvswitch.epp.config and datalayer.pool) ------
 def fields(value: object, path: str, required: Sequence[str] = (),
            optional: Sequence[str] = ()) -> Mapping[str, Any]:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvswitch.epp.datalayer import Endpoint
-from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
+from kvswitch.epp.framework import CycleState, PluginHandle, max_endpoints_param
 from kvswitch.epp.request import InferenceRequest
 
 TYPE = "max-score-picker"
@@ -39,7 +39,5 @@ class MaxScorePicker:
 
 
 def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> MaxScorePicker:
-    n = param(parameters, "maxNumOfEndpoints", int, 1)
-    if n < 1:
-        raise ConfigError(f"parameters.maxNumOfEndpoints: must be >= 1, got {n}")
+    n = max_endpoints_param(parameters)
     return MaxScorePicker(name, n)
