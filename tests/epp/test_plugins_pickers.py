@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.plugins import low_queue_filter, max_score_picker, round_robin_picker
@@ -70,3 +72,14 @@ def test_low_queue_filter_keeps_short_queues_or_everyone() -> None:
     assert list(f.filter(REQ, {}, [a, b])) == [a]
     a.metrics = Metrics(waiting=10)
     assert list(f.filter(REQ, {}, [a, b])) == [a, b]
+
+
+@pytest.mark.parametrize("type_name", ["max-score-picker", "random-picker",
+                                       "weighted-random-picker", "round-robin-picker"])
+def test_pickers_reject_fewer_than_one_endpoint(type_name: str) -> None:
+    from kvswitch.epp.framework import ConfigError, load_factory
+
+    factory = load_factory(type_name)
+    with pytest.raises(ConfigError, match="maxNumOfEndpoints: must be >= 1"):
+        factory("p", {"maxNumOfEndpoints": 0}, None)  # type: ignore[arg-type]
+    assert factory("p", {"maxNumOfEndpoints": 3}, None).max_endpoints == 3  # type: ignore[arg-type, attr-defined]
