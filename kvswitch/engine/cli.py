@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvswitch.engine.server import EngineServer, ServerOptions
@@ -50,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="serve /metrics and /health on this port (default: no HTTP server)")
     net.add_argument("--grace-period", type=float, default=30.0,
                      help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    net.add_argument("--request-log", type=Path, default=None, metavar="PATH",
+                     help="append one JSON line per finished request to PATH (request_id, "
+                          "wall arrival, and in engine seconds: arrival, queue, TTFT, e2e, mean "
+                          "ITL; prompt/cached/completion tokens, finish reason); buffered, "
+                          "written every second and at shutdown")
     net.add_argument("--log-level", default="INFO",
                      choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     model = parser.add_argument_group("model (unset: the simulator's defaults)")
@@ -126,5 +132,15 @@ async def _serve(args: argparse.Namespace) -> None:
                             grace_period=args.grace_period, tokenizer_dir=args.tokenizer,
                             description=description)
     server = EngineServer(engine, tokenizer, options)
-    await server.start()
-    await server.run_until_signal()
+    request_log = None
+    if args.request_log is not None:
+        from kvswitch.engine.request_log import RequestLog
+
+        request_log = server.servicer.request_log = RequestLog(args.request_log)
+        request_log.start()
+    try:
+        await server.start()
+        await server.run_until_signal()
+    finally:
+        if request_log is not None:
+            await request_log.close()

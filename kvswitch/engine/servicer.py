@@ -35,6 +35,7 @@ from kvswitch.engine import conversion
 from kvswitch.engine.base import Engine, GenerationRequest, GenerationUpdate, engine_clock
 from kvswitch.engine.kv_events import KvEventStream
 from kvswitch.engine.metrics import EngineMetrics
+from kvswitch.engine.request_log import RequestLog, RequestRecord
 from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
 from kvswitch.errors import InvalidRequest, KvswitchError
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
@@ -52,8 +53,11 @@ _PACE_MAX = 0.05
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, engine: Engine, tokenizer: TokenizerBundle, *,
-                 tokenizer_dir: str | None = None, metrics: EngineMetrics | None = None):
+                 tokenizer_dir: str | None = None, metrics: EngineMetrics | None = None,
+                 request_log: RequestLog | None = None):
         self.engine = engine
+        self.request_log = request_log
+        """When set, one record per ended Generate (`kvswitch engine --request-log`)."""
         self.card = engine.model
         self.tokenizer = tokenizer
         self.tokenizer_dir = tokenizer_dir
@@ -79,7 +83,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except KvswitchError as exc:
             await context.abort(exc.grpc_code, exc.message)
         builder = conversion.ResponseBuilder(prompt, sampling, request.stream)
-        timer = _Timer(self.metrics, self._clock)
+        timer = _Timer(self.metrics, self._clock, track=self.request_log is not None)
         updates = self.engine.generate(GenerationRequest(request_id, prompt, sampling, received))
         failure: KvswitchError | None = None
         self.active_requests += 1
@@ -110,6 +114,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             close = getattr(updates, "aclose", None)
             if close is not None:
                 await close()
+            if self.request_log is not None:  # also when the client went away (cancelled)
+                self.request_log.append(timer.record(
+                    request_id, received, builder, request.stream,
+                    "error" if failure is not None else None))
         trailer = ((USAGE_TRAILER, builder.usage_trailer()),)
         if failure is not None:
             await context.abort(failure.grpc_code, failure.message, trailing_metadata=trailer)
@@ -301,17 +309,27 @@ def scheduler_load(engine: Engine) -> pb.SchedulerLoad:
 class _Timer:
     """Per-request latency observations on the engine's clock (`engine_clock`: simulated seconds
     for the simulator): TTFT, inter-token latency, e2e, queue time. A token's time is the one
-    the engine stamped on its update (when it was produced), else when it was read here."""
+    the engine stamped on its update (when it was produced), else when it was read here.
+    With `track`, it also keeps what a `RequestRecord` needs (first token, tokens, finish)."""
 
-    __slots__ = ("clock", "first_done", "last", "metrics", "start")
+    __slots__ = ("clock", "finish_reason", "first", "first_done", "last", "metrics", "queue",
+                 "start", "tokens", "track")
 
-    def __init__(self, metrics: EngineMetrics | None, clock: Callable[[], float]):
+    def __init__(self, metrics: EngineMetrics | None, clock: Callable[[], float],
+                 track: bool = False):
         self.metrics = metrics
         self.clock = clock
+        self.track = track
         self.start = self.last = clock()
         self.first_done = False
+        self.first: float | None = None
+        self.queue: float | None = None
+        self.tokens = 0
+        self.finish_reason: str | None = None
 
     def update(self, update: GenerationUpdate) -> None:
+        if self.track:
+            self._track(update)
         if self.metrics is None:
             return
         if update.queue_seconds is not None:
@@ -330,7 +348,36 @@ class _Timer:
             self.metrics.itl.observe((now - self.last) / tokens)
         self.last = now
 
+    def _track(self, update: GenerationUpdate) -> None:
+        if update.queue_seconds is not None:
+            self.queue = update.queue_seconds
+        tokens = sum(len(s.token_ids) for s in update.sequences)
+        for s in update.sequences:
+            if s.finish_reason is not None:
+                self.finish_reason = s.finish_reason
+        if tokens or update.finished:
+            now = self.clock() if update.time is None else update.time
+            if tokens and self.first is None:
+                self.first = now
+            self.tokens += tokens
+            if self.metrics is None:
+                self.last = now
+
     def finish(self) -> None:
         """The request ended with its last update: e2e is arrival to that update."""
         if self.metrics is not None:
             self.metrics.e2e.observe(self.last - self.start)
+
+    def record(self, request_id: str, arrival_wall: float, builder: conversion.ResponseBuilder,
+               stream: bool, failed: str | None) -> RequestRecord:
+        """What `--request-log` writes for this request (call once it has ended)."""
+        first, tokens = self.first, self.tokens
+        return RequestRecord(
+            request_id=request_id, arrival_wall=arrival_wall, finish_wall=time.time(),
+            arrival=self.start, e2e_s=self.last - self.start,
+            ttft_s=None if first is None else first - self.start, queue_s=self.queue,
+            itl_s=(self.last - first) / (tokens - 1) if first is not None and tokens > 1
+            else None,
+            prompt_tokens=builder.prompt_tokens, cached_tokens=builder.cached_tokens,
+            completion_tokens=tokens,
+            finish_reason=failed or self.finish_reason or "abort", stream=stream)
