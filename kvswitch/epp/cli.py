@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body accepted (larger: 413 / RESOURCE_EXHAUSTED)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight streams get to finish on SIGTERM/SIGINT")
+    parser.add_argument("--transport", choices=["h2", "grpcio"], default="h2",
+                        help="ext_proc server: h2 = kvswitch's lean HTTP/2 gRPC server (Process "
+                             "and grpc.health.v1 Health/Check only; several times less CPU per "
+                             "request); grpcio = grpc.aio (adds Health/Watch and server "
+                             "reflection)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="debug logs one line per request")
@@ -85,7 +90,7 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = EppServer(picker, host=args.host, port=args.port)
+    server = EppServer(picker, host=args.host, port=args.port, transport=args.transport)
     await server.start()
     logger.info("parsers: %s; max body %d bytes", ", ".join(p.name for p in picker.parsers),
                 picker.max_body_bytes)

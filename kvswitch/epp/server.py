@@ -12,25 +12,36 @@ port is bound, and NOT_SERVING at shutdown. Readiness deliberately does not depe
 having ready endpoints: with none, the EPP still answers every request correctly (503 with a
 dropped reason, gRPC UNAVAILABLE), which is more useful to clients than a proxy failing to
 reach its ext_proc server (Envoy then fails requests with a bare 500 or skips the EPP).
+
+Two transports serve the same streams (`EppServer(transport=...)`, `kvswitch epp --transport`):
+- `h2` (default): `kvswitch.epp.h2server`, a lean asyncio HTTP/2 gRPC server; `_ProcessCall`
+  drives `ExtProcStream` straight from its frames. `router.route()` is stepped eagerly: only a
+  request that really waits (flow control queued it) gets a task; messages that arrive
+  meanwhile wait behind it, in order. Health/Check only; no reflection.
+- `grpcio`: grpc.aio with `ExtProcServicer`, health (Check and Watch) and reflection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import types
+from collections.abc import AsyncIterator, Coroutine, Generator
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvswitch.epp.extproc import Action, ExtProcStream, NeedRouting, RequestFinished
-from kvswitch.epp.request import EndpointPicker, RoutingDecision
+from kvswitch.epp.h2server import INTERNAL, NOT_FOUND, Call, H2GrpcServer
+from kvswitch.epp.request import EndpointPicker, Router, RoutingDecision
 
-__all__ = ["EXT_PROC_SERVICE", "HEALTH_SERVICES", "EppServer", "ExtProcServicer"]
+__all__ = ["EXT_PROC_SERVICE", "HEALTH_SERVICES", "TRANSPORTS", "EppServer", "ExtProcServicer"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +50,36 @@ LIVENESS = "liveness"
 READINESS = "readiness"
 HEALTH_SERVICES = (LIVENESS, READINESS, EXT_PROC_SERVICE)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+PROCESS_PATH = f"/{EXT_PROC_SERVICE}/Process"
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+TRANSPORTS = ("h2", "grpcio")
+_ROUTER_ERROR = RoutingDecision(status=503, reason="router-error")
 # Room for the ext_proc envelope around a body of max_body_bytes.
 _ENVELOPE_BYTES = 64 * 1024
 
 
+def _decided(need: NeedRouting, decision: RoutingDecision) -> RoutingDecision:
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "request %s %s -> %s %s %s", need.request.request_id, need.request.path,
+            decision.status, ",".join(decision.endpoints), decision.reason,
+        )
+    return decision
+
+
+def _report_finished(router: Router, actions: list[Action]) -> None:
+    for action in actions:
+        if type(action) is not RequestFinished:
+            continue
+        try:
+            router.request_finished(action.request, action.outcome)
+        except Exception:
+            logger.exception("request_finished failed for %s", action.request.request_id)
+
+
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """`ExternalProcessor.Process`: one `ExtProcStream` per gRPC stream."""
+    """`ExternalProcessor.Process` on grpc.aio: one `ExtProcStream` per gRPC stream."""
 
     def __init__(self, picker: EndpointPicker) -> None:
         self._picker = picker
@@ -65,87 +100,288 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             if type(routed) is ep.ProcessingResponse:
                                 yield routed
                             else:
-                                self._perform_finished([routed])
+                                _report_finished(self._router, [routed])
                     else:
-                        self._perform_finished([action])
+                        _report_finished(self._router, [action])
         finally:
             # Runs on EOF, on cancellation (Envoy reset the stream) and on write errors alike.
-            self._perform_finished(stream.close())
+            _report_finished(self._router, stream.close())
 
     async def _route(self, need: NeedRouting) -> RoutingDecision:
         try:
             decision = await self._router.route(need.request, need.subset)
         except Exception:
             logger.exception("router failed on request %s", need.request.request_id)
-            return RoutingDecision(status=503, reason="router-error")
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "request %s %s -> %s %s %s", need.request.request_id, need.request.path,
-                decision.status, ",".join(decision.endpoints), decision.reason,
-            )
-        return decision
+            return _ROUTER_ERROR
+        return _decided(need, decision)
 
-    def _perform_finished(self, actions: list[Action]) -> None:
-        for action in actions:
-            if type(action) is not RequestFinished:
-                continue
+
+# -- the h2 transport --------------------------------------------------------------------------
+
+
+@types.coroutine
+def _resume(coro: Coroutine[Any, Any, RoutingDecision], yielded: Any) -> Generator[Any, Any, Any]:
+    """Carry on a coroutine already stepped once by hand (what Python 3.12's eager tasks do)."""
+    while True:
+        try:
+            sent = yield yielded
+        except BaseException as exc:  # noqa: BLE001 - cancellation too: thrown into the coroutine
             try:
-                self._router.request_finished(action.request, action.outcome)
-            except Exception:
-                logger.exception("request_finished failed for %s", action.request.request_id)
+                yielded = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration as stop:
+                return stop.value
+
+
+async def _finish_route(coro: Coroutine[Any, Any, RoutingDecision], yielded: Any) -> RoutingDecision:
+    decision: RoutingDecision = await _resume(coro, yielded)
+    return decision
+
+
+def _start_route(router: Router, need: NeedRouting) -> RoutingDecision | asyncio.Task[RoutingDecision]:
+    """The decision if `route()` finishes without waiting (the usual case), else a task."""
+    coro = router.route(need.request, need.subset)
+    try:
+        yielded = coro.send(None)
+    except StopIteration as stop:
+        decision: RoutingDecision = stop.value
+        return decision
+    return asyncio.get_running_loop().create_task(_finish_route(coro, yielded))
+
+
+class _ProcessCall:
+    """`ExternalProcessor.Process` on the h2 transport: `ExtProcServicer.Process`, frame-driven.
+
+    While a routing task runs, later messages and the end of input wait (`_backlog`) so the
+    stream sees them in order. `close()` reports a routed request exactly once: at the end of
+    input, at a reset (after a pending route settles, so a decision made meanwhile is
+    released too) or when the connection drops."""
+
+    __slots__ = ("_backlog", "_call", "_ended", "_gone", "_rest", "_router", "_stream", "_task")
+
+    def __init__(self, picker: EndpointPicker, call: Call) -> None:
+        self._call = call
+        self._router = picker.router
+        self._stream = ExtProcStream(picker)
+        self._task: asyncio.Task[RoutingDecision] | None = None
+        self._backlog: list[bytes] | None = None
+        self._rest: list[Action] = []
+        self._ended = False
+        self._gone = False
+
+    def on_message(self, message: bytes) -> None:
+        if self._backlog is not None:
+            self._backlog.append(message)
+        else:
+            self._receive(message)
+
+    def on_end(self) -> None:
+        if self._task is not None:
+            self._ended = True
+        else:
+            self._end()
+
+    def on_reset(self) -> None:
+        self._gone = True
+        if self._task is not None:
+            self._task.cancel()  # its callback closes the stream
+        else:
+            _report_finished(self._router, self._stream.close())
+
+    def _receive(self, message: bytes) -> None:
+        try:
+            request = ep.ProcessingRequest.FromString(message)
+        except DecodeError:
+            self._gone = True
+            self._call.finish(INTERNAL, "cannot parse a ProcessingRequest")
+            _report_finished(self._router, self._stream.close())
+            return
+        self._perform(self._stream.receive(request))
+
+    def _perform(self, actions: list[Action]) -> None:
+        for i, action in enumerate(actions):
+            kind = type(action)
+            if kind is ep.ProcessingResponse:
+                self._call.send(action.SerializeToString())  # type: ignore[union-attr]
+            elif kind is NeedRouting:
+                if not self._route(action, actions[i + 1:]):  # type: ignore[arg-type]
+                    return
+            else:
+                _report_finished(self._router, [action])
+
+    def _route(self, need: NeedRouting, rest: list[Action]) -> bool:
+        """True if routed now; False if a task will finish it (and then `rest`)."""
+        try:
+            pending = _start_route(self._router, need)
+        except Exception:
+            logger.exception("router failed on request %s", need.request.request_id)
+            pending = _ROUTER_ERROR
+        if isinstance(pending, RoutingDecision):
+            self._perform(self._stream.routed(_decided(need, pending)))
+            return True
+        self._task, self._backlog, self._rest = pending, [], rest
+        pending.add_done_callback(lambda task: self._routed_later(need, task))
+        return False
+
+    def _routed_later(self, need: NeedRouting, task: asyncio.Task[RoutingDecision]) -> None:
+        self._task = None
+        backlog, self._backlog = self._backlog or [], None
+        rest, self._rest = self._rest, []
+        decision: RoutingDecision | None = None
+        if not task.cancelled():
+            if task.exception() is not None:
+                logger.error("router failed on request %s", need.request.request_id,
+                             exc_info=task.exception())
+                decision = _ROUTER_ERROR
+            else:
+                decision = _decided(need, task.result())
+        if self._gone:
+            if decision is not None:  # decided just as the stream went: release it too
+                self._stream.routed(decision)
+            _report_finished(self._router, self._stream.close())
+            return
+        assert decision is not None  # only on_reset cancels the task
+        self._perform(self._stream.routed(decision))
+        self._perform(rest)
+        for message in backlog:
+            self.on_message(message)
+        if self._ended and self._task is None:
+            self._end()
+
+    def _end(self) -> None:
+        _report_finished(self._router, self._stream.close())
+        self._call.finish()
+
+
+class _HealthCheckCall:
+    """`grpc.health.v1.Health/Check` (unary) from `EppServer`'s status table."""
+
+    __slots__ = ("_call", "_service", "_statuses")
+
+    def __init__(self, statuses: dict[str, int], call: Call) -> None:
+        self._statuses, self._call, self._service = statuses, call, ""
+
+    def on_message(self, message: bytes) -> None:
+        try:
+            self._service = health_pb2.HealthCheckRequest.FromString(message).service
+        except DecodeError:
+            self._call.finish(INTERNAL, "cannot parse a HealthCheckRequest")
+
+    def on_end(self) -> None:
+        status = self._statuses.get(self._service)
+        if status is None:
+            self._call.finish(NOT_FOUND, "unknown service")
+            return
+        self._call.send(health_pb2.HealthCheckResponse(status=status).SerializeToString())
+        self._call.finish()
+
+    def on_reset(self) -> None:
+        return None
 
 
 class EppServer:
-    """The EPP's grpc.aio server: `await start()`, then `await stop()` (graceful)."""
+    """The EPP's gRPC server: `await start()`, then `await stop()` (graceful).
 
-    def __init__(self, picker: EndpointPicker, *, host: str = "127.0.0.1", port: int = 9002):
+    `transport`: "h2" (default; `kvswitch.epp.h2server`) or "grpcio" (grpc.aio, with
+    reflection and Health/Watch)."""
+
+    def __init__(self, picker: EndpointPicker, *, host: str = "127.0.0.1", port: int = 9002,
+                 transport: str = "h2"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}: {transport!r}")
         self.picker = picker
         self.host = host
         self.port = port
-        self.health = health_aio.HealthServicer()
+        self.transport = transport
+        # "" is the server as a whole, as grpcio's HealthServicer has it.
+        self._health: dict[str, int] = {"": _SERVING}
+        self._shutting_down = False
         # Headroom over max_body_bytes so that, in BUFFERED mode (one message holds the whole
         # body), a body somewhat over the limit still gets a proper 413 rather than a gRPC error.
         limit = 2 * picker.max_body_bytes + _ENVELOPE_BYTES
-        self._server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-            ]
-        )
-        ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (EXT_PROC_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
-            self._server,
-        )
+        self._h2: H2GrpcServer | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._grpc_health: health_aio.HealthServicer | None = None
+        if transport == "h2":
+            self._h2 = H2GrpcServer({
+                PROCESS_PATH: lambda call: _ProcessCall(picker, call),
+                HEALTH_CHECK_PATH: lambda call: _HealthCheckCall(self._health, call),
+            }, host=host, port=port, max_message_bytes=limit)
+        else:
+            self._grpc, self._grpc_health = _grpcio_server(picker, limit), health_aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self._grpc_health, self._grpc)
         self._started = False
+
+    def health_status(self, service: str) -> int | None:
+        """The `grpc.health.v1` status served for `service` (None: unknown service)."""
+        return self._health.get(service)
+
+    async def _set_health(self, service: str, status: int) -> None:
+        if self._shutting_down:
+            return
+        self._health[service] = status
+        if self._grpc_health is not None:
+            await self._grpc_health.set(service, status)
 
     async def start(self) -> int:
         """Start the router, bind, serve; returns the bound port (useful with port 0)."""
-        await self.health.set(LIVENESS, _SERVING)
+        await self._set_health(LIVENESS, _SERVING)
         await self.picker.router.start()
         self._started = True
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
-        if not self.port:
-            raise OSError(f"cannot bind the EPP to {self.host}")
-        await self._server.start()
+        if self._h2 is not None:
+            self.port = await self._h2.start()
+        else:
+            assert self._grpc is not None
+            self.port = self._grpc.add_insecure_port(f"{self.host}:{self.port}")
+            if not self.port:
+                raise OSError(f"cannot bind the EPP to {self.host}")
+            await self._grpc.start()
         for service in (READINESS, EXT_PROC_SERVICE):
-            await self.health.set(service, _SERVING)
-        logger.info("endpoint picker listening on %s:%d", self.host, self.port)
+            await self._set_health(service, _SERVING)
+        logger.info("endpoint picker listening on %s:%d (%s)", self.host, self.port,
+                    self.transport)
         return self.port
 
     async def stop(self, grace: float = 5.0) -> None:
         """NOT_SERVING everywhere, let in-flight streams finish for `grace` s, stop the router."""
-        await self.health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        self._shutting_down = True
+        for service in self._health:
+            self._health[service] = _NOT_SERVING
+        if self._h2 is not None:
+            await self._h2.stop(grace)
+        else:
+            assert self._grpc is not None and self._grpc_health is not None
+            await self._grpc_health.enter_graceful_shutdown()
+            await self._grpc.stop(grace)
         if self._started:
             self._started = False
             await self.picker.router.stop()
         logger.info("endpoint picker stopped")
 
     async def wait(self) -> None:
-        await self._server.wait_for_termination()
+        if self._h2 is not None:
+            await self._h2.wait()
+        else:
+            assert self._grpc is not None
+            await self._grpc.wait_for_termination()
+
+
+def _grpcio_server(picker: EndpointPicker, limit: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+    ])
+    ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker), server)
+    reflection.enable_server_reflection(
+        (EXT_PROC_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    return server
 
 
 async def serve_until(stop: asyncio.Event, server: EppServer, grace: float = 5.0) -> None:

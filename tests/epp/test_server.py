@@ -1,4 +1,4 @@
-"""The grpc.aio ext_proc server on loopback, driven by a real gRPC client; a fake Router."""
+"""The EPP's ext_proc server on loopback (both transports), driven by grpc.aio; a fake Router."""
 
 from __future__ import annotations
 
@@ -48,9 +48,15 @@ async def router() -> FakeRouter:
     return FakeRouter()
 
 
+@pytest.fixture(params=["h2", "grpcio"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-async def server(router: FakeRouter) -> AsyncIterator[EppServer]:
-    srv = EppServer(EndpointPicker(parsers=default_parsers(), router=router), port=0)
+async def server(router: FakeRouter, transport: str) -> AsyncIterator[EppServer]:
+    srv = EppServer(EndpointPicker(parsers=default_parsers(), router=router), port=0,
+                    transport=transport)
     await srv.start()
     yield srv
     await srv.stop(grace=0.1)
@@ -127,7 +133,9 @@ async def test_health_services_answer(server: EppServer, router: FakeRouter,
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_reflection_lists_ext_proc(channel: grpc.aio.Channel) -> None:
+async def test_reflection_lists_ext_proc(channel: grpc.aio.Channel, transport: str) -> None:
+    if transport == "h2":
+        pytest.skip("reflection is served by the grpcio transport only")
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     call = stub.ServerReflectionInfo()
     await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
@@ -137,10 +145,11 @@ async def test_reflection_lists_ext_proc(channel: grpc.aio.Channel) -> None:
     await call.done_writing()
 
 
-async def test_graceful_stop_reports_not_serving_and_stops_the_router(router: FakeRouter) -> None:
-    srv = EppServer(EndpointPicker(parsers=default_parsers(), router=router), port=0)
+async def test_graceful_stop_reports_not_serving_and_stops_the_router(router: FakeRouter,
+                                                                     transport: str) -> None:
+    srv = EppServer(EndpointPicker(parsers=default_parsers(), router=router), port=0,
+                    transport=transport)
     await srv.start()
     await srv.stop(grace=0.1)
     assert router.stopped
-    reply = await srv.health.Check(health_pb2.HealthCheckRequest(service="readiness"), None)  # type: ignore[arg-type]
-    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert srv.health_status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
