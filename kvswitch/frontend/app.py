@@ -1,37 +1,32 @@
-"""The frontend's HTTP routes (starlette), thin: read the body, call the serving object, reply.
+"""The frontend's routes, thin: decode the body, call the serving object, reply.
 
-Bodies are read with a size limit (413 beyond it) and decoded with orjson (400 when not JSON).
-A client that disconnects while its request is being served cancels the handler, which
-cancels the Generate call (streams watch for the disconnect themselves, in `SSEResponse`).
+Served by `http_server.Server`: bodies arrive whole (the server refuses those over the limit
+with 413) and are decoded with orjson (400 when not JSON). A client that disconnects while its
+request is being served cancels the task serving it, which cancels the Generate call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, PayloadTooLarge
+from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, NotFound
 from kvswitch.frontend.engine_client import EngineClient
+from kvswitch.frontend.http_server import HttpRequest, Reply, StreamReply
 from kvswitch.frontend.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvswitch.frontend.serving_chat import ChatServing
 from kvswitch.frontend.serving_completions import CompletionServing
 from kvswitch.frontend.serving_embeddings import EmbeddingServing
 from kvswitch.frontend.serving_models import ModelRegistry
-from kvswitch.frontend.sse import SSEResponse, error_response
+from kvswitch.frontend.sse import error_reply, sse_reply
 
-__all__ = ["FrontendSettings", "build_app"]
+__all__ = ["Frontend", "FrontendSettings", "build_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,135 +42,115 @@ class FrontendSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+Handler = Callable[[Any, Mapping[str, str]], Awaitable[Any]]
+Route = Callable[[HttpRequest], Awaitable[Reply | StreamReply]]
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes is over the limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+def _json(body: Any, status: int = 200) -> Reply:
+    return Reply(status, orjson.dumps(body))
+
+
+def _decode(request: HttpRequest) -> Any:
     try:
-        return orjson.loads(b"".join(chunks))
+        return orjson.loads(request.body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def _until_disconnect(work: Awaitable[Any], request: Request) -> Any:
-    """Await `work` in this task; cancel it if the client disconnects first."""
-    task = asyncio.current_task()
-    assert task is not None
+class Frontend:
+    """The OpenAI API of one worker process (an `http_server.App`)."""
 
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        task.cancel()
+    def __init__(self, settings: FrontendSettings) -> None:
+        self.settings = settings
+        self._client = EngineClient(settings.target)
+        self.models = ModelRegistry(self._client, served_model_names=settings.served_model_names,
+                                    tokenizer_dir=settings.tokenizer_dir)
+        self.metrics = FrontendMetrics()
+        fairness = settings.user_as_fairness_id
+        chat = ChatServing(self._client, self.models, user_as_fairness_id=fairness,
+                           metrics=self.metrics)
+        completions = CompletionServing(self._client, self.models, user_as_fairness_id=fairness,
+                                        metrics=self.metrics)
+        embeddings = EmbeddingServing(self._client, self.models, user_as_fairness_id=fairness)
+        self._routes: dict[tuple[str, str], Route] = {
+            ("POST", "/v1/chat/completions"): self._endpoint("chat", chat.create),
+            ("POST", "/v1/completions"): self._endpoint("completions", completions.create),
+            ("POST", "/v1/embeddings"): self._endpoint("embeddings", embeddings.create),
+            ("GET", "/v1/models"): self._list_models,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._prometheus,
+        }
+        self._paths = {path for _, path in self._routes}
 
-    watcher = asyncio.create_task(watch())
-    try:
-        return await work
-    finally:
-        watcher.cancel()
+    async def startup(self) -> None:
+        # Load the model now so the first request does not pay for it; a target that is not up
+        # yet is retried on demand.
+        try:
+            await self.models.get()
+        except KvswitchError as error:
+            logger.warning("target %s not ready yet: %s", self.settings.target, error.message)
 
+    async def shutdown(self) -> None:
+        await self._client.close()
 
-Handler = Callable[[Any, Mapping[str, str]], Awaitable[Any]]
+    def handle(self, request: HttpRequest) -> Awaitable[Reply | StreamReply]:
+        route = self._routes.get((request.method, request.path))
+        if route is None:
+            return self._no_route(request)
+        return route(request)
 
+    def refuse(self, error: KvswitchError) -> Reply:
+        return error_reply(error)
 
-class _FastPost:
-    """ASGI: the POST routes are called straight, without Starlette's router and its two
-    middlewares wrapping every `send` (one per SSE event); everything else goes to Starlette."""
+    async def _no_route(self, request: HttpRequest) -> Reply:
+        if request.path in self._paths:
+            return Reply(405, b"Method Not Allowed", b"text/plain; charset=utf-8")
+        return error_reply(NotFound(f"no route for {request.method} {request.path}"))
 
-    def __init__(self, app: Starlette, routes: dict[str, Callable[[Request], Awaitable[Any]]]
-                 ) -> None:
-        self._app, self._routes = app, routes
+    def _endpoint(self, name: str, handler: Handler) -> Route:
+        metrics = self.metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self._routes.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if route is None or scope["method"] != "POST":
-            await self._app(scope, receive, send)
-            return
-        response = await route(Request(scope, receive))
-        await response(scope, receive, send)
-
-
-def build_app(settings: FrontendSettings) -> _FastPost:
-    client = EngineClient(settings.target)
-    models = ModelRegistry(client, served_model_names=settings.served_model_names,
-                           tokenizer_dir=settings.tokenizer_dir)
-    metrics = FrontendMetrics()
-    fairness = settings.user_as_fairness_id
-    chat = ChatServing(client, models, user_as_fairness_id=fairness, metrics=metrics)
-    completions = CompletionServing(client, models, user_as_fairness_id=fairness,
-                                    metrics=metrics)
-    embeddings = EmbeddingServing(client, models, user_as_fairness_id=fairness)
-
-    def endpoint(name: str, handler: Handler) -> Callable[[Request], Awaitable[Any]]:
-        async def route(request: Request) -> Any:
+        async def route(request: HttpRequest) -> Reply | StreamReply:
             started = time.monotonic()
             status = 200
             try:
-                body = await _read_json(request, settings.max_body_bytes)
-                result = await _until_disconnect(handler(body, request.headers), request)
+                result = await handler(_decode(request), request.headers)
             except KvswitchError as error:
                 status = error.http_status
-                return error_response(error)
+                return error_reply(error)
             except asyncio.CancelledError:
                 status = 499
                 raise
             except Exception as exc:
                 logger.exception("%s failed", name)
                 status = 500
-                return error_response(InternalError(f"internal error: {exc}"))
+                return error_reply(InternalError(f"internal error: {exc}"))
             finally:
                 metrics.request(name, status, time.monotonic() - started)
             if isinstance(result, dict):
                 return _json(result)
             metrics.first_token(time.monotonic() - started)
-            return SSEResponse(result)
+            return sse_reply(result)
         return route
 
-    async def list_models(request: Request) -> Response:
+    async def _list_models(self, request: HttpRequest) -> Reply:
         try:
-            model = await models.get()
+            model = await self.models.get()
         except KvswitchError as error:
-            return error_response(error)
+            return error_reply(error)
         return _json({"object": "list", "data": [
             {**model.card(), "id": name, "root": model.name} for name in model.names]})
 
-    async def health(request: Request) -> Response:
+    async def _health(self, request: HttpRequest) -> Reply:
         try:
-            await models.get()
+            await self.models.get()
         except KvswitchError as error:
-            return error_response(error)
-        return Response(status_code=200)
+            return error_reply(error)
+        return Reply(200, b"", b"text/plain; charset=utf-8")
 
-    async def prometheus(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def _prometheus(self, request: HttpRequest) -> Reply:
+        return Reply(200, self.metrics.render(), CONTENT_TYPE_LATEST.encode())
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # Load the model now so the first request does not pay for it; a target that is not up
-        # yet is retried on demand.
-        try:
-            await models.get()
-        except KvswitchError as error:
-            logger.warning("target %s not ready yet: %s", settings.target, error.message)
-        yield
-        await client.close()
 
-    posts = {"/v1/chat/completions": endpoint("chat", chat.create),
-             "/v1/completions": endpoint("completions", completions.create),
-             "/v1/embeddings": endpoint("embeddings", embeddings.create)}
-    routes = [
-        *(Route(path, handler, methods=["POST"]) for path, handler in posts.items()),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", prometheus, methods=["GET"]),
-    ]
-    return _FastPost(Starlette(routes=routes, lifespan=lifespan), posts)
+def build_app(settings: FrontendSettings) -> Frontend:
+    return Frontend(settings)

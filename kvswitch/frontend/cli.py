@@ -1,6 +1,6 @@
 """`kvswitch frontend`: serve the OpenAI API over HTTP and call a vLLM gRPC target.
 
-uvicorn on uvloop with httptools. `--workers N` starts N processes that each bind the same
+Our own HTTP/1.1 server (`http_server`, httptools) on uvloop. `--workers N` starts N processes that each bind the same
 port with SO_REUSEPORT (the kernel spreads connections across them); each builds its own
 event loop and gRPC channel after it starts, never inheriting one across a fork.
 """
@@ -64,18 +64,29 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 def serve(args: argparse.Namespace, reuse_port: bool) -> None:
     """One worker: bind, build the app on this process's loop, serve until SIGTERM/SIGINT."""
-    import uvicorn
-
-    from kvswitch.frontend.app import build_app
+    import uvloop
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = _bind(args.host, args.port, reuse_port)
-    config = uvicorn.Config(build_app(_settings(args)), loop="uvloop", http="httptools",
-                            log_level=args.log_level, access_log=False, lifespan="on",
-                            proxy_headers=False,
-                            timeout_keep_alive=30, backlog=2048)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvloop.run(_serve(args, sock))
+
+
+async def _serve(args: argparse.Namespace, sock: socket.socket) -> None:
+    import asyncio
+
+    from kvswitch.frontend.app import Frontend
+    from kvswitch.frontend.http_server import Server
+
+    app = Frontend(_settings(args))
+    server = Server(app, max_body_bytes=args.max_body_bytes)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.stop)
+    try:
+        await server.serve(sock, on_started=app.startup)
+    finally:
+        await app.shutdown()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     def stop(signum: int, frame: FrameType | None) -> None:
         for worker in workers:
             if worker.is_alive() and worker.pid is not None:
-                worker.terminate()  # SIGTERM to that worker's pid: uvicorn shuts down cleanly
+                worker.terminate()  # SIGTERM to that worker's pid: it shuts down cleanly
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

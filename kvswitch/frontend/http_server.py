@@ -1,0 +1,365 @@
+"""A lean asyncio HTTP/1.1 server for the frontend: httptools parses, one Protocol per connection.
+
+Why not uvicorn + ASGI: per request and per SSE event, the ASGI message dicts, `send`/`receive`
+coroutines and the disconnect-watcher tasks cost more CPU than the transcoding itself. Here an
+app is one coroutine `handle(HttpRequest) -> Reply | StreamReply`; the connection writes the
+answer straight to its transport.
+
+- Keep-alive and pipelining: requests are parsed as they arrive and served one at a time in
+  order (a connection with many queued requests stops reading until it catches up).
+- Bodies: Content-Length or chunked (httptools decodes chunks); over `max_body_bytes` → 413,
+  malformed HTTP → 400, both answered in turn and followed by closing the connection.
+- Streams: chunked transfer encoding, one `transport.write` per event (the status line and
+  headers go with the first event, the terminating chunk with the last); `pause_writing`
+  holds the stream until the client reads again.
+- A client that disconnects cancels the task serving its request (and with it the Generate
+  call behind it, so the engine frees the request) — no watcher task per request.
+- `Server.serve(sock)` runs until `stop()`; idle connections close at once and busy ones after
+  their current response (or when the grace period ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import http
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+import httptools
+
+from kvswitch.errors import InvalidRequest, KvswitchError, PayloadTooLarge
+
+__all__ = ["App", "HttpRequest", "Reply", "Server", "StreamReply"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_QUEUED = 16
+"""Pipelined requests parsed ahead of the one being served before reading pauses."""
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    method: str
+    path: str
+    """The URL path, without the query string."""
+    headers: dict[str, str]
+    """Lower-case names; a repeated header keeps its last value."""
+    body: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole response."""
+
+    status: int
+    body: bytes = b""
+    content_type: bytes = b"application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReply:
+    """A 200 whose body is written event by event as `events` yields them."""
+
+    events: AsyncIterator[bytes]
+    content_type: bytes = b"text/event-stream; charset=utf-8"
+    last: bytes | None = None
+    """An event ending with this is the last one (written with the terminating chunk); an
+    iterator that ends without it gets it written for it."""
+    on_error: Callable[[Exception], bytes] | None = None
+    """The in-band bytes that end a stream whose iterator raised (the 200 is already out)."""
+    headers: bytes = b"cache-control: no-cache\r\nx-accel-buffering: no\r\n"
+
+
+class App(Protocol):
+    def handle(self, request: HttpRequest) -> Awaitable[Reply | StreamReply]: ...
+
+    def refuse(self, error: KvswitchError) -> Reply:
+        """The response for a request the server refuses itself (400, 413)."""
+        ...
+
+
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+
+
+def _status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A parsed request waiting its turn, or a refusal to answer in its place."""
+
+    request: HttpRequest
+    keep_alive: bool
+    refusal: KvswitchError | None = None
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: Server) -> None:
+        self._server = server
+        self._app = server.app
+        self._limit = server.max_body_bytes
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+        self._paused_reading = False
+        self._drain: asyncio.Future[None] | None = None
+        self._writable = True
+        self._broken = False  # no more parsing: a refusal is queued, then the connection closes
+        self.lost = False
+        self.idle_since = time.monotonic()
+        # The request being parsed.
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._size = 0
+        self._refused = False
+
+    # --- asyncio.Protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._server.connections.discard(self)
+        if self._task is not None:
+            self._task.cancel()  # the client left: stop serving it (cancels its Generate)
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("client disconnected"))
+
+    def pause_writing(self) -> None:
+        self._writable = False
+
+    def resume_writing(self) -> None:
+        self._writable = True
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # an Upgrade we do not take: the request is served as plain HTTP/1.1
+        except httptools.HttpParserError as exc:
+            self._refuse(InvalidRequest(f"malformed HTTP request: {exc}"))
+
+    # --- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url, self._headers, self._body, self._size = b"", {}, [], 0
+        self._refused = False
+        self.idle_since = time.monotonic()  # a slow upload is not an idle connection
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        declared = self._headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._limit:
+            self._refuse(PayloadTooLarge(
+                f"request body of {declared} bytes is over the limit of {self._limit}"))
+        elif (self._headers.get("expect", "").lower() == "100-continue" and not self._queue
+              and self._task is None and self._transport is not None):
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
+        self._size += len(body)
+        if self._size > self._limit:
+            self._refuse(PayloadTooLarge(f"request body is over the limit of {self._limit} "
+                                         "bytes"))
+            return
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        path = self._url.partition(b"?")[0].decode("latin-1")
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = HttpRequest(self._parser.get_method().decode("latin-1"), path, self._headers,
+                              body)
+        self._queue.append(_Pending(request, self._parser.should_keep_alive()))
+        if self._task is None:
+            self._next()
+        elif len(self._queue) >= _MAX_QUEUED and self._transport is not None:
+            self._paused_reading = True
+            self._transport.pause_reading()
+
+    # --- serving ----------------------------------------------------------------------------
+
+    def _refuse(self, error: KvswitchError) -> None:
+        """Answer `error` after whatever is queued before it, then close."""
+        self._refused = self._broken = True
+        request = HttpRequest("", "", {}, b"")
+        self._queue.append(_Pending(request, keep_alive=False, refusal=error))
+        if self._transport is not None:
+            self._transport.pause_reading()
+        if self._task is None:
+            self._next()
+
+    def _next(self) -> None:
+        if self._queue:
+            pending = self._queue.popleft()
+            self._task = asyncio.get_running_loop().create_task(self._serve(pending))
+            if self._paused_reading and len(self._queue) < _MAX_QUEUED // 2 and not self._broken:
+                self._paused_reading = False
+                assert self._transport is not None
+                self._transport.resume_reading()
+        else:
+            self._task = None
+            self.idle_since = time.monotonic()
+            if self._server.stopping and self._transport is not None:
+                self._transport.close()
+
+    async def _serve(self, pending: _Pending) -> None:
+        keep_alive = pending.keep_alive and not self._server.stopping
+        try:
+            if pending.refusal is not None:
+                self._write_reply(self._app.refuse(pending.refusal), False)
+            else:
+                reply = await self._app.handle(pending.request)
+                if isinstance(reply, Reply):
+                    self._write_reply(reply, keep_alive)
+                else:
+                    keep_alive = await self._write_stream(reply, keep_alive)
+        except asyncio.CancelledError:
+            if not self.lost:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return
+        except OSError:
+            keep_alive = False
+        except Exception:
+            logger.exception("request to %s failed", pending.request.path)
+            keep_alive = False
+        if self.lost:
+            return
+        if not keep_alive:
+            assert self._transport is not None
+            self._transport.close()
+            self._task = None
+            return
+        self._next()
+
+    def _write_reply(self, reply: Reply, keep_alive: bool) -> None:
+        assert self._transport is not None
+        self._transport.write(b"%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (
+            _status_line(reply.status), reply.content_type, len(reply.body),
+            b"" if keep_alive else b"connection: close\r\n", reply.body))
+
+    async def _write_stream(self, reply: StreamReply, keep_alive: bool) -> bool:
+        """Chunked SSE; returns whether the connection may carry another request."""
+        transport = self._transport
+        assert transport is not None
+        events, last = reply.events, reply.last
+        head: bytes | None = b"%scontent-type: %s\r\ntransfer-encoding: chunked\r\n%s%s\r\n" % (
+            _status_line(200), reply.content_type, reply.headers,
+            b"" if keep_alive else b"connection: close\r\n")
+        try:
+            try:
+                async for event in events:
+                    if not event:
+                        continue
+                    chunk = b"%x\r\n%s\r\n" % (len(event), event)
+                    if last is not None and event.endswith(last):
+                        transport.write(head + chunk + b"0\r\n\r\n" if head else
+                                        chunk + b"0\r\n\r\n")
+                        return keep_alive
+                    transport.write(head + chunk if head else chunk)
+                    head = None
+                    if not self._writable:
+                        await self._drained()
+            except (asyncio.CancelledError, OSError):
+                raise
+            except Exception as exc:
+                if reply.on_error is None:
+                    raise
+                end = reply.on_error(exc)
+                transport.write((head or b"") + b"%x\r\n%s\r\n0\r\n\r\n" % (len(end), end))
+                return keep_alive
+            end = last or b""  # the iterator ended without its last event: write it now
+            transport.write((head or b"") + (b"%x\r\n%s\r\n" % (len(end), end) if end else b"")
+                            + b"0\r\n\r\n")
+            return keep_alive
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    async def _drained(self) -> None:
+        self._drain = asyncio.get_running_loop().create_future()
+        try:
+            await self._drain
+        finally:
+            self._drain = None
+
+    def close_if_idle(self, now: float, idle_timeout: float) -> None:
+        if (self._task is None and not self._queue and self._transport is not None
+                and now - self.idle_since >= idle_timeout):
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+
+@dataclass
+class Server:
+    """Serves `app` on listening sockets until `stop()`."""
+
+    app: App
+    max_body_bytes: int
+    keep_alive_timeout: float = 30.0
+    grace_period: float = 10.0
+    """How long `stop()` waits for requests in flight before aborting their connections."""
+    connections: set[_Connection] = field(default_factory=set)
+    stopping: bool = False
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self._stopped.set()
+
+    async def serve(self, sock: socket.socket, *, on_started: Callable[[], Awaitable[None]]
+                    | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=2048)
+        if on_started is not None:
+            await on_started()
+        sweeper = loop.create_task(self._sweep())
+        try:
+            await self._stopped.wait()
+        finally:
+            sweeper.cancel()
+            server.close()
+            await self._drain_connections()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.keep_alive_timeout))
+            now = time.monotonic()
+            for conn in list(self.connections):
+                conn.close_if_idle(now, self.keep_alive_timeout)
+
+    async def _drain_connections(self) -> None:
+        now = time.monotonic()
+        for conn in list(self.connections):
+            conn.close_if_idle(now, 0.0)
+        deadline = now + self.grace_period
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.abort()
+        await asyncio.sleep(0)  # let the aborted connections' tasks see their cancellation
