@@ -58,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall seconds to wait for stragglers after the last send")
     parser.add_argument("--mode", default="random", choices=["random", "echo"],
                         help="engine output tokens")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                        help="ask for streamed output (client-side TTFT/ITL, but every token "
+                             "crosses the gateway and the client: CPU); default: the preset's "
+                             "(shared-prefix presets: not streamed, TTFT from the engines' "
+                             "request logs). The oracle always streams")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
@@ -89,6 +94,7 @@ def _asdict(shape: SharedPrefixShape) -> dict[str, Any]:
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets = [make_target(t.strip()) for t in args.targets.split(",") if t.strip()]
+    stream = PRESETS[args.preset].stream if args.stream is None else args.stream
     workload = await asyncio.to_thread(_workload, args)
     print(f"{len(workload.requests)} requests over {len(workload.qps)} QPS steps "
           f"({workload.stage_duration:g} simulated s each = "
@@ -99,14 +105,14 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         state = Path(tmp)
         with Supervisor(state / "logs") as supervisor:
             pool = EnginePool(supervisor, args.replicas, args.profile, args.time_scale,
-                              args.mode)
+                              args.mode, request_log_dir=state / "requests")
             await asyncio.to_thread(pool.start)
             ctx = RunContext(supervisor, pool, state)
             for target in targets:
                 try:
                     runs.append(await run_target(target, workload, ctx, args.time_scale,
                                                  args.drain_timeout,
-                                                 progress=not args.no_progress))
+                                                 progress=not args.no_progress, stream=stream))
                 except TargetUnavailable as exc:
                     print(f"{target.name}: unavailable: {exc}", file=sys.stderr)
                     runs.append(TargetRun(target.name, (), {}, 0.0, unavailable=str(exc)))
@@ -116,11 +122,12 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             if sys.argv[1:2] == ["bench"] else shlex.join(sys.argv),
             "replicas": args.replicas, "profile": args.profile, "time_scale": args.time_scale,
             "qps": list(workload.qps), "stage_duration": workload.stage_duration,
-            "seed": args.seed, "requests": len(workload.requests),
+            "seed": args.seed, "requests": len(workload.requests), "stream": stream,
             "shape": _asdict(workload.shape), "latency_unit": "simulated seconds",
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
-        "targets": [target_summary(r, workload.qps, workload.stage_duration) for r in runs],
+        "targets": [target_summary(r, workload.qps, workload.stage_duration, args.time_scale)
+                    for r in runs],
     }
     write_report(report, runs, args.out)
     return report

@@ -1,4 +1,9 @@
-"""The load generator's request: one streamed `Generate` over gRPC, timed.
+"""The load generator's request: one `Generate` over gRPC, timed on the client side.
+
+Streamed (`stream=True`): a message per engine read; the client measures TTFT, ITL and e2e.
+Non-streamed: one response message per request, so the client, Envoy and the EPP do a fixed
+amount of work per request instead of per token; the client measures only e2e, and TTFT comes
+from the engines' request logs (`kvswitch.bench.report`).
 
 Times are measured on the wall clock and reported in *simulated* seconds (wall x time scale),
 so they compare with the engine's simulated step times and with published GPU numbers; routing
@@ -30,7 +35,7 @@ class RequestResult:
     ok: bool
     error: str = ""
     ttft: float | None = None
-    """Simulated seconds from send to the first output token."""
+    """Simulated seconds from send to the first output token (None when not streamed)."""
     e2e: float | None = None
     itl: float | None = None
     """Mean simulated seconds between output tokens after the first."""
@@ -81,11 +86,12 @@ class Channels:
         self._stubs.clear()
 
 
-def generate_request(request: BenchRequest, run_id: str,
-                     text: str | None = None) -> vllm_engine_pb2.GenerateRequest:
+def generate_request(request: BenchRequest, run_id: str, text: str | None = None,
+                     stream: bool = True) -> vllm_engine_pb2.GenerateRequest:
     sampling = vllm_engine_pb2.SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
                                               temperature=0.0)
-    common = dict(request_id=f"{run_id}-{request.index}", sampling_params=sampling, stream=True)
+    common = {"request_id": f"{run_id}-{request.index}", "sampling_params": sampling,
+              "stream": stream}
     if text is not None:
         return vllm_engine_pb2.GenerateRequest(text=text, **common)
     return vllm_engine_pb2.GenerateRequest(
@@ -95,13 +101,13 @@ def generate_request(request: BenchRequest, run_id: str,
 async def send(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_pb2.GenerateRequest,
                request: BenchRequest, time_scale: float, timeout: float,
                endpoint: str = "", on_first: Callable[[], None] | None = None) -> RequestResult:
-    """Stream one request to the end; never raises (failures are results)."""
+    """Run one request to the end; never raises (failures are results)."""
     started = time.perf_counter()
     first: float | None = None
     last = started
     tokens = prompt = cached = 0
-    base: dict[str, Any] = dict(index=request.index, stage=request.stage, qps=request.qps,
-                                endpoint=endpoint)
+    base: dict[str, Any] = {"index": request.index, "stage": request.stage,
+                            "qps": request.qps, "endpoint": endpoint}
     try:
         async for response in stub.Generate(message, timeout=timeout):
             kind = response.WhichOneof("response")
@@ -121,7 +127,11 @@ async def send(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_p
     end = time.perf_counter()
     if first is None:
         return RequestResult(ok=False, error="no output", **base)
-    ttft, e2e = (first - started) * time_scale, (end - started) * time_scale
+    e2e = (end - started) * time_scale
+    if not message.stream:  # one message at the end: no client-side TTFT or ITL
+        return RequestResult(ok=True, e2e=e2e, output_tokens=tokens, prompt_tokens=prompt,
+                             cached_tokens=cached, tail=(end - last) * time_scale, **base)
+    ttft = (first - started) * time_scale
     itl = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
     return RequestResult(ok=True, ttft=ttft, e2e=e2e, itl=itl, output_tokens=tokens,
                          prompt_tokens=prompt, cached_tokens=cached,

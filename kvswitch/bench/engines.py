@@ -6,17 +6,25 @@ uses), each with a Prometheus port. Between targets every engine's prefix cache 
 `/metrics` (vLLM names): `vllm:prefix_cache_{queries,hits}_total` (tokens),
 `vllm:request_success_total`, `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`;
 a target's numbers are the deltas over its run.
+
+Each engine also writes a request log (`kvswitch engine --request-log`, one JSON line per ended
+request, timed on the engine's clock); `new_records()` returns what the engines logged since the
+previous call, so every target (gateways, SMG, the oracle) is measured the same way, by the
+engines themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
+from kvswitch.engine.request_log import RequestRecord, read_records
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.supervisor import Supervisor
 from kvswitch.up import engine_spec, free_port
@@ -78,13 +86,16 @@ class Engine:
     address: str
     """`127.0.0.1:port` of the gRPC API."""
     metrics_url: str
+    request_log: Path | None = None
+    """Its `--request-log` file, when the pool keeps one."""
 
 
 class EnginePool:
     """`replicas` simulated engines under `supervisor`."""
 
     def __init__(self, supervisor: Supervisor, replicas: int, profile: str, time_scale: float,
-                 mode: str = "random", extra_args: tuple[str, ...] = ()) -> None:
+                 mode: str = "random", extra_args: tuple[str, ...] = (),
+                 request_log_dir: Path | None = None) -> None:
         self.supervisor = supervisor
         self.profile = profile
         self.time_scale = time_scale
@@ -93,13 +104,16 @@ class EnginePool:
         for i in range(replicas):
             port, http_port = free_port(), free_port()
             name = f"engine-{i}"
+            log = request_log_dir / f"{name}.requests.jsonl" if request_log_dir else None
+            log_args = ("--request-log", str(log)) if log else ()
             specs.append(engine_spec(name, port, profile=profile, time_scale=time_scale,
                                      mode=mode, grace_period=1.0,
                                      extra=("--http-port", str(http_port), "--log-level",
-                                            "WARNING", *extra_args)))
+                                            "WARNING", *log_args, *extra_args)))
             self.engines.append(Engine(name, f"127.0.0.1:{port}",
-                                       f"http://127.0.0.1:{http_port}/metrics"))
+                                       f"http://127.0.0.1:{http_port}/metrics", log))
         self._specs = specs
+        self._offsets: dict[str, int] = {}
 
     def start(self) -> None:
         self.supervisor.start_all(self._specs, timeout=120.0)
@@ -116,6 +130,31 @@ class EnginePool:
         results = await asyncio.gather(*(asyncio.to_thread(read, e.metrics_url)
                                          for e in self.engines))
         return {e.address: c for e, c in zip(self.engines, results, strict=True)}
+
+    def new_records(self) -> dict[str, list[RequestRecord]]:
+        """Per engine address: the request records logged since the previous call."""
+        out: dict[str, list[RequestRecord]] = {}
+        for e in self.engines:
+            if e.request_log is None or not e.request_log.exists():
+                out[e.address] = []
+                continue
+            records, self._offsets[e.address] = read_records(
+                e.request_log, self._offsets.get(e.address, 0))
+            out[e.address] = records
+        return out
+
+    async def records_since(self, wall: float, want: int, timeout: float = 5.0
+                            ) -> dict[str, list[RequestRecord]]:
+        """Records of requests that arrived at or after wall time `wall`, waiting up to
+        `timeout` s (the engines write their logs every second) until there are `want`."""
+        got: dict[str, list[RequestRecord]] = {e.address: [] for e in self.engines}
+        deadline = time.monotonic() + timeout
+        while True:
+            for address, records in self.new_records().items():
+                got[address] += [r for r in records if r.arrival_wall >= wall]
+            if sum(map(len, got.values())) >= want or time.monotonic() >= deadline:
+                return got
+            await asyncio.sleep(0.25)
 
     async def flush(self, timeout: float = 60.0) -> dict[str, bool]:
         """FlushCache on every engine (each waits up to `timeout` s to go idle first)."""

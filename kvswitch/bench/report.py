@@ -1,9 +1,11 @@
 """Summaries, JSON, Markdown and PNG plots of a bench run.
 
-Per target and per QPS step: TTFT p50/p90/p99, ITL p50/p90, e2e p50/p90 (simulated seconds),
-output tokens per simulated second (output tokens of the step's requests / simulated seconds
-from the step's first send to its last completion, so a router that falls behind scores lower), success rate, and the client-side cache hit rate (cached / prompt tokens
-the engines reported per request). Per target: the engines' prefix-cache hit rate
+Headline, per target and QPS step: the engines' own measurements from their request logs
+(`kvswitch.bench.engine_report`: TTFT, queue, ITL, e2e, cache hit, output tok/s by
+inference-perf's definition, and each engine's clock slip). Beside them, labelled "client":
+what the load generator measured (TTFT and ITL only when streamed; e2e; output tokens / simulated
+seconds from the step's first send to its last completion), which also holds the gateway,
+transport and any CPU contention. Per target: the engines' prefix-cache hit rate
 (vllm:prefix_cache_hits / queries deltas), requests per replica and their imbalance
 (max / mean; 1.0 is perfect balance).
 """
@@ -17,17 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from kvswitch.bench.client import RequestResult
+from kvswitch.bench.engine_report import engine_summary, percentile
 from kvswitch.bench.runner import TargetRun
 
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+__all__ = ["markdown", "percentile", "plots", "step_summary", "target_summary", "write_report"]
 
 
 def _throughput(ok: Sequence[RequestResult]) -> float | None:
@@ -58,8 +53,8 @@ def step_summary(results: Sequence[RequestResult], duration: float) -> dict[str,
     }
 
 
-def target_summary(run: TargetRun, qps: Sequence[float], stage_duration: float
-                   ) -> dict[str, Any]:
+def target_summary(run: TargetRun, qps: Sequence[float], stage_duration: float,
+                   time_scale: float = 1.0) -> dict[str, Any]:
     if run.unavailable:
         return {"target": run.target, "unavailable": run.unavailable}
     steps = []
@@ -80,6 +75,9 @@ def target_summary(run: TargetRun, qps: Sequence[float], stage_duration: float
     return {
         "target": run.target,
         "wall_seconds": run.wall_seconds,
+        "stream": run.stream,
+        "engine": engine_summary(run.engine_records, run.start_wall, time_scale,
+                                 stage_duration, qps),
         "steps": steps,
         "overall": step_summary(run.results, stage_duration * len(qps)),
         "engine_cache_hit_rate": hits / queries if queries else None,
@@ -117,74 +115,94 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _row(*cells: Any) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _header(*names: str) -> list[str]:
+    return [_row(*names), "|" + "---|" * len(names)]
+
+
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
+    targets = [t for t in report["targets"] if "steps" in t]
     lines = [f"# kvswitch bench: {meta['preset']}", "",
              f"Command: `{meta['command']}`", "",
-             f"{meta['replicas']} replicas, profile `{meta['profile']}`, time scale "
-             f"{meta['time_scale']:g}: **latencies are simulated seconds** (wall x time scale). "
-             f"{meta['requests']} requests, seed {meta['seed']}, QPS ladder {meta['qps']} "
-             f"({meta['stage_duration']:g} simulated s per step).", ""]
-    targets = report["targets"]
-    lines += ["## Overall", "",
-              "| target | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | e2e p90 | output tok/s | "
-              "success | engine cache hit | imbalance |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for t in targets:
+             (f"{meta['replicas']} replicas, profile `{meta['profile']}`, time scale "
+              f"{meta['time_scale']:g}: **latencies are simulated seconds** (wall x time scale). "
+              f"{meta['requests']} requests, seed {meta['seed']}, QPS ladder {meta['qps']} "
+              f"({meta['stage_duration']:g} simulated s per step), "
+              f"{'streamed' if meta.get('stream', True) else 'non-streamed'} requests."), "",
+             ("Headline numbers are the engines' own (their request logs, engine clock): the "
+              "same measurement for every target. Output tok/s is inference-perf's: output "
+              "tokens of a step's successful requests / (its latest finish - earliest arrival). "
+              "Client-side numbers follow, labelled."), ""]
+    for t in report["targets"]:
         if "unavailable" in t:
-            lines.append(f"| {t['target']} | unavailable: {t['unavailable']} |||||||||")
-            continue
-        o = t["overall"]
-        lines.append(
-            f"| {t['target']} | {_fmt(o['ttft_p50'])} | {_fmt(o['ttft_p90'])} | "
-            f"{_fmt(o['ttft_p99'])} | {_fmt(o['itl_p50'])} | {_fmt(o['e2e_p90'])} | "
-            f"{_fmt(o['output_tok_s'])} | {_fmt(o['success_rate'])} | "
-            f"{_fmt(t['engine_cache_hit_rate'])} | {_fmt(t['load_imbalance'])} |")
-    lines += ["", "## Per QPS step", "",
-              "| target | QPS | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | output tok/s | "
-              "cache hit (client) | success |",
-              "|---|---|---|---|---|---|---|---|---|"]
+            lines.append(f"- {t['target']}: unavailable: {t['unavailable']}")
+    lines += ["## Engine-side TTFT p90 (s) / output tok/s per QPS step", "",
+              *_header("QPS", *(t["target"] for t in targets))]
+    for i, rate in enumerate(meta["qps"]):
+        lines.append(_row(f"{rate:g}", *(
+            f"{_fmt(t['engine']['steps'][i]['ttft_p90'])} / "
+            f"{_fmt(t['engine']['steps'][i]['output_tok_s'])}" for t in targets)))
+    lines += ["", "## Engine-side, per QPS step", "",
+              *_header("target", "QPS", "requests", "TTFT p50", "TTFT p90", "TTFT p99",
+                       "queue p90", "ITL p50", "e2e p90", "output tok/s", "cache hit")]
     for t in targets:
-        for step in t.get("steps", ()):
-            lines.append(
-                f"| {t['target']} | {step['qps']:g} | {_fmt(step['ttft_p50'])} | "
-                f"{_fmt(step['ttft_p90'])} | {_fmt(step['ttft_p99'])} | "
-                f"{_fmt(step['itl_p50'])} | {_fmt(step['output_tok_s'])} | "
-                f"{_fmt(step['client_cache_hit_rate'])} | {step['succeeded']}/{step['requests']} |")
-    lines += ["", "## CPU during each target's run", "",
-              "Cores = CPU seconds / wall seconds over the run. A Python process cannot use more "
-              "than ~1 core; a busiest process near 1.0 or a load average above the core count "
-              "means the simulated clock may have slipped. Engine vs client mean TTFT: the "
-              "engines' own histograms (simulated s) against the client's measurement; the same "
-              "for ITL and e2e; tail: the client's mean wait from the last response message to "
-              "the end of the call (trailers).", "",
-              "| target | wall s | load 1m mean / max | machine busy cores mean / max | "
-              "bench cores (engines, envoy, epp, smg, client) | busiest process (mean / any "
-              "peak) | engine / client mean TTFT | engine / client mean ITL | "
-              "engine / client mean e2e | client tail |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        for step in t["engine"]["steps"]:
+            lines.append(_row(t["target"], f"{step['qps']:g}", step["requests"],
+                              *(_fmt(step[k]) for k in (
+                                  "ttft_p50", "ttft_p90", "ttft_p99", "queue_p90", "itl_p50",
+                                  "e2e_p90", "output_tok_s", "cache_hit_rate"))))
+    lines += ["", "## Overall", "",
+              ("Engine-side latencies over the whole run; engine cache hit from the "
+               "vllm:prefix_cache counters; success as the client saw it."), "",
+              *_header("target", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "e2e p90",
+                       "output tok/s", "success (client)", "engine cache hit", "imbalance",
+                       "preemptions")]
+    for t in targets:
+        o = t["engine"]["overall"]
+        lines.append(_row(t["target"], *(_fmt(o[k]) for k in (
+            "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "e2e_p90", "output_tok_s")),
+            _fmt(t["overall"]["success_rate"]), _fmt(t["engine_cache_hit_rate"]),
+            _fmt(t["load_imbalance"]), _fmt(t["preemptions"])))
+    lines += ["", ("## Client-side, per QPS step (load generator: includes the gateway, "
+               "transport and CPU contention)"), "",
+              ("TTFT only when streamed. Output tok/s: output tokens / simulated s from the "
+               "step's first send to its last completion."), "",
+              *_header("target", "QPS", "TTFT p50", "TTFT p90", "e2e p50", "e2e p90",
+                       "output tok/s", "success")]
+    for t in targets:
+        for step in t["steps"]:
+            lines.append(_row(t["target"], f"{step['qps']:g}", *(_fmt(step[k]) for k in (
+                "ttft_p50", "ttft_p90", "e2e_p50", "e2e_p90", "output_tok_s")),
+                f"{step['succeeded']}/{step['requests']}"))
+    lines += ["", "## CPU and clock slip during each target's run", "",
+              ("Cores = CPU seconds / wall seconds over the run. A Python process cannot use more "
+               "than ~1 core. Clock slip: simulated time an engine's clock dropped because it fell "
+               "behind (largest over the engines, seconds and fraction of the run); near 0 means "
+               "the time scale held. Engine vs client mean e2e: the gap is time outside the "
+               "engines (gateway, transport, client)."), "",
+              *_header("target", "wall s", "load 1m mean / max", "machine busy cores mean / max",
+                       "bench cores (engines, envoy, epp, smg, client)",
+                       "busiest process (mean / peak)", "clock slip max s / fraction",
+                       "engine / client mean e2e")]
     for t in targets:
         cpu = t.get("cpu") or {}
         if not cpu.get("available"):
             continue
         roles = cpu["bench_cores_by_role"]
-        lines.append(
-            f"| {t['target']} | {cpu['wall_seconds']:.0f} | {cpu['load_avg_1m_mean']:.2f} / "
-            f"{cpu['load_avg_1m_max']:.2f} | {_fmt(cpu['machine_busy_cores_mean'])} / "
-            f"{_fmt(cpu['machine_busy_cores_max'])} | "
-            + ", ".join(_fmt(roles.get(r)) for r in ("engine", "envoy", "epp", "smg", "client"))
-            + f" | {cpu['busiest_process']} {cpu['busiest_process_cores_mean']:.2f} / "
-            f"{cpu['busiest_process_cores_peak']:.2f} | {_fmt(t.get('engine_ttft_mean'))} / "
-            f"{_fmt(t.get('client_ttft_mean'))} | {_fmt(t.get('engine_itl_mean'))} / "
-            f"{_fmt(t.get('client_itl_mean'))} | {_fmt(t.get('engine_e2e_mean'))} / "
-            f"{_fmt(t.get('client_e2e_mean'))} | {_fmt(t.get('client_tail_mean'))} |")
-    lines += ["", "## TTFT p90 (s) / output tok/s per QPS step", "",
-              "| QPS | " + " | ".join(t["target"] for t in targets if "steps" in t) + " |",
-              "|---|" + "---|" * sum(1 for t in targets if "steps" in t)]
-    for i, rate in enumerate(meta["qps"]):
-        cells = [f"{_fmt(t['steps'][i]['ttft_p90'])} / {_fmt(t['steps'][i]['output_tok_s'])}"
-                 for t in targets if "steps" in t]
-        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+        engine = t["engine"]
+        lines.append(_row(
+            t["target"], f"{cpu['wall_seconds']:.0f}",
+            f"{cpu['load_avg_1m_mean']:.2f} / {cpu['load_avg_1m_max']:.2f}",
+            f"{_fmt(cpu['machine_busy_cores_mean'])} / {_fmt(cpu['machine_busy_cores_max'])}",
+            ", ".join(_fmt(roles.get(r)) for r in ("engine", "envoy", "epp", "smg", "client")),
+            f"{cpu['busiest_process']} {cpu['busiest_process_cores_mean']:.2f} / "
+            f"{cpu['busiest_process_cores_peak']:.2f}",
+            f"{_fmt(engine['clock_slip_max_s'])} / {_fmt(engine['clock_slip_max_fraction'])}",
+            f"{_fmt(t.get('engine_e2e_mean'))} / {_fmt(t.get('client_e2e_mean'))}"))
     lines.append("")
     return "\n".join(lines)
 
@@ -198,11 +216,11 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
     targets = [t for t in report["targets"] if "steps" in t]
     qps = report["meta"]["qps"]
     written = []
-    for key, label, log in (("ttft_p90", "TTFT p90 (simulated s)", True),
-                            ("output_tok_s", "output tokens / simulated s", False)):
+    for key, label, log in (("ttft_p90", "engine-side TTFT p90 (simulated s)", True),
+                            ("output_tok_s", "engine-side output tokens / simulated s", False)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for t in targets:
-            ys = [s[key] for s in t["steps"]]
+            ys = [s[key] for s in t["engine"]["steps"]]
             ax.plot(qps, [float("nan") if y is None else y for y in ys], marker="o",
                     label=t["target"])
         ax.set_xlabel("QPS (simulated requests / simulated s)")

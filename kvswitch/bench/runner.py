@@ -4,7 +4,9 @@ Every request is sent at `send_at / time_scale` wall seconds after the start, wh
 responses do (open loop, like inference-perf), through the target's `choose`. The run ends when
 every request has finished, or `drain_timeout` wall seconds after the last send (stragglers are
 cancelled and count as failures), so it always stops by itself. Engine counters are read before
-and after; their deltas give the cache hit rate and the per-replica load.
+and after; their deltas give the cache hit rate and the per-replica load. The engines' request
+logs are read after the run: every request that arrived at an engine from the run's start
+(`start_wall`) on, timed by the engine itself.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvswitch.bench.cpu import CpuMonitor
 from kvswitch.bench.engines import EngineCounters, deltas
 from kvswitch.bench.targets import RunContext, Target
 from kvswitch.bench.workloads import BenchRequest, Workload
+from kvswitch.engine.request_log import RequestRecord
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,19 @@ class TargetRun:
     """Non-empty when the target could not run (the reason)."""
     cpu: dict[str, Any] = dataclasses.field(default_factory=dict)
     """`CpuMonitor.summary()` over the run: load, machine busy cores, cores per process."""
+    engine_records: dict[str, tuple[RequestRecord, ...]] = dataclasses.field(
+        default_factory=dict)
+    """Per engine address: its request-log records of the requests that arrived during the run."""
+    start_wall: float = 0.0
+    """time.time() when the run's clock started (send_at 0)."""
+    stream: bool = True
+    """Whether requests asked for streamed output."""
 
 
 async def run_target(target: Target, workload: Workload, ctx: RunContext, time_scale: float,
                      drain_timeout: float = 120.0, request_timeout: float = 600.0,
-                     progress: bool = True) -> TargetRun:
+                     progress: bool = True, stream: bool = True) -> TargetRun:
+    stream = stream or getattr(target, "needs_stream", False)
     await target.start(ctx)
     # Flush after the target is up (SMG warms up with a request): every target starts cold.
     flushed = await ctx.pool.flush()
@@ -53,27 +64,31 @@ async def run_target(target: Target, workload: Workload, ctx: RunContext, time_s
         if not hasattr(target, "send_request"):
             await channels.connect(target.addresses())
         before = await ctx.pool.counters()
+        ctx.pool.new_records()  # skip what earlier targets (and warm-ups) left in the logs
         monitor = CpuMonitor(lambda: [(c.name, c.pid) for c in ctx.supervisor.children
                                       if c.alive()])
         monitor.start()
-        started = time.perf_counter()
+        started, start_wall = time.perf_counter(), time.time()
         try:
             results = await _drive(target, workload, channels, run_id, time_scale,
-                                   drain_timeout, request_timeout, progress)
+                                   drain_timeout, request_timeout, progress, stream, started)
         finally:
             cpu = await monitor.stop()
         wall = time.perf_counter() - started
         await asyncio.sleep(0.2)  # the engines' last counter updates
         after = await ctx.pool.counters()
+        records = await ctx.pool.records_since(start_wall, sum(r.ok for r in results))
     finally:
         await channels.close()
         await target.stop()
-    return TargetRun(target.name, tuple(results), deltas(after, before), wall, cpu=cpu)
+    return TargetRun(target.name, tuple(results), deltas(after, before), wall, cpu=cpu,
+                     engine_records={a: tuple(r) for a, r in records.items()},
+                     start_wall=start_wall, stream=stream)
 
 
 async def _drive(target: Target, workload: Workload, channels: Channels, run_id: str,
                  time_scale: float, drain_timeout: float, request_timeout: float,
-                 progress: bool) -> list[RequestResult]:
+                 progress: bool, stream: bool, t0: float) -> list[RequestResult]:
     requests = workload.requests
     bar = tqdm(total=len(requests), desc=f"{target.name:>16}", unit="req", disable=not progress,
                leave=True, dynamic_ncols=True)
@@ -86,9 +101,9 @@ async def _drive(target: Target, workload: Workload, channels: Channels, run_id:
         http_send = getattr(target, "send_request", None)
         if http_send is not None:  # an OpenAI HTTP target (SMG)
             result = await http_send(request, text or workload.text(request), time_scale,
-                                     request_timeout)
+                                     request_timeout, stream)
         else:
-            message = generate_request(request, run_id, text)
+            message = generate_request(request, run_id, text, stream)
             result = await send(channels.stub(address), message, request, time_scale,
                                 request_timeout, endpoint, lambda: target.first_token(request))
         target.finished(request, result)
@@ -96,7 +111,6 @@ async def _drive(target: Target, workload: Workload, channels: Channels, run_id:
         bar.update(1)
 
     tasks: list[asyncio.Task[None]] = []
-    t0 = time.perf_counter()
     try:
         for request in requests:
             delay = request.send_at / time_scale - (time.perf_counter() - t0)

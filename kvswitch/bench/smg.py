@@ -3,7 +3,8 @@
 `smg launch --worker-urls grpc://<engine>... --policy cache_aware|round_robin` routes OpenAI
 HTTP requests to the engines over the vLLM gRPC API (it fetches the tokenizer from the engines
 with GetTokenizer). The bench sends `/v1/completions` with the prompt as text (the workload's
-text tokenizes back to exactly its token ids) and `stream: true`, and times the SSE stream.
+text tokenizes back to exactly its token ids), streamed (`stream: true`, the SSE stream is timed)
+or not (one JSON response; TTFT then comes from the engines' request logs).
 The target is unavailable (with the reason) when `smg` or `httpx` is not installed or SMG does
 not come up.
 """
@@ -80,11 +81,14 @@ class SmgTarget:
             self._child = await asyncio.to_thread(ctx.supervisor.start, spec, 120.0)
         except (RuntimeError, TimeoutError) as exc:
             raise TargetUnavailable(f"smg did not come up: {str(exc)[:300]}") from exc
-        with urllib.request.urlopen(f"http://127.0.0.1:{self._port}/v1/models") as response:
-            self._model = json.loads(response.read())["data"][0]["id"]
+        self._model = await asyncio.to_thread(self._model_id)
         self._client = httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{self._port}", timeout=None,
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
+
+    def _model_id(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self._port}/v1/models") as response:
+            return str(json.loads(response.read())["data"][0]["id"])
 
     def choose(self, request: BenchRequest) -> tuple[str, str]:
         return f"127.0.0.1:{self._port}", ""
@@ -99,12 +103,16 @@ class SmgTarget:
         pass
 
     async def send_request(self, request: BenchRequest, text: str, time_scale: float,
-                           timeout: float) -> RequestResult:
-        """One streamed /v1/completions; never raises."""
-        body = {"model": self._model, "prompt": text, "max_tokens": request.max_tokens,
-                "ignore_eos": True, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        base: dict[str, Any] = dict(index=request.index, stage=request.stage, qps=request.qps)
+                           timeout: float, stream: bool = True) -> RequestResult:
+        """One /v1/completions; never raises."""
+        body: dict[str, Any] = {"model": self._model, "prompt": text,
+                                "max_tokens": request.max_tokens, "ignore_eos": True,
+                                "temperature": 0.0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        base: dict[str, Any] = {"index": request.index, "stage": request.stage, "qps": request.qps}
+        if not stream:
+            return await self._send_whole(body, base, time_scale, timeout)
         started = time.perf_counter()
         first: float | None = None
         usage: dict[str, Any] = {}
@@ -136,6 +144,26 @@ class SmgTarget:
         ttft, e2e = (first - started) * time_scale, (end - started) * time_scale
         return RequestResult(ok=True, ttft=ttft, e2e=e2e,
                              itl=(e2e - ttft) / (tokens - 1) if tokens > 1 else None,
+                             output_tokens=tokens, prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                             cached_tokens=int(details.get("cached_tokens") or 0), **base)
+
+    async def _send_whole(self, body: dict[str, Any], base: dict[str, Any], time_scale: float,
+                          timeout: float) -> RequestResult:
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout):
+                response = await self._client.post("/v1/completions", json=body)
+            if response.status_code != 200:
+                return RequestResult(ok=False, error=f"HTTP {response.status_code}: "
+                                     f"{response.text[:200]}", **base)
+            usage = response.json().get("usage") or {}
+        except Exception as exc:  # noqa: BLE001 - every failure is a result
+            return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}"[:200], **base)
+        tokens = int(usage.get("completion_tokens") or 0)
+        if not tokens:
+            return RequestResult(ok=False, error="no output", **base)
+        details = usage.get("prompt_tokens_details") or {}
+        return RequestResult(ok=True, e2e=(time.perf_counter() - started) * time_scale,
                              output_tokens=tokens, prompt_tokens=int(usage.get("prompt_tokens", 0)),
                              cached_tokens=int(details.get("cached_tokens") or 0), **base)
 

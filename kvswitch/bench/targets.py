@@ -1,14 +1,17 @@
 """Benchmark targets: what stands between the load generator and the engine pool.
 
 - `kvswitch[:CONFIG]`: Envoy + the EPP with an EndpointPickerConfig (default
-  `kvswitch/bench/configs/kvswitch.yaml`: precise prefix routing when the
-  `precise-prefix-cache-scorer` plugin is registered, else the approximate prefix scorer);
-  `kvswitch-text` sends text prompts (the EPP tokenizes for routing, the engine for serving).
+  `kvswitch/bench/configs/kvswitch.yaml`, `kvswitch up`'s default profile: precise prefix 3 /
+  queue 2 / KV utilisation 2; the approximate prefix scorer with the same weights when the
+  `precise-prefix-cache-scorer` plugin is not registered); `kvswitch-estimated-ttft` uses the
+  estimated-ttft-scorer profile; `kvswitch-text` sends text prompts (the EPP tokenizes for
+  routing, the engine for serving).
 - `round-robin`: Envoy alone, ROUND_ROBIN over the pool.
 - `random`: Envoy + the EPP with only a `random-picker`.
 - `smg-cache-aware`, `smg-round-robin`: SMG (PyPI `smg`) in front of the engines over gRPC;
   reported unavailable (with the reason) when it cannot run here.
-- `oracle`: no gateway; the client routes each request itself (`kvswitch.bench.oracle`).
+- `oracle`: no gateway; the client routes each request itself (`kvswitch.bench.oracle`); it
+  always streams (its perfect knowledge of the queues includes seeing each first token).
 Every target gets the same engines, flushed cold before it runs.
 """
 
@@ -133,6 +136,8 @@ class GatewayTarget:
 class OracleTarget:
     name: str = "oracle"
     text_prompts: bool = False
+    needs_stream: bool = True
+    """It moves a request from queued prefill to decoding when it sees its first token."""
     _router: OracleRouter | None = None
     _subscriptions: KvEventSubscriptions | None = None
 
@@ -171,7 +176,7 @@ class OracleTarget:
             await self._subscriptions.stop()
 
 
-TARGET_NAMES = ("kvswitch", "kvswitch-weighted", "kvswitch-approximate", "kvswitch-text",
+TARGET_NAMES = ("kvswitch", "kvswitch-estimated-ttft", "kvswitch-approximate", "kvswitch-text",
                 "round-robin", "random", "smg-cache-aware", "smg-round-robin", "oracle")
 
 
@@ -190,7 +195,7 @@ def make_target(spec: str) -> Target:
         default = "kvswitch.yaml" if precise_plugin_available() else "kvswitch-approximate.yaml"
         config = _config_path(argument) if argument else bundled_config(default)
         return GatewayTarget(spec, config, text_prompts=name == "kvswitch-text")
-    if name in ("kvswitch-weighted", "kvswitch-approximate"):
+    if name in ("kvswitch-estimated-ttft", "kvswitch-approximate"):
         return GatewayTarget(spec, bundled_config(f"{name}.yaml"))
     if name == "round-robin":
         return GatewayTarget(spec, None)
@@ -214,7 +219,7 @@ def _config_path(argument: str) -> Path:
         if "/" not in argument and bundled.is_file():
             return bundled
     raise ValueError(f"EPP config {argument!r} not found (a file, or a bundled config name: "
-                     f"kvswitch, kvswitch-weighted, kvswitch-approximate, random)")
+                     f"kvswitch, kvswitch-estimated-ttft, kvswitch-approximate, random)")
 
 
 def precise_plugin_available() -> bool:

@@ -49,6 +49,9 @@ class Preset:
     stage_duration: float
     """Default simulated seconds per ladder stage."""
     description: str = ""
+    stream: bool = False
+    """Default for `--stream`: shared-prefix runs send non-streamed requests (one message per
+    request through the gateway and client; TTFT from the engines' request logs)."""
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
@@ -65,7 +68,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            SharedPrefixShape(6, 1000, 1000, 3000, 1000, multi_turn=True), (3, 10, 20, 30), 50.0,
            "6 groups x 1000 users, long questions, conversations"),
     Preset("tiny", SharedPrefixShape(4, 4, 256, 32, 16), (4.0, 8.0), 5.0,
-           "CI smoke test: 4 groups of 256-token system prompts"),
+           "CI smoke test: 4 groups of 256-token system prompts", stream=True),
 )}
 
 

@@ -1,4 +1,7 @@
-"""`kvswitch bench` end to end on a tiny configuration: real engines, Envoy, the EPP, the oracle."""
+"""`kvswitch bench` end to end on a tiny configuration: real engines, Envoy, the EPP, the oracle.
+
+Non-streamed (`--no-stream`), so the headline numbers come from the engines' request logs; the
+oracle still streams (client-side TTFT present for it only)."""
 
 from __future__ import annotations
 
@@ -49,23 +52,32 @@ def test_bench_smoke(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "kvswitch", "bench", "--preset", "tiny", "--replicas", "3",
             "--profile", "llama3-8b-h100", "--time-scale", "4", "--groups", "6",
             "--targets", "kvswitch,round-robin,oracle", "--out", str(out), "--no-progress",
-            "--drain-timeout", "30"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=220)
+            "--drain-timeout", "30", "--no-stream"]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
     assert report["meta"]["latency_unit"] == "simulated seconds"
     by_name = {t["target"]: t for t in report["targets"]}
     assert set(by_name) == {"kvswitch", "round-robin", "oracle"}
+    requests = report["meta"]["requests"]
     for target in by_name.values():
         assert target["overall"]["success_rate"] == 1.0
-        assert target["overall"]["ttft_p90"] > 0
-        assert len(target["steps"]) == 2
-        assert sum(target["requests_per_replica"].values()) == report["meta"]["requests"]
+        assert len(target["steps"]) == 2 == len(target["engine"]["steps"])
+        assert sum(target["requests_per_replica"].values()) == requests
+        engine = target["engine"]
+        # Every request was logged by the engine that served it, in the run's windows.
+        assert sum(engine["requests_per_engine"].values()) == requests
+        assert sum(s["succeeded"] for s in engine["steps"]) == requests
+        assert 0 < engine["overall"]["ttft_p50"] <= engine["overall"]["ttft_p90"]
+        assert engine["overall"]["output_tok_s"] > 0
+    assert by_name["round-robin"]["overall"]["ttft_p90"] is None  # not streamed
+    assert by_name["oracle"]["overall"]["ttft_p90"] > 0  # the oracle streams
     rr = by_name["round-robin"]["engine_cache_hit_rate"]
     assert by_name["oracle"]["engine_cache_hit_rate"] > rr
     assert by_name["kvswitch"]["engine_cache_hit_rate"] > rr
     summary = (out / "summary.md").read_text()
     assert "| oracle |" in summary and "simulated seconds" in summary
+    assert "## Engine-side TTFT p90" in summary
     for name in ("ttft_p90.png", "output_tok_s.png", "cache_and_load.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     assert len(json.loads((out / "requests.json").read_text())["oracle"]) == \

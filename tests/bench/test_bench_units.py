@@ -10,15 +10,23 @@ import pytest
 
 from kvswitch.bench.client import RequestResult
 from kvswitch.bench.cpu import CpuMonitor, process_cpu_seconds, role
+from kvswitch.bench.engine_report import (
+    bucket,
+    clock_slip,
+    engine_summary,
+    output_tok_s,
+    step_summary,
+)
 from kvswitch.bench.engines import EngineCounters, parse_counters
-from kvswitch.bench.report import target_summary
+from kvswitch.bench.report import markdown, target_summary
 from kvswitch.bench.runner import TargetRun
 from kvswitch.bench.targets import GatewayTarget, bundled_config, make_target, safe_label
+from kvswitch.engine.request_log import RequestRecord
 
 
 def test_absolute_config_path_target_gets_a_file_safe_label(tmp_path: Path) -> None:
     config = tmp_path / "my config.yaml"
-    config.write_text(bundled_config("kvswitch-weighted.yaml").read_text())
+    config.write_text(bundled_config("kvswitch-estimated-ttft.yaml").read_text())
     target = make_target(f"kvswitch:{config}")
     assert isinstance(target, GatewayTarget) and target.epp_config == config
     label = safe_label(target.name)
@@ -27,14 +35,93 @@ def test_absolute_config_path_target_gets_a_file_safe_label(tmp_path: Path) -> N
 
 
 def test_named_configs_resolve_to_bundled_files() -> None:
-    for spec, file in (("kvswitch-weighted", "kvswitch-weighted.yaml"),
-                       ("kvswitch:kvswitch-weighted", "kvswitch-weighted.yaml"),
+    for spec, file in (("kvswitch-estimated-ttft", "kvswitch-estimated-ttft.yaml"),
+                       ("kvswitch:kvswitch-estimated-ttft", "kvswitch-estimated-ttft.yaml"),
+                       ("kvswitch:kvswitch", "kvswitch.yaml"),
                        ("kvswitch-approximate", "kvswitch-approximate.yaml")):
         target = make_target(spec)
         assert isinstance(target, GatewayTarget)
         assert target.epp_config == bundled_config(file) and target.epp_config.is_file()
     with pytest.raises(ValueError):
         make_target("kvswitch:/no/such/config.yaml")
+
+
+def test_the_kvswitch_target_is_the_kvswitch_up_default_profile() -> None:
+    import yaml
+
+    from kvswitch.up import DEFAULT_EPP_CONFIG
+
+    target = make_target("kvswitch")
+    assert isinstance(target, GatewayTarget) and target.epp_config is not None
+    if target.epp_config.name == "kvswitch.yaml":  # the precise plugin is registered
+        assert yaml.safe_load(target.epp_config.read_text()) == DEFAULT_EPP_CONFIG
+    weights = {p.get("pluginRef"): p.get("weight") for p in yaml.safe_load(
+        bundled_config("kvswitch-approximate.yaml").read_text())["schedulingProfiles"][0][
+        "plugins"]}
+    assert weights["prefix-cache-scorer"] == 3 and weights["queue-scorer"] == 2
+
+
+def _rec(rid: str, wall: float, arrival: float, e2e: float, ttft: float = 0.5, tokens: int = 100,
+         reason: str = "length", prompt: int = 1000, cached: int = 500) -> RequestRecord:
+    return RequestRecord(rid, wall, wall + e2e, arrival, e2e, ttft, 0.1, 0.01, prompt, cached,
+                         tokens, reason, False)
+
+
+def test_records_are_bucketed_by_wall_arrival_into_step_windows() -> None:
+    # Steps of 10 simulated s at time scale 2: 5 wall s each, from wall 100.
+    records = [_rec("early", 99.0, 0, 1), _rec("a", 100.0, 0, 1), _rec("b", 104.9, 0, 1),
+               _rec("c", 105.0, 0, 1), _rec("late", 130.0, 0, 1)]
+    steps = bucket(records, 100.0, 5.0, 2)
+    assert [[r.request_id for r in s] for s in steps] == [["a", "b"], ["c", "late"]]
+
+
+def test_output_tok_s_is_inference_perfs_tokens_over_first_arrival_to_last_finish() -> None:
+    # Time scale 2, start at wall 100: arrivals at 0 and 4 simulated s; finishes at 10 and 24.
+    records = [_rec("a", 100.0, 50.0, 10.0, tokens=100), _rec("b", 102.0, 999.0, 20.0, tokens=300),
+               _rec("failed", 101.0, 7.0, 1.0, tokens=50, reason="abort")]
+    # Engines' own clock origins (50, 999, 7) do not matter: the common timeline is wall x X.
+    assert output_tok_s(records, 100.0, 2.0) == pytest.approx((100 + 300) / 24.0)
+    assert output_tok_s([], 100.0, 2.0) is None
+
+
+def test_step_summary_uses_successful_requests_for_latency_and_cache_hit() -> None:
+    records = [_rec("a", 0.0, 0, 10, ttft=1.0, cached=600), _rec("b", 0.0, 0, 10, ttft=3.0,
+                                                                  cached=200),
+               _rec("x", 0.0, 0, 1, ttft=100.0, reason="abort", cached=1000)]
+    step = step_summary(records, 0.0, 1.0)
+    assert (step["requests"], step["succeeded"]) == (3, 2)
+    assert step["ttft_p50"] == pytest.approx(2.0) and step["ttft_p90"] == pytest.approx(2.8)
+    assert step["cache_hit_rate"] == pytest.approx(0.4)
+
+
+def test_clock_slip_is_wall_time_times_scale_minus_engine_time() -> None:
+    # 10 wall s at time scale 2 = 20 simulated s, but the engine clock advanced 18.
+    slip = clock_slip([_rec("a", 100.0, 5.0, 1), _rec("b", 110.0, 23.0, 1)], 2.0)
+    assert slip == pytest.approx({"slip_s": 2.0, "span_s": 20.0, "slip_fraction": 0.1})
+    assert clock_slip([_rec("a", 100.0, 5.0, 1)], 2.0) is None
+
+
+def test_engine_summary_and_markdown_headline() -> None:
+    by_engine = {"e1": (_rec("a", 100.0, 0.0, 8.0), _rec("b", 106.0, 12.0, 8.0)),
+                 "e2": (_rec("c", 101.0, 40.0, 8.0),)}
+    summary = engine_summary(by_engine, 100.0, 2.0, 10.0, (1.0, 2.0))
+    assert [s["requests"] for s in summary["steps"]] == [2, 1]
+    assert summary["requests_per_engine"] == {"e1": 2, "e2": 1}
+    assert summary["clock_slip"]["e2"] is None
+    assert summary["clock_slip_max_s"] == pytest.approx(0.0)
+    results = tuple(RequestResult(i, i // 2, 1.0, ok=True, e2e=8.0, output_tokens=100)
+                    for i in range(3))
+    run = TargetRun("t", results, {}, 1.0, engine_records=by_engine, start_wall=100.0,
+                    stream=False)
+    target = target_summary(run, (1.0, 2.0), 10.0, 2.0)
+    assert target["engine"]["steps"][0]["ttft_p90"] == pytest.approx(0.5)
+    assert target["steps"][0]["ttft_p90"] is None  # not streamed: no client-side TTFT
+    meta = {"preset": "p", "command": "c", "replicas": 2, "profile": "x", "time_scale": 2.0,
+            "requests": 3, "seed": 0, "qps": [1.0, 2.0], "stage_duration": 10.0,
+            "stream": False}
+    text = markdown({"meta": meta, "targets": [target]})
+    assert "## Engine-side TTFT p90 (s) / output tok/s per QPS step" in text
+    assert text.index("## Engine-side") < text.index("## Client-side")
 
 
 def test_engine_histogram_sums_are_parsed() -> None:
@@ -71,7 +158,7 @@ def test_cpu_monitor_accounts_the_client() -> None:
     assert role("engine-3") == "engine" and role("epp-kvswitch") == "epp"
 
     async def run() -> dict:
-        monitor = CpuMonitor(lambda: [], interval=0.05)
+        monitor = CpuMonitor(list, interval=0.05)
         monitor.start()
         end = asyncio.get_running_loop().time() + 0.2
         while asyncio.get_running_loop().time() < end:  # burn a little CPU
