@@ -1,0 +1,251 @@
+"""The frontend's HTTP/1.1 server on loopback, with a fake app and raw sockets: keep-alive,
+pipelining, chunked uploads, refusals (413, 400), streams, backpressure, disconnects, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvswitch.errors import KvswitchError, Unavailable
+from kvswitch.frontend.http_server import HttpRequest, Reply, Server, StreamReply
+from kvswitch.frontend.sse import DONE, error_reply, sse_reply
+
+
+@dataclass
+class FakeApp:
+    """/echo answers with the method, path and body; /stream with `events`; /slow never ends."""
+
+    events: list[bytes] = field(default_factory=lambda: [b"data: 1\n\n", b"data: 2\n\n" + DONE])
+    seen: list[HttpRequest] = field(default_factory=list)
+    produced: int = 0
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: HttpRequest) -> Reply | StreamReply:
+        self.seen.append(request)
+        if request.path == "/echo":
+            return Reply(200, f"{request.method} {request.path} ".encode() + request.body,
+                         b"text/plain")
+        if request.path == "/slow":
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        if request.path in ("/stream", "/forever", "/broken"):
+            return sse_reply(self._events(request.path))
+        return Reply(404)
+
+    async def _events(self, path: str) -> AsyncIterator[bytes]:
+        try:
+            if path == "/forever":
+                while True:
+                    self.produced += 1
+                    yield b"data: " + b"x" * 65536 + b"\n\n"
+                    await asyncio.sleep(0)
+            if path == "/broken":
+                yield b"data: 1\n\n"
+                raise Unavailable("engine gone")
+            for event in self.events:
+                yield event
+        finally:
+            self.closed.set()
+
+    def refuse(self, error: KvswitchError) -> Reply:
+        return error_reply(error)
+
+
+Client = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+@pytest.fixture()
+async def served() -> AsyncIterator[tuple[FakeApp, Server, Client]]:
+    app = FakeApp()
+    server = Server(app, max_body_bytes=1000, grace_period=2.0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    task = asyncio.create_task(server.serve(sock))
+
+    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", port)
+
+    await asyncio.sleep(0.01)
+    yield app, server, connect
+    server.stop()
+    await asyncio.wait_for(task, 5)
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One response: status, headers, body (de-chunked)."""
+    status = int((await reader.readline()).split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.lower()] = value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while size := int((await reader.readline()).strip(), 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readline()
+        return status, headers, body
+    return status, headers, await reader.readexactly(int(headers.get("content-length", 0)))
+
+
+def _post(path: str, body: bytes, *extra: str) -> bytes:
+    head = "".join(f"{h}\r\n" for h in extra)
+    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n{head}\r\n"
+            ).encode() + body
+
+
+async def test_keep_alive_serves_requests_one_after_another(served) -> None:
+    app, _, connect = served
+    reader, writer = await connect()
+    for i in range(3):
+        writer.write(_post("/echo?q=1", b"body %d" % i))
+        assert await _response(reader) == (200, {"content-type": "text/plain",
+                                                 "content-length": "17"}, b"POST /echo body %d" % i)
+    assert [r.path for r in app.seen] == ["/echo"] * 3
+    writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(served) -> None:
+    _, _, connect = served
+    reader, writer = await connect()
+    writer.write(_post("/stream", b"") + _post("/echo", b"second")
+                 + b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert (await _response(reader))[2] == b"data: 1\n\ndata: 2\n\n" + DONE
+    assert (await _response(reader))[2] == b"POST /echo second"
+    assert (await _response(reader))[2] == b"GET /echo "
+    writer.close()
+
+
+async def test_chunked_upload_is_decoded(served) -> None:
+    app, _, connect = served
+    reader, writer = await connect()
+    writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                 b"5\r\nhello\r\n")
+    await asyncio.sleep(0.05)
+    writer.write(b"6\r\n world\r\n0\r\n\r\n")
+    assert (await _response(reader))[2] == b"POST /echo hello world"
+    writer.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_oversize_body_is_413_then_close(served, chunked: bool) -> None:
+    app, _, connect = served
+    reader, writer = await connect()
+    if chunked:
+        writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                     + b"200\r\n" + b"x" * 512 + b"\r\n" + b"200\r\n" + b"x" * 512 + b"\r\n")
+    else:
+        writer.write(_post("/echo", b"x" * 1001))
+    status, headers, body = await _response(reader)
+    assert status == 413 and headers["connection"] == "close"
+    assert b"PayloadTooLarge" in body or b"over the limit" in body
+    assert await reader.read() == b""  # closed
+    assert app.seen == []
+
+
+async def test_oversize_after_a_pipelined_request_waits_its_turn(served) -> None:
+    _, _, connect = served
+    reader, writer = await connect()
+    writer.write(_post("/echo", b"first") + _post("/echo", b"x" * 2000))
+    assert (await _response(reader))[:1] == (200,)
+    assert (await _response(reader))[0] == 413
+    assert await reader.read() == b""
+
+
+@pytest.mark.parametrize("request_line", [b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9 x\r\n\r\n",
+                                          b"POST /echo HTTP/1.1\r\ncontent-length: x\r\n\r\n"])
+async def test_malformed_request_is_400_then_close(served, request_line: bytes) -> None:
+    _, _, connect = served
+    reader, writer = await connect()
+    writer.write(request_line)
+    status, headers, _ = await _response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    assert await reader.read() == b""
+
+
+async def test_connection_close_and_http10_close_after_the_response(served) -> None:
+    _, _, connect = served
+    for request in (_post("/echo", b"a", "connection: close"),
+                    b"GET /echo HTTP/1.0\r\n\r\n"):
+        reader, writer = await connect()
+        writer.write(request)
+        status, headers, _ = await _response(reader)
+        assert status == 200 and headers["connection"] == "close"
+        assert await reader.read() == b""
+
+
+async def test_stream_is_chunked_sse(served) -> None:
+    _, _, connect = served
+    reader, writer = await connect()
+    writer.write(_post("/stream", b"{}"))
+    status, headers, body = await _response(reader)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert body == b"data: 1\n\ndata: 2\n\n" + DONE
+
+
+async def test_stream_error_after_200_is_in_band(served) -> None:
+    _, _, connect = served
+    reader, writer = await connect()
+    writer.write(_post("/broken", b""))
+    status, _, body = await _response(reader)
+    assert status == 200
+    assert body.startswith(b"data: 1\n\ndata: {\"error\"") and body.endswith(DONE)
+    assert b"ServiceUnavailableError" in body
+
+
+async def test_disconnect_mid_stream_closes_the_iterator(served) -> None:
+    app, _, connect = served
+    reader, writer = await connect()
+    writer.write(_post("/forever", b""))
+    await reader.readexactly(1000)
+    writer.transport.abort()
+    await asyncio.wait_for(app.closed.wait(), 5)
+
+
+async def test_disconnect_while_waiting_cancels_the_handler(served) -> None:
+    app, _, connect = served
+    _, writer = await connect()
+    writer.write(_post("/slow", b""))
+    while not app.seen:
+        await asyncio.sleep(0.01)
+    writer.close()
+    await asyncio.wait_for(app.cancelled.wait(), 5)
+
+
+async def test_slow_reader_pauses_the_stream(served) -> None:
+    app, _, connect = served
+    reader, writer = await connect()
+    writer.transport.pause_reading()
+    writer.write(_post("/forever", b""))
+    await asyncio.sleep(0.3)
+    held = app.produced
+    await asyncio.sleep(0.3)
+    assert app.produced == held < 500  # waiting for the client, not buffering without bound
+    writer.transport.resume_reading()
+    await reader.readexactly(10 * 65536)
+    assert app.produced > held
+    writer.transport.abort()
+    await asyncio.wait_for(app.closed.wait(), 5)
+
+
+async def test_stop_lets_a_stream_in_flight_finish(served) -> None:
+    app, server, connect = served
+    app.events = [b"data: 1\n\n", b"data: 2\n\n" + DONE]
+    reader, writer = await connect()
+    idle_reader, _ = await connect()
+    writer.write(_post("/stream", b""))
+    while not app.seen:
+        await asyncio.sleep(0.001)
+    server.stop()
+    status, headers, body = await _response(reader)
+    assert status == 200 and body.endswith(DONE)
+    assert await idle_reader.read() == b""  # idle connections are closed at once
