@@ -43,13 +43,12 @@ def test_sigterm_lets_a_stream_in_flight_finish(slow_stack: Stack) -> None:
 
     killer = threading.Thread(target=sigterm_once_streaming)
     killer.start()
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", slow_stack.base_url + "/v1/chat/completions",
-                           json=body) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", slow_stack.base_url + "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)  # the first one sends the SIGTERM
     killer.join()
     assert lines[-1] == "data: [DONE]"
     assert slow_stack.frontend.wait(timeout=20) == 0

@@ -126,7 +126,7 @@ async def test_pipelined_requests_are_answered_in_order(served) -> None:
 
 
 async def test_chunked_upload_is_decoded(served) -> None:
-    app, _, connect = served
+    _, _, connect = served
     reader, writer = await connect()
     writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
                  b"5\r\nhello\r\n")
@@ -246,6 +246,6 @@ async def test_stop_lets_a_stream_in_flight_finish(served) -> None:
     while not app.seen:
         await asyncio.sleep(0.001)
     server.stop()
-    status, headers, body = await _response(reader)
+    status, _, body = await _response(reader)
     assert status == 200 and body.endswith(DONE)
     assert await idle_reader.read() == b""  # idle connections are closed at once
