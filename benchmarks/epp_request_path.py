@@ -4,15 +4,19 @@ Three figures, each CPU seconds per request (not wall time):
 - `core`: ExtProcStream alone (headers, body, routed, response headers, trailers, close) on
   prebuilt messages -- parsing, routing bookkeeping, reply building;
 - `core_wire`: the same plus protobuf (de)serialization of every ext_proc message, as grpc does;
-- `server`: the whole EPP process (`EppServer` with a constant router, grpc.aio + uvloop) in a
-  child process, driven over loopback by `--concurrency` concurrent ext_proc streams; measured as
-  the child's user+sys CPU time (from /proc) over the run;
+- `server`: the whole EPP process (`EppServer` with a constant router, uvloop) in a child
+  process, once per `--transports` entry (h2: kvswitch.epp.h2server; grpcio: grpc.aio), driven
+  over loopback by `--concurrency` concurrent ext_proc streams; measured as the child's
+  user+sys CPU time (from /proc) over the run;
 - `grpc_floor`: the same child and load with a servicer that only answers constants -- what
   grpc.aio itself costs for one ext_proc stream (4 messages in, 5 out), the floor under `server`.
 With `--skip-response-headers` the driver sends what Envoy sends for a gRPC pool with
 response_header_mode SKIP (kvswitch's bootstrap): no response headers, 3 messages in, 4 out.
 
-    .venv/bin/python benchmarks/epp_request_path.py [--requests 20000] [--out FILE.json]
+Server figures are taken over `--rounds` interleaved rounds (h2, grpcio, floor, h2, ...) and
+reported as medians, since the machine is shared.
+
+    .venv/bin/python benchmarks/epp_request_path.py [--requests 20000] [--rounds 3] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -109,7 +114,8 @@ from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.request import EndpointPicker
 from kvswitch.epp.server import EppServer
 async def main():
-    server = EppServer(EndpointPicker(parsers=default_parsers(), router=ConstantRouter()), port=0)
+    server = EppServer(EndpointPicker(parsers=default_parsers(), router=ConstantRouter()), port=0,
+                       transport={transport!r})
     print(await server.start(), flush=True)
     await server.wait()
 uvloop.run(main())
@@ -189,6 +195,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--server-requests", type=int, default=4000)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved server rounds")
+    parser.add_argument("--transports", default="h2,grpcio", help="EppServer transports to run")
     parser.add_argument("--skip-response-headers", action="store_true",
                         help="drive the server as Envoy does with response_header_mode SKIP")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "epp_request_path.json"))
@@ -199,25 +207,40 @@ def main() -> None:
     run_core(picker, 2000, wire=True)  # warm up
     core = run_core(picker, args.requests, wire=False)
     core_wire = run_core(picker, args.requests, wire=True)
-    server, rate = run_server(args.server_requests, args.concurrency,
-                              SERVER_CHILD.format(repo=str(REPO)))
-    floor, _ = run_server(args.server_requests, args.concurrency, FLOOR_CHILD)
-    result = {
+    transports = args.transports.split(",")
+    rounds: dict[str, list[tuple[float, float]]] = {t: [] for t in [*transports, "grpc_floor"]}
+    for index in range(args.rounds):
+        for name, values in rounds.items():
+            code = FLOOR_CHILD if name == "grpc_floor" else SERVER_CHILD.format(
+                repo=str(REPO), transport=name)
+            cpu, rate = run_server(args.server_requests, args.concurrency, code)
+            values.append((cpu, rate))
+            print(f"round {index + 1} {name:10s} {cpu * 1e3:.4f} ms CPU/request, "
+                  f"{rate:.0f} requests/s", flush=True)
+    result: dict[str, object] = {
         "prompt_tokens": PROMPT_TOKENS,
         "requests": args.requests,
         "core_cpu_ms_per_request": round(core * 1e3, 4),
         "core_wire_cpu_ms_per_request": round(core_wire * 1e3, 4),
         "server_requests": args.server_requests,
         "server_concurrency": args.concurrency,
-        "server_cpu_ms_per_request": round(server * 1e3, 4),
-        "server_requests_per_second": round(rate, 1),
-        "grpc_floor_cpu_ms_per_request": round(floor * 1e3, 4),
+        "rounds": args.rounds,
+    }
+    for name, values in rounds.items():
+        prefix = name if name == "grpc_floor" else f"server_{name}"
+        result[f"{prefix}_cpu_ms_per_request"] = round(
+            statistics.median(v[0] for v in values) * 1e3, 4)
+        result[f"{prefix}_cpu_ms_per_request_rounds"] = [round(v[0] * 1e3, 4) for v in values]
+        if name != "grpc_floor":
+            result[f"{prefix}_requests_per_second"] = round(
+                statistics.median(v[1] for v in values), 1)
+    result.update({
         "skip_response_headers": args.skip_response_headers,
         "load_average_1m": os.getloadavg()[0],
         "python": sys.version.split()[0],
-    }
+    })
     for key, value in result.items():
-        print(f"{key:32s} {value}")
+        print(f"{key:40s} {value}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

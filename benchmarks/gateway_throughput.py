@@ -14,6 +14,12 @@ It reports tokens/s, requests/s, p50/p99 latency, Envoy's and the EPP's CPU per 
 
     .venv/bin/python benchmarks/gateway_throughput.py --duration 8 --out gateway.json
 
+With `--epp-transports h2,grpcio` the first transport is the `kvswitch` target (launched by
+`launch_gateway`) and each further one adds a `kvswitch-<transport>` target: its own EPP
+(`kvswitch epp --transport ...`) and Envoy over the same engines. `--rounds N` repeats every
+cell N times, interleaved (all targets of round 1, then round 2, ...), and the table, JSON
+`medians` and verdicts use per-cell medians (the machine is shared; single runs are noisy).
+
 Targets: streamed tokens/s through kvswitch >= 95% of Envoy round robin; EPP CPU <= 0.2 ms
 per request.
 """
@@ -31,13 +37,20 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
+from kvswitch.envoy.bootstrap import H2C
 from kvswitch.supervisor import Supervisor
-from kvswitch.up import GatewaySpec, envoy_spec, free_port, launch_gateway
+from kvswitch.up import (
+    GatewaySpec,
+    LaunchedGateway,
+    envoy_spec,
+    epp_spec,
+    free_port,
+    launch_gateway,
+)
 
 SCHEDULING_METRIC = "kvswitch_epp_scheduler_e2e_duration_seconds"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -255,17 +268,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unary-tokens", type=int, default=16)
     parser.add_argument("--stream-tokens", type=int, default=64)
     parser.add_argument("--envoy-concurrency", type=int, default=1)
-    parser.add_argument("--targets", default="direct,envoy-rr,kvswitch")
+    parser.add_argument("--targets", default="direct,envoy-rr,kvswitch",
+                        help="kvswitch = the first --epp-transports entry; the others are added "
+                             "as kvswitch-<transport>")
+    parser.add_argument("--epp-transports", default="h2",
+                        help="EPP ext_proc transports to compare (kvswitch epp --transport)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every cell")
     parser.add_argument("--workloads", default="unary,stream")
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = parser.parse_args(argv)
 
     state = Path(tempfile.mkdtemp(prefix="kvswitch-bench-"))
+    transports = args.epp_transports.split(",")
     with Supervisor(state) as supervisor:
         gateway = launch_gateway(supervisor, GatewaySpec(
             port=free_port(), replicas=args.replicas, profile=args.profile,
             time_scale=args.time_scale, mode="random", grace_period=1.0,
-            envoy_concurrency=args.envoy_concurrency), state)
+            envoy_concurrency=args.envoy_concurrency,
+            epp_args=("--transport", transports[0])), state)
         engines = list(gateway.endpoints)
         rr_port, rr_admin = free_port(), free_port()
         rr_config = state / "envoy-rr.yaml"
@@ -280,22 +300,35 @@ def main(argv: list[str] | None = None) -> int:
             "envoy-rr": ([f"127.0.0.1:{rr_port}"], rr.pid, None),
             "kvswitch": ([gateway.address], supervisor.get("envoy").pid, epp),
         }
-        epp_idle = idle_cpu_rate(epp[0], 3.0)
-        print(f"EPP idle CPU: {epp_idle * 1e3:.1f} ms/s", flush=True)
+        names = args.targets.split(",")
+        extra = [f"kvswitch-{t}" for t in transports[1:]]
+        for name in extra:
+            targets[name] = _extra_gateway(supervisor, gateway, name.split("-", 1)[1], args)
+        if "kvswitch" in names:
+            at = names.index("kvswitch") + 1
+            names[at:at] = extra
+        idle = {name: idle_cpu_rate(info[2][0], 3.0)
+                for name, info in targets.items() if info[2] is not None}
+        for name, rate in idle.items():
+            print(f"EPP idle CPU ({name}): {rate * 1e3:.1f} ms/s", flush=True)
         cells: list[CellResult] = []
-        for workload in args.workloads.split(","):
-            for name in args.targets.split(","):
-                addresses, envoy_pid, epp_info = targets[name]
-                cell = run_cell(name, addresses, workload, args, envoy_pid, epp_info, epp_idle)
-                cells.append(cell)
-                print(_row(cell), flush=True)
+        for index in range(args.rounds):
+            for workload in args.workloads.split(","):
+                for name in names:
+                    addresses, envoy_pid, epp_info = targets[name]
+                    cell = run_cell(name, addresses, workload, args, envoy_pid, epp_info,
+                                    idle.get(name, 0.0))
+                    cells.append(cell)
+                    print(f"r{index + 1} {_row(cell)}", flush=True)
+    medians = _medians(cells)
     report = {"config": {k: (str(v) if isinstance(v, Path) else v)
                          for k, v in vars(args).items()},
               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-              "epp_idle_cpu_ms_per_s": epp_idle * 1e3,
-              "cells": [asdict(c) for c in cells], "targets": _verdicts(cells)}
+              "epp_idle_cpu_ms_per_s": {k: v * 1e3 for k, v in idle.items()},
+              "cells": [asdict(c) for c in cells], "medians": [asdict(c) for c in medians],
+              "targets": _verdicts(medians)}
     print()
-    print(_table(cells))
+    print(_table(medians))
     for line in report["targets"]:
         print(line)
     if args.out:
@@ -304,11 +337,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _extra_gateway(supervisor: Supervisor, gateway: LaunchedGateway, transport: str,
+                   args: argparse.Namespace) -> tuple[list[str], int, tuple[int, int]]:
+    """Another EPP (on `transport`) and Envoy over the same engines, config and pool."""
+    port, metrics = free_port(), free_port()
+    state = gateway.state_dir
+    spec = epp_spec(state / "epp.yaml", state / "pool.yaml", port, metrics,
+                    ("--transport", transport), want_ready=len(gateway.endpoints))
+    epp = supervisor.start(replace(spec, name=f"epp-{transport}"))
+    public, admin = free_port(), free_port()
+    config = state / f"envoy-{transport}.yaml"
+    config.write_text(render(build_bootstrap(GatewayOptions(
+        pool=PoolTarget(gateway.endpoints, H2C), epp=f"127.0.0.1:{port}", port=public,
+        admin_port=admin, routing=gateway.spec.routing))))  # type: ignore[arg-type]
+    envoy = supervisor.start(envoy_spec(config, admin, name=f"envoy-{transport}",
+                                        concurrency=args.envoy_concurrency))
+    return [f"127.0.0.1:{public}"], envoy.pid, (epp.pid, metrics)
+
+
+def _medians(cells: list[CellResult]) -> list[CellResult]:
+    """One cell per (workload, target): the median of every number over the rounds."""
+    groups: dict[tuple[str, str], list[CellResult]] = {}
+    for cell in cells:
+        groups.setdefault((cell.workload, cell.target), []).append(cell)
+    out = []
+    for group in groups.values():
+        merged = asdict(group[0])
+        for key, value in merged.items():
+            if isinstance(value, float) or (isinstance(value, int) and key != "concurrency"):
+                values = [getattr(c, key) for c in group if getattr(c, key) is not None]
+                merged[key] = statistics.median(values) if values else None
+        merged["first_error"] = next((c.first_error for c in group if c.first_error), "")
+        out.append(CellResult(**merged))
+    return out
+
+
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-_HEADER = (f"{'workload':8} {'target':9} {'req/s':>8} {'tok/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+_HEADER = (f"{'workload':8} {'target':15} {'req/s':>8} {'tok/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
            f"{'errors':>6} {'envoy ms/req':>12} {'epp ms/req':>10} {'-idle':>6} "
            f"{'sched p50/p99 ms':>17}")
 
@@ -316,7 +384,7 @@ _HEADER = (f"{'workload':8} {'target':9} {'req/s':>8} {'tok/s':>9} {'p50 ms':>8}
 def _row(c: CellResult) -> str:
     sched = (f"{_fmt(c.epp_scheduling_p50_ms)}/{_fmt(c.epp_scheduling_p99_ms)}"
              if c.epp_scheduling_p50_ms is not None else "-")
-    return (f"{c.workload:8} {c.target:9} {c.requests_per_s:8.0f} {c.tokens_per_s:9.0f} "
+    return (f"{c.workload:8} {c.target:15} {c.requests_per_s:8.0f} {c.tokens_per_s:9.0f} "
             f"{c.p50_ms:8.1f} {c.p99_ms:8.1f} {c.errors:6d} "
             f"{_fmt(c.envoy_cpu_ms_per_request):>12} {_fmt(c.epp_cpu_ms_per_request):>10} "
             f"{_fmt(c.epp_cpu_ms_per_request_minus_idle, '.2f'):>6} {sched:>17}")
@@ -329,17 +397,20 @@ def _table(cells: list[CellResult]) -> str:
 def _verdicts(cells: list[CellResult]) -> list[str]:
     by = {(c.workload, c.target): c for c in cells}
     lines = []
-    rr, kv = by.get(("stream", "envoy-rr")), by.get(("stream", "kvswitch"))
-    if rr and kv and rr.tokens_per_s:
-        ratio = kv.tokens_per_s / rr.tokens_per_s
-        lines.append(f"streamed tok/s kvswitch / Envoy RR = {ratio:.1%} (target >= 95%): "
-                     f"{'met' if ratio >= 0.95 else 'NOT met'}")
-    epp_costs = [c for c in cells if c.epp_cpu_ms_per_request is not None]
-    if epp_costs:
+    rr = by.get(("stream", "envoy-rr"))
+    for kv in (c for c in cells if c.workload == "stream" and c.target.startswith("kvswitch")):
+        if rr and rr.tokens_per_s:
+            ratio = kv.tokens_per_s / rr.tokens_per_s
+            lines.append(f"streamed tok/s {kv.target} / Envoy RR = {ratio:.1%} (target >= 95%): "
+                         f"{'met' if ratio >= 0.95 else 'NOT met'}")
+    for target in sorted({c.target for c in cells if c.epp_cpu_ms_per_request is not None}):
+        epp_costs = [c for c in cells
+                     if c.target == target and c.epp_cpu_ms_per_request is not None]
         worst = max(epp_costs, key=lambda c: c.epp_cpu_ms_per_request or 0.0)
         total = worst.epp_cpu_ms_per_request or 0.0
-        lines.append(f"EPP CPU per request = {total:.3f} ms ({_fmt(worst.epp_cpu_ms_per_request_minus_idle)}"
-                     f" ms minus idle), worst cell {worst.workload} (target <= 0.2 ms): "
+        lines.append(f"{target}: EPP CPU per request = {total:.3f} ms "
+                     f"({_fmt(worst.epp_cpu_ms_per_request_minus_idle)} ms minus idle), worst "
+                     f"cell {worst.workload} (target <= 0.2 ms): "
                      f"{'met' if total <= 0.2 else 'NOT met'}")
     return lines
 
