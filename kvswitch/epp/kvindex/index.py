@@ -14,11 +14,30 @@ Query: `match(block_hashes)` walks a request's own hashes once against one globa
 own hash -> bitmask of endpoints holding it, so a query costs O(blocks) dict lookups however
 many endpoints there are; an endpoint's match is its number of *leading* blocks held (the
 engine's prefix-cache lookup also stops at its first miss).
+
+Speculative entries (llm-d's speculative indexing) close the gap between a pick and the
+engine's BlockStored events, which come only after the request's prefill step:
+`speculate(endpoint, hashes, ttl)` marks the blocks of a request just routed to `endpoint` as
+held there until `now + ttl` (the index's injected clock), so the next request with the same
+prefix matches at once. Per endpoint a block is either real (reported stored) or speculative,
+never both:
+- a BlockStored that places the block confirms it (it becomes real, `ApplyStats.confirmed`);
+- speculating a block that is already real is a no-op; speculating a speculative block again
+  extends its expiry, except in the leading run the caller says is held (`held`): those keep
+  the expiry of the request that will store them;
+- unconfirmed by its expiry, it is dropped (lazily, at the next `match`/`speculate`);
+- AllBlocksCleared, a resync (`clear`) or the endpoint leaving drop it at once; BlockRemoved
+  can only name real blocks (a speculative one has no engine hash yet).
+Both kinds set the endpoint's bit in the one holder table, so `match` costs the same.
+Cost per request: O(blocks not already held), mostly in C set operations, plus one Python step
+per such block at speculation and at expiry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import heapq
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
@@ -52,6 +71,8 @@ class ApplyStats:
     """Blocks whose parent chain was unknown (or whose size did not match) and were skipped."""
     removed: int = 0
     cleared: bool = False
+    confirmed: int = 0
+    """Placed blocks that were speculative until now."""
 
 
 class _Entry:
@@ -65,27 +86,35 @@ class _Entry:
 
 
 class _EndpointBlocks:
-    """One endpoint's blocks: engine hash -> (own hash | None, copies), own hash -> copies."""
+    """One endpoint's blocks: engine hash -> (own hash | None, copies), own hash -> copies,
+    and speculative own hash -> expiry (disjoint from `own_copies`)."""
 
-    __slots__ = ("bit", "by_engine", "own_copies")
+    __slots__ = ("bit", "by_engine", "own_copies", "speculative")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
         self.by_engine: dict[int, _Entry] = {}
         self.own_copies: dict[int, int] = {}
+        self.speculative: dict[int, float] = {}
 
 
 class PrefixIndex:
     """Blocks held per endpoint, by own chained hash. Not thread-safe; one event loop owns it."""
 
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
+        self.clock = clock
+        """Seconds, monotonic; only speculative expiry reads it."""
         self._endpoints: dict[str, _EndpointBlocks] = {}
         self._holders: dict[int, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
+        # (expiry, tie-break, endpoint state, hashes) per speculation, earliest expiry first.
+        self._expiries: list[tuple[float, int, _EndpointBlocks, set[int]]] = []
+        self._speculations = 0
 
     # -- endpoints -----------------------------------------------------------------------------
 
@@ -114,14 +143,16 @@ class PrefixIndex:
             return
         mask = ~(1 << state.bit)
         holders = self._holders
-        for own in state.own_copies:
-            left = holders[own] & mask
-            if left:
-                holders[own] = left
-            else:
-                del holders[own]
+        for held in (state.own_copies, state.speculative):
+            for own in held:
+                left = holders[own] & mask
+                if left:
+                    holders[own] = left
+                else:
+                    del holders[own]
         state.by_engine.clear()
         state.own_copies.clear()
+        state.speculative.clear()
 
     def remove_endpoint(self, endpoint: str) -> None:
         self.clear(endpoint)
@@ -130,9 +161,15 @@ class PrefixIndex:
             self._free_bits.append(state.bit)
 
     def num_blocks(self, endpoint: str) -> int:
-        """Distinct blocks (by content) the endpoint holds."""
+        """Distinct blocks (by content) the endpoint reported stored (speculative: not)."""
         state = self._endpoints.get(endpoint)
         return 0 if state is None else len(state.own_copies)
+
+    def num_speculative(self, endpoint: str) -> int:
+        """Speculative blocks of the endpoint not yet confirmed (expired ones may linger until
+        the next `match`/`speculate`)."""
+        state = self._endpoints.get(endpoint)
+        return 0 if state is None else len(state.speculative)
 
     # -- events --------------------------------------------------------------------------------
 
@@ -141,6 +178,7 @@ class PrefixIndex:
         state = self._state(endpoint)
         stored = unplaced = removed = 0
         cleared = False
+        speculative = len(state.speculative)
         for event in events:
             if isinstance(event, BlocksStored):
                 placed, skipped = self._store(state, event)
@@ -149,9 +187,11 @@ class PrefixIndex:
             elif isinstance(event, BlocksRemoved):
                 removed += self._remove(state, event.engine_hashes)
             elif isinstance(event, CacheCleared):
+                speculative -= len(state.speculative)
                 self.clear(endpoint)
                 cleared = True
-        return ApplyStats(stored, unplaced, removed, cleared)
+        confirmed = speculative - len(state.speculative)
+        return ApplyStats(stored, unplaced, removed, cleared, confirmed)
 
     def _store(self, state: _EndpointBlocks, event: BlocksStored) -> tuple[int, int]:
         size = self.block_size
@@ -166,6 +206,7 @@ class PrefixIndex:
         placed = 0
         bit = 1 << state.bit
         by_engine, own_copies, holders = state.by_engine, state.own_copies, self._holders
+        speculative, hold = state.speculative, self._hold
         for block in event.blocks:
             if parent is not None and len(block.token_ids) == size:
                 parent = hash((parent, block.token_ids))
@@ -176,21 +217,22 @@ class PrefixIndex:
                 entry.copies += 1
                 if entry.own is None and parent is not None:
                     entry.own = parent  # a later store taught us the chain: place it now
-                    self._hold(own_copies, holders, parent, bit)
+                    hold(own_copies, speculative, holders, parent, bit)
                     placed += 1
                 continue
             by_engine[block.engine_hash] = _Entry(parent)
             if parent is not None:
-                self._hold(own_copies, holders, parent, bit)
+                hold(own_copies, speculative, holders, parent, bit)
                 placed += 1
         return placed, len(event.blocks) - placed
 
     @staticmethod
-    def _hold(own_copies: dict[int, int], holders: dict[int, int], own: int, bit: int) -> None:
+    def _hold(own_copies: dict[int, int], speculative: dict[int, float],
+              holders: dict[int, int], own: int, bit: int) -> None:
         count = own_copies.get(own, 0)
         own_copies[own] = count + 1
-        if not count:
-            holders[own] = holders.get(own, 0) | bit
+        if not count and speculative.pop(own, None) is None:
+            holders[own] = holders.get(own, 0) | bit  # (a confirmed block's bit is set)
 
     def _remove(self, state: _EndpointBlocks, engine_hashes: Iterable[int]) -> int:
         by_engine, own_copies, holders = state.by_engine, state.own_copies, self._holders
@@ -220,6 +262,56 @@ class PrefixIndex:
                 del holders[own]
         return removed
 
+    # -- speculative entries ---------------------------------------------------------------------
+
+    def speculate(self, endpoint: str, hashes: Sequence[int], ttl: float,
+                  held: int = 0) -> None:
+        """`hashes` (a request's own block hashes) were just routed to `endpoint`: hold them
+        there for `ttl` seconds unless events confirm them sooner. `hashes[:held]` are known
+        held already (`match` just said so) and are skipped: a prefix another request
+        speculated keeps that request's expiry, the one its own BlockStored would meet.
+        Endpoints the index does not know (not subscribed) are left alone."""
+        state = self._endpoints.get(endpoint)
+        if state is None or ttl <= 0 or held >= len(hashes):
+            return
+        # Set algebra runs in C: only blocks neither real nor speculative cost a Python step.
+        pending = set(hashes[held:] if held else hashes).difference(state.own_copies)
+        if not pending:
+            return
+        now = self.clock()
+        self._expire(now)
+        expiry = now + ttl
+        speculative, holders = state.speculative, self._holders
+        bit = 1 << state.bit
+        for own in pending.difference(speculative):
+            holders[own] = holders.get(own, 0) | bit
+        speculative.update(dict.fromkeys(pending, expiry))
+        self._speculations += 1
+        heapq.heappush(self._expiries, (expiry, self._speculations, state, pending))
+
+    def expire(self) -> None:
+        """Drop the speculative entries whose time is up (`match` does it too)."""
+        self._expire(self.clock())
+
+    def _expire(self, now: float) -> None:
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            _, _, state, hashes = heapq.heappop(expiries)
+            speculative = state.speculative
+            if not speculative:
+                continue  # all confirmed, or cleared
+            holders, mask = self._holders, ~(1 << state.bit)
+            for own in hashes:
+                expiry = speculative.get(own)
+                if expiry is None or expiry > now:
+                    continue  # confirmed, or speculated again since
+                del speculative[own]
+                rest = holders[own] & mask
+                if rest:
+                    holders[own] = rest
+                else:
+                    del holders[own]
+
     # -- queries -------------------------------------------------------------------------------
 
     def block_hashes(self, token_ids: Sequence[int],
@@ -228,7 +320,10 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[int],
               endpoints: Iterable[str] | None = None) -> dict[str, int]:
-        """Leading blocks of `hashes` each endpoint holds (every known or named endpoint)."""
+        """Leading blocks of `hashes` each endpoint holds, really or speculatively (every known
+        or named endpoint)."""
+        if self._expiries:
+            self._expire(self.clock())
         states = self._endpoints
         names = list(states) if endpoints is None else list(endpoints)
         bits = {states[n].bit: n for n in names if n in states}

@@ -15,6 +15,17 @@ Parameters (llm-d's type name):
       (text prompts then score 0 everywhere).
   loadRecordTtl (duration, default 2.5s): how long a pushed `EngineLoad` record keeps the
       endpoint's metrics current (above the engines' 1 s heartbeat).
+  speculativeTtl (duration, default 2s; 0 disables): how long the blocks of a request just
+      routed to an endpoint count as held there before its KV events confirm them.
+Speculative indexing (llm-d's): an engine reports BlockStored only after the request's prefill
+step, so a second request with the same prefix arriving before that would score 0 everywhere
+and could land anywhere. As a `PreRequest` hook this plugin therefore adds the prompt's block
+hashes for the picked endpoint to the index as speculative entries (`PrefixIndex.speculate`):
+they count in matched_blocks(e) like real ones, become real when the engine's BlockStored
+confirms them, and are dropped when unconfirmed after speculativeTtl (the request failed, was
+rejected, or its prefill is still queued) or on AllBlocksCleared / a resync. The prompt's
+leading blocks the endpoint already holds (matched_blocks) are not touched: only the rest is
+speculated, so a hot prefix costs O(unique suffix blocks) per request.
 Lifecycle: the router calls `start()` (one grpc.aio stream per endpoint of the datalayer) and
 `stop()`; afterwards subscriptions follow the endpoint set as scheduling cycles see it change.
 Push-based load: every `EngineLoad` record on a stream goes into the endpoint's metrics
@@ -29,7 +40,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvswitch.epp.datalayer import Endpoint
-from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, duration, param
+from kvswitch.epp.framework import (
+    ConfigError,
+    CycleState,
+    PluginHandle,
+    ProfileResult,
+    duration,
+    param,
+)
 from kvswitch.epp.kvindex.events import LoadRecord
 from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriptions
@@ -42,11 +60,13 @@ TYPE = "precise-prefix-cache-scorer"
 
 class PrecisePrefixCacheScorer:
     def __init__(self, name: str, index: PrefixIndex, handle: PluginHandle | None = None,
-                 tokenizer: TokenizerBundle | None = None, load_ttl: float = 2.5) -> None:
+                 tokenizer: TokenizerBundle | None = None, load_ttl: float = 2.5,
+                 speculative_ttl: float = 2.0) -> None:
         self.name = name
         self.index = index
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
+        self.speculative_ttl = speculative_ttl
         self.subscriptions = KvEventSubscriptions(index, on_load=self._pushed_load)
         self._handle = handle
         self._following: frozenset[str] = frozenset()
@@ -113,6 +133,15 @@ class PrecisePrefixCacheScorer:
         total = len(match.hashes)
         return [match.matched.get(e.address, 0) / total for e in endpoints]
 
+    def pre_request(self, request: InferenceRequest, state: CycleState,
+                    result: ProfileResult) -> None:
+        """The picked endpoint will store the prompt's blocks: hold them there speculatively."""
+        match: PrefixMatch | None = state.get(STATE_KEY)
+        if match is not None and match.hashes and self.speculative_ttl > 0:
+            address = result.endpoints[0].address
+            self.index.speculate(address, match.hashes, self.speculative_ttl,
+                                 held=match.matched.get(address, 0))
+
 
 def create(name: str, parameters: Mapping[str, Any],
            handle: PluginHandle) -> PrecisePrefixCacheScorer:
@@ -127,8 +156,9 @@ def create(name: str, parameters: Mapping[str, Any],
         except Exception as exc:
             raise ConfigError(f"parameters.tokenizer: {exc}") from exc
     ttl = duration(parameters.get("loadRecordTtl", 2.5), "parameters.loadRecordTtl")
+    speculative_ttl = duration(parameters.get("speculativeTtl", 2.0), "parameters.speculativeTtl")
     index = handle.shared("precise-prefix-index", lambda: PrefixIndex(block_size))
     if index.block_size != block_size:
         raise ConfigError("parameters.blockSize: every precise-prefix-cache-scorer must share "
                           "one block size")
-    return PrecisePrefixCacheScorer(name, index, handle, tokenizer, ttl)
+    return PrecisePrefixCacheScorer(name, index, handle, tokenizer, ttl, speculative_ttl)

@@ -1,0 +1,198 @@
+"""Speculative entries of the precise prefix index: match, confirm, expiry, removal (fake clock)."""
+
+from __future__ import annotations
+
+from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
+from kvswitch.epp.framework import ConfigError, PluginHandle, ProfileResult
+from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, CacheCleared, PrefixIndex, StoredBlock
+from kvswitch.epp.kvindex.precise_prefix_cache_scorer import create
+from kvswitch.epp.request import InferenceRequest, ParsedBody
+
+B = 4
+PROMPT = list(range(100, 120))  # 5 blocks of 4
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chain(tokens: list[int], start_hash: int = 1000) -> BlocksStored:
+    blocks = tuple(StoredBlock(start_hash + i, tuple(tokens[i * B:(i + 1) * B]))
+                   for i in range(len(tokens) // B))
+    return BlocksStored(blocks, None, B)
+
+
+def new_index(*endpoints: str) -> tuple[PrefixIndex, FakeClock]:
+    clock = FakeClock()
+    index = PrefixIndex(B, clock=clock)
+    for endpoint in endpoints:
+        index.add_endpoint(endpoint)
+    return index, clock
+
+
+def test_speculative_blocks_match_until_they_expire() -> None:
+    index, clock = new_index("a", "b")
+    hashes = index.block_hashes(PROMPT)
+    index.speculate("a", hashes, ttl=2.0)
+    assert index.match(hashes) == {"a": 5, "b": 0}
+    assert (index.num_speculative("a"), index.num_blocks("a")) == (5, 0)
+    clock.now += 1.999
+    assert index.match(hashes) == {"a": 5, "b": 0}
+    clock.now += 0.001
+    assert index.match(hashes) == {"a": 0, "b": 0}
+    assert index.num_speculative("a") == 0
+
+
+def test_unknown_endpoint_zero_ttl_and_empty_prompts_speculate_nothing() -> None:
+    index, _ = new_index("a")
+    hashes = index.block_hashes(PROMPT)
+    index.speculate("not-subscribed", hashes, ttl=2.0)
+    index.speculate("a", hashes, ttl=0.0)
+    index.speculate("a", [], ttl=2.0)
+    assert index.endpoints == ("a",)
+    assert index.match(hashes) == {"a": 0}
+
+
+def test_stored_events_confirm_speculative_blocks() -> None:
+    index, clock = new_index("a")
+    hashes = index.block_hashes(PROMPT)
+    index.speculate("a", hashes, ttl=2.0)
+    stats = index.apply("a", [chain(PROMPT[:12])])  # the engine stored the first 3 blocks
+    assert (stats.stored, stats.confirmed) == (3, 3)
+    assert (index.num_speculative("a"), index.num_blocks("a")) == (2, 3)
+    clock.now += 5.0  # the unconfirmed tail expires, the confirmed head stays
+    assert index.match(hashes) == {"a": 3}
+    assert index.num_speculative("a") == 0
+    # Confirmed blocks are real: a removal takes them out.
+    assert index.apply("a", [BlocksRemoved((1001,))]).removed == 1
+    assert index.match(hashes) == {"a": 1}
+
+
+def test_speculating_real_blocks_adds_nothing_and_removal_still_wins() -> None:
+    index, _ = new_index("a")
+    index.apply("a", [chain(PROMPT[:8])])
+    hashes = index.block_hashes(PROMPT)
+    index.speculate("a", hashes, ttl=2.0)
+    assert index.num_speculative("a") == 3  # only the 3 blocks not reported stored
+    index.apply("a", [BlocksRemoved((1000,))])
+    assert index.match(hashes) == {"a": 0}  # the first block left: no leading match
+
+
+def test_speculating_again_extends_the_expiry() -> None:
+    index, clock = new_index("a")
+    hashes = index.block_hashes(PROMPT)
+    index.speculate("a", hashes[:2], ttl=2.0)
+    clock.now += 1.5
+    index.speculate("a", hashes, ttl=2.0)
+    clock.now += 1.0  # the first speculation's expiry passed; the second's did not
+    assert index.match(hashes) == {"a": 5}
+    clock.now += 1.0
+    assert index.match(hashes) == {"a": 0}
+
+
+def test_held_leading_blocks_keep_the_expiry_of_the_request_that_stores_them() -> None:
+    index, clock = new_index("a")
+    hashes = index.block_hashes(PROMPT)
+    index.speculate("a", hashes[:3], ttl=2.0)
+    clock.now += 1.5
+    index.speculate("a", hashes, ttl=2.0, held=3)  # a second request: shared 3 + its own 2
+    clock.now += 1.0
+    assert index.match(hashes) == {"a": 0}  # the first request's prefix was never confirmed
+    assert index.num_speculative("a") == 2
+    clock.now += 1.0
+    assert index.num_speculative("a") == 2  # lazily dropped...
+    index.expire()
+    assert index.num_speculative("a") == 0  # ...at the next query or expire()
+
+
+def test_expiry_on_one_endpoint_keeps_the_other() -> None:
+    index, clock = new_index("a", "b")
+    hashes = index.block_hashes(PROMPT)
+    index.apply("b", [chain(PROMPT)])
+    index.speculate("a", hashes, ttl=1.0)
+    assert index.match(hashes) == {"a": 5, "b": 5}
+    clock.now += 1.0
+    assert index.match(hashes) == {"a": 0, "b": 5}
+
+
+def test_cleared_resync_and_removed_endpoint_drop_speculative_blocks() -> None:
+    index, clock = new_index("a", "b")
+    hashes = index.block_hashes(PROMPT)
+    index.speculate("a", hashes, ttl=2.0)
+    stats = index.apply("a", [CacheCleared(), chain(PROMPT[:4])])
+    assert (stats.cleared, stats.confirmed) == (True, 0)  # dropped, not confirmed
+    assert index.match(hashes) == {"a": 1, "b": 0}
+    index.speculate("b", hashes, ttl=2.0)
+    index.clear("b")  # a resync
+    assert index.match(hashes) == {"a": 1, "b": 0}
+    index.speculate("a", hashes, ttl=2.0)
+    index.remove_endpoint("a")
+    index.add_endpoint("c")  # takes a's bit; a's pending expiry must not touch it
+    index.apply("c", [chain(PROMPT)])
+    clock.now += 10.0
+    assert index.match(hashes) == {"b": 0, "c": 5}
+
+
+def test_scorer_speculates_on_the_picked_endpoint() -> None:
+    datalayer = Datalayer()
+    scorer = create("p", {"blockSize": 16, "tokenizer": "none", "speculativeTtl": "500ms"},
+                    PluginHandle(datalayer))
+    assert scorer.speculative_ttl == 0.5
+    endpoints = [Endpoint(EndpointSpec(a)) for a in ("a:1", "b:1")]
+    for endpoint in endpoints:
+        scorer.index.add_endpoint(endpoint.address)
+    ids = tuple(range(1000, 1064))  # 4 blocks of 16
+    request = InferenceRequest("r1", "grpc", "/x", ParsedBody(prompt_token_ids=ids))
+    state: dict[str, object] = {}
+    scorer.produce(request, state, endpoints)
+    assert scorer.score(request, state, endpoints) == [0.0, 0.0]
+    scorer.pre_request(request, state, ProfileResult("default", (endpoints[1],)))
+    again = InferenceRequest("r2", "grpc", "/x", ParsedBody(prompt_token_ids=ids + (7,) * 16))
+    state = {}
+    scorer.produce(again, state, endpoints)
+    assert scorer.score(again, state, endpoints) == [0.0, 0.8]
+
+
+def test_speculative_ttl_zero_disables_and_negative_is_rejected() -> None:
+    handle = PluginHandle(Datalayer())
+    scorer = create("p", {"blockSize": 16, "tokenizer": "none", "speculativeTtl": 0}, handle)
+    scorer.index.add_endpoint("a:1")
+    ids = tuple(range(1000, 1064))
+    request = InferenceRequest("r1", "grpc", "/x", ParsedBody(prompt_token_ids=ids))
+    state: dict[str, object] = {}
+    endpoints = [Endpoint(EndpointSpec("a:1"))]
+    scorer.produce(request, state, endpoints)
+    scorer.pre_request(request, state, ProfileResult("default", tuple(endpoints)))
+    assert scorer.index.num_speculative("a:1") == 0
+    try:
+        create("q", {"blockSize": 16, "tokenizer": "none", "speculativeTtl": -1}, handle)
+    except ConfigError as exc:
+        assert "speculativeTtl" in str(exc)
+    else:
+        raise AssertionError("a negative speculativeTtl was accepted")
+
+
+def test_default_profile_keeps_a_prefix_together_before_any_kv_event() -> None:
+    from kvswitch.epp.config import build_endpoint_picker, static_pool
+    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+    from kvswitch.epp.router import EppRouter
+    from kvswitch.up import DEFAULT_EPP_CONFIG
+
+    addresses = [f"127.0.0.1:{9001 + i}" for i in range(4)]
+    router = build_endpoint_picker(DEFAULT_EPP_CONFIG, static_pool(addresses)).router
+    assert isinstance(router, EppRouter)
+    scorer = next(p for p in router.scheduler.plugins if isinstance(p, PrecisePrefixCacheScorer))
+    for address in addresses:
+        scorer.index.add_endpoint(address)  # what the (absent) subscriptions would do
+    endpoints = [Endpoint(EndpointSpec(a)) for a in addresses]
+    for group in range(20):
+        shared = tuple(range(group * 1000, group * 1000 + 64))
+        picks = [router.scheduler.schedule(
+            InferenceRequest(f"g{group}-{i}", "grpc", "/x",
+                             ParsedBody(prompt_token_ids=shared + (i,) * 16)),
+            endpoints).endpoints[0].address for i in range(3)]
+        assert len(set(picks)) == 1, (group, picks)
