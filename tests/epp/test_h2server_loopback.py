@@ -1,0 +1,207 @@
+"""The h2 transport on loopback: grpc.aio clients and raw sockets against `EppServer`."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hpack import Encoder
+
+from kvswitch.epp.h2server import DATA, END_HEADERS, HEADERS, PREFACE, SETTINGS, frame
+from kvswitch.epp.parsers import default_parsers
+from kvswitch.epp.parsers.passthrough import PassthroughParser
+from kvswitch.epp.request import EndpointPicker, InferenceRequest, RoutingDecision
+from kvswitch.epp.server import PROCESS_PATH, EppServer
+from tests.epp.test_extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
+from tests.epp.test_server import FakeRouter
+
+
+class GatedRouter(FakeRouter):
+    """Routes only once `gate` is set: the request waits in a task, as in flow control."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def route(self, request: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
+        await self.gate.wait()
+        return await super().route(request, subset)
+
+
+async def start(router: FakeRouter, **picker: int) -> EppServer:
+    parsers = [*default_parsers(), PassthroughParser()]
+    server = EppServer(EndpointPicker(parsers=parsers, router=router, **picker), port=0)
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def router() -> FakeRouter:
+    return FakeRouter()
+
+
+@pytest.fixture
+async def server(router: FakeRouter) -> AsyncIterator[EppServer]:
+    srv = await start(router, max_body_bytes=8 << 20)
+    yield srv
+    await srv.stop(grace=0.1)
+
+
+async def test_unknown_method_is_unimplemented(server: EppServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.unary_unary("/nope.Service/Method")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(b"")
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_large_body_is_echoed_through_flow_control(router: FakeRouter,
+                                                          server: EppServer) -> None:
+    payload = bytes(range(256)) * (3 * 4096 + 7)  # ≈ 3 MiB in ext_proc chunks of 256 KiB
+    chunks = [payload[i:i + (256 << 10)] for i in range(0, len(payload), 256 << 10)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = ep_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(http_headers("/upload", ("content-type", "application/octet-stream")))
+        for i, chunk in enumerate(chunks):
+            await call.write(body(chunk, eos=i == len(chunks) - 1))
+        reply = await call.read()
+        assert reply.request_headers.response.header_mutation.set_headers
+        echoed = b""
+        while len(echoed) < len(payload):
+            part = await call.read()
+            echoed += part.request_body.response.body_mutation.streamed_response.body
+        assert echoed == payload
+        await call.write(response_trailers(("grpc-status", "0")))
+        await call.read()
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+    assert len(router.finished) == 1
+
+
+async def test_health_check_and_unknown_service(server: EppServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_messages_wait_behind_a_pending_route_and_finish_once() -> None:
+    router = GatedRouter()
+    server = await start(router)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(grpc_headers(("x-request-id", "gated")))
+            await call.write(body(GENERATE, eos=True))
+            await call.done_writing()  # the end of input arrives while routing waits
+            await asyncio.sleep(0.05)
+            router.gate.set()
+            replies = [await call.read(), await call.read()]
+            assert replies[0].HasField("request_headers")
+            assert replies[1].request_body.response.body_mutation.streamed_response.body == GENERATE
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+        [(request, outcome)] = router.finished
+        assert request.request_id == "gated" and not outcome.ok
+    finally:
+        await server.stop(grace=0.1)
+
+
+async def test_reset_while_routing_releases_a_late_decision() -> None:
+    router = GatedRouter()
+    server = await start(router)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(grpc_headers())
+            await call.write(body(GENERATE, eos=True))
+            await asyncio.sleep(0.05)
+            call.cancel()
+            await asyncio.sleep(0.05)
+        assert router.routed == [] and router.finished == []  # cancelled before deciding
+    finally:
+        await server.stop(grace=0.1)
+
+
+def _raw_request() -> bytes:
+    headers = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", PROCESS_PATH),
+                                (":authority", "epp"), ("content-type", "application/grpc")])
+    messages = b"".join(b"\x00" + struct.pack(">I", len(m)) + m for m in (
+        grpc_headers().SerializeToString(), body(GENERATE, eos=True).SerializeToString()))
+    return (PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, headers)
+            + frame(DATA, 0, 1, messages))
+
+
+async def test_connection_drop_finishes_the_routed_request_once(router: FakeRouter,
+                                                                server: EppServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(_raw_request())
+    got = b""
+    while b"x-gateway-destination-endpoint" not in got:  # routed: the destination reply came
+        got += await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    await asyncio.wait_for(router.finished_event.wait(), 5)
+    await asyncio.sleep(0.05)
+    [(_, outcome)] = router.finished
+    assert not outcome.ok
+
+
+async def test_garbage_gets_goaway_and_the_server_keeps_serving(server: EppServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 2, b"\x82"))
+    data = b""
+    while True:
+        chunk = await asyncio.wait_for(reader.read(65536), 5)
+        if not chunk:
+            break
+        data += chunk
+    assert b"\x07\x00\x00\x00\x00\x00" in data  # a GOAWAY frame, then the connection closed
+    writer.close()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_graceful_stop_lets_an_open_stream_finish(router: FakeRouter) -> None:
+    server = await start(router)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = ep_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(grpc_headers())
+        await call.write(body(GENERATE, eos=True))
+        await call.read()
+        await call.read()
+        stopping = asyncio.create_task(server.stop(grace=10))
+        await asyncio.sleep(0.1)
+        assert not stopping.done()  # waiting for the open stream
+        assert server.health_status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+        await call.write(response_trailers(("grpc-status", "0")))
+        assert (await call.read()).HasField("response_trailers")
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+        await asyncio.wait_for(stopping, 5)
+    [(_, outcome)] = router.finished
+    assert outcome.ok and router.stopped
+
+
+async def test_graceful_stop_gives_up_after_grace(router: FakeRouter) -> None:
+    server = await start(router)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = ep_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(grpc_headers())
+        await call.write(body(GENERATE, eos=True))
+        await call.read()
+        await asyncio.wait_for(server.stop(grace=0.2), 5)
+        assert len(router.finished) == 1  # the dropped stream still reported its end
+        with pytest.raises(grpc.aio.AioRpcError):
+            for _ in range(3):
+                await call.read()
+            await call.write(ep.ProcessingRequest())
