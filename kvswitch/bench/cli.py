@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ask for streamed output (client-side TTFT/ITL, but every token "
                              "crosses the gateway and the client: CPU); default: the preset's "
                              "(shared-prefix presets: not streamed, TTFT from the engines' "
-                             "request logs). The oracle always streams")
+                             "request logs)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--log-level", default="WARNING")

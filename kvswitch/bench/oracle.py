@@ -5,8 +5,12 @@ The bench client itself routes (no gateway in the path) and knows, per engine:
   stream (what is cached now), plus the prompts the oracle has sent there that are not prefilled
   yet (what will be cached by the time this request is scheduled);
 - its queue exactly: it is the only client of the engines during its run, so the prefill work
-  it has sent there and not seen answered (uncached prompt tokens before the first token) and
-  the requests decoding there are known without sampling;
+  it has sent there and not yet prefilled (uncached prompt tokens before the first token) and
+  the requests decoding there are known without sampling. A request's prefill is over when its
+  first token arrives (streamed) or, without streaming, when the engine's KV events store the
+  prompt's last full block (the step that computes it also samples the first token); a prompt
+  whose last block was already cached when it was sent has no such event, and is taken as
+  prefilled at its estimated TTFT;
 - the engine's cost model: the simulator profile's step-time formula (DESIGN §4)
       step = base + prefill_us * prefill_tokens + decode_us * decode_tokens
   with chunked prefill at `max_num_batched_tokens` tokens per step.
@@ -25,7 +29,8 @@ ceiling rather than a proven bound; a router beating it on some step is possible
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvswitch.bench.client import RequestResult
@@ -43,11 +48,26 @@ class _EngineQueue:
     """request index -> its uncached tokens, until its first token."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Prefill:
+    """How to tell, without its first token, that a sent request has been prefilled."""
+
+    engine: str
+    last_block: int
+    """Hash of the prompt's last full block: stored by the engine when prefill computes it."""
+    done_by: float | None
+    """Already cached when sent (no event to wait for): prefilled by this simulated time."""
+
+
 class OracleRouter:
     """Sans-IO placement: `choose` before sending, `first_token` / `finished` as they happen."""
 
-    def __init__(self, engines: Sequence[str], profile: SimProfile, index: PrefixIndex) -> None:
+    def __init__(self, engines: Sequence[str], profile: SimProfile, index: PrefixIndex,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engines = list(engines)
+        self.clock = clock
+        """Simulated seconds (wall x time scale): when estimated TTFTs run out."""
+        self._prefilling: dict[int, _Prefill] = {}
         self.profile = profile
         self.index = index
         """Exact cache contents, kept by the KV-event subscribers."""
@@ -65,6 +85,7 @@ class OracleRouter:
         return steps * step + p.prefill_us * 1e-6 * work
 
     def choose(self, request: BenchRequest) -> str:
+        self._settle_prefills()
         hashes = self.index.block_hashes(request.prompt_ids)
         cached = self.index.match(hashes, self.engines)
         soon = self.pending.match(hashes, self.engines)
@@ -78,9 +99,21 @@ class OracleRouter:
             key = (self.estimate(engine, n - hit), self.queues[engine].decoding, i)
             if best is None or key < best:
                 best, chosen = key, engine
-        self._send(request, chosen, hashes, n - min(
-            max(cached[chosen], soon[chosen]) * size, n - 1))
+        uncached = n - min(max(cached[chosen], soon[chosen]) * size, n - 1)
+        if hashes:
+            held = cached[chosen] == len(hashes)
+            done_by = self.clock() + self.estimate(chosen, uncached) if held else None
+            self._prefilling[request.index] = _Prefill(chosen, hashes[-1], done_by)
+        self._send(request, chosen, hashes, uncached)
         return chosen
+
+    def _settle_prefills(self) -> None:
+        """Requests whose prefill is over by the KV events (or their estimate) start decoding."""
+        now = self.clock()
+        for index, p in list(self._prefilling.items()):
+            if (now >= p.done_by if p.done_by is not None
+                    else self.index.match((p.last_block,), (p.engine,))[p.engine]):
+                self._prefilled(index)
 
     def _send(self, request: BenchRequest, engine: str, hashes: list[int], uncached: int) -> None:
         queue = self.queues[engine]
@@ -94,18 +127,23 @@ class OracleRouter:
         self._placed[request.index] = (engine, len(blocks))
 
     def first_token(self, request: BenchRequest) -> None:
-        placed = self._placed.get(request.index)
+        self._prefilled(request.index)
+
+    def _prefilled(self, index: int) -> None:
+        self._prefilling.pop(index, None)
+        placed = self._placed.get(index)
         if placed is None:
             return
         engine, _ = placed
         queue = self.queues[engine]
-        uncached = queue.waiting.pop(request.index, None)
+        uncached = queue.waiting.pop(index, None)
         if uncached is not None:
             queue.pending_prefill -= uncached
             queue.decoding += 1
-            self._forget_pending(request.index)
+            self._forget_pending(index)
 
     def finished(self, request: BenchRequest, result: RequestResult) -> None:
+        self._prefilling.pop(request.index, None)
         placed = self._placed.pop(request.index, None)
         if placed is None:
             return

@@ -51,7 +51,6 @@ class TargetRun:
 async def run_target(target: Target, workload: Workload, ctx: RunContext, time_scale: float,
                      drain_timeout: float = 120.0, request_timeout: float = 600.0,
                      progress: bool = True, stream: bool = True) -> TargetRun:
-    stream = stream or getattr(target, "needs_stream", False)
     await target.start(ctx)
     # Flush after the target is up (SMG warms up with a request): every target starts cold.
     flushed = await ctx.pool.flush()

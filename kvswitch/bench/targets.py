@@ -10,8 +10,7 @@
 - `random`: Envoy + the EPP with only a `random-picker`.
 - `smg-cache-aware`, `smg-round-robin`: SMG (PyPI `smg`) in front of the engines over gRPC;
   reported unavailable (with the reason) when it cannot run here.
-- `oracle`: no gateway; the client routes each request itself (`kvswitch.bench.oracle`); it
-  always streams (its perfect knowledge of the queues includes seeing each first token).
+- `oracle`: no gateway; the client routes each request itself (`kvswitch.bench.oracle`).
 Every target gets the same engines, flushed cold before it runs.
 """
 
@@ -19,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -136,8 +136,6 @@ class GatewayTarget:
 class OracleTarget:
     name: str = "oracle"
     text_prompts: bool = False
-    needs_stream: bool = True
-    """It moves a request from queued prefill to decoding when it sees its first token."""
     _router: OracleRouter | None = None
     _subscriptions: KvEventSubscriptions | None = None
 
@@ -148,7 +146,9 @@ class OracleTarget:
         index = PrefixIndex(profile.block_size)
         self._subscriptions = KvEventSubscriptions(index)
         await self._subscriptions.set_endpoints(ctx.pool.addresses)
-        self._router = OracleRouter(ctx.pool.addresses, profile, index)
+        scale = ctx.pool.time_scale
+        self._router = OracleRouter(ctx.pool.addresses, profile, index,
+                                    clock=lambda: time.monotonic() * scale)
         # Wait until every stream is open (the caches are cold: nothing to replay).
         for _ in range(200):
             if all(s.connected for s in self._subscriptions.subscribers.values()):

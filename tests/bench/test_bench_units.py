@@ -125,13 +125,12 @@ def test_engine_summary_and_markdown_headline() -> None:
 
 
 def test_engine_histogram_sums_are_parsed() -> None:
-    text = "\n".join([
-        "# HELP vllm:time_to_first_token_seconds x",
-        'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0',
-        'vllm:time_to_first_token_seconds_sum{model_name="m"} 1.5',
-        'vllm:time_to_first_token_seconds_count{model_name="m"} 4.0',
-        'vllm:prefix_cache_hits_total{model_name="m"} 10.0',
-    ])
+    lines = ["# HELP vllm:time_to_first_token_seconds x",
+             'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0',
+             'vllm:time_to_first_token_seconds_sum{model_name="m"} 1.5',
+             'vllm:time_to_first_token_seconds_count{model_name="m"} 4.0',
+             'vllm:prefix_cache_hits_total{model_name="m"} 10.0']
+    text = "\n".join(lines)
     counters = parse_counters(text)
     assert (counters.ttft_sum, counters.ttft_count, counters.cache_hits) == (1.5, 4.0, 10.0)
 
@@ -170,3 +169,33 @@ def test_cpu_monitor_accounts_the_client() -> None:
     assert summary["available"] and summary["busiest_process"] == "client"
     assert 0 < summary["bench_cores_by_role"]["client"] <= 1.5
     assert summary["load_avg_1m_max"] >= 0
+
+
+def test_oracle_sees_prefill_end_in_kv_events_or_at_its_estimate_without_streaming() -> None:
+    from kvswitch.bench.oracle import OracleRouter
+    from kvswitch.bench.workloads import BenchRequest
+    from kvswitch.engine.sim.profiles import get_profile
+    from kvswitch.epp.kvindex import BlocksStored, PrefixIndex, StoredBlock
+
+    now = [0.0]
+    index = PrefixIndex(16)
+    router = OracleRouter(["a", "b"], get_profile("qwen3-32b-2xh100"), index, clock=lambda: now[0])
+    prompt = tuple(range(1, 65))  # 4 full blocks
+
+    def request(i: int) -> BenchRequest:
+        return BenchRequest(i, 0, 1.0, 0.0, 0, 0, prompt, 10, 64)
+
+    engine = router.choose(request(0))
+    assert router.queues[engine].pending_prefill == 64 and router.queues[engine].decoding == 0
+    router.choose(request(1))  # nothing stored yet: request 0 is still prefilling
+    assert router.queues[engine].waiting.keys() >= {0}
+    blocks = tuple(StoredBlock(100 + i, prompt[i * 16:(i + 1) * 16]) for i in range(4))
+    index.apply(engine, [BlocksStored(blocks, None, 16)])  # the engine computed the prompt
+    third = router.choose(request(2))
+    assert 0 not in router.queues[engine].waiting and router.queues[engine].decoding >= 1
+    assert third == engine  # cached there now
+    # Request 2's prompt was cached when sent: no event will come, its estimate settles it.
+    assert 2 in router.queues[engine].waiting
+    now[0] = 10.0
+    router.choose(request(3))
+    assert 2 not in router.queues[engine].waiting
