@@ -683,6 +683,8 @@ class _Protocol(asyncio.Protocol):
         self.flush()
         if self.conn.closed and self.transport is not None:
             self.transport.close()
+        if self.server.closing:  # a WINDOW_UPDATE may have let a finished stream's data out
+            self.server.connection_gone()
 
     def _dispatch(self, event: Event) -> None:
         kind = type(event)
