@@ -230,6 +230,7 @@ class _Connection(asyncio.Protocol):
         self._peer_max_frame = 16384
         self._peer_max_streams = 2**31
         self._received = 0
+        self._out: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -269,12 +270,24 @@ class _Connection(asyncio.Protocol):
             last = start + step >= len(message)
             out.append(_frame(_DATA, _END_STREAM if last else 0, stream_id,
                               message[start:start + step]))
-        self.transport.write(b"".join(out))
+        self._send(b"".join(out))
         return call
 
     def reset(self, stream_id: int) -> None:
         if not self.closed and self.transport is not None:
-            self.transport.write(_frame(_RST, 0, stream_id, _FRAME.pack(0x8)))
+            self._send(_frame(_RST, 0, stream_id, _FRAME.pack(0x8)))
+
+    def _send(self, data: bytes) -> None:
+        # Calls started (or reset) in the same loop iteration leave in one write: one syscall
+        # for the batch of requests that arrived together rather than one each.
+        if not self._out:
+            self.loop.call_soon(self._flush)
+        self._out.append(data)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self.transport is not None and not self.closed:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer + data if self._buffer else data
