@@ -5,6 +5,19 @@ target in turn: flush every engine's prefix cache, start the target's gateway pr
 the workload (Poisson arrivals over the QPS ladder), stop them. Writes results.json,
 requests.json, summary.md and PNG plots to `--out`. Every process it starts is stopped by PID
 on exit, and every run ends by itself (ladder duration + drain timeout).
+
+Measurement: the headline is what the engines logged (`kvswitch engine --request-log`, one line
+per request on the engine's clock; `kvswitch.bench.engine_report`), the same for every target;
+the client's numbers are kept beside them. Requests are not streamed by default for the
+shared-prefix presets, so the gateway and the client handle one message per request and the CPU
+goes to the engines' steps.
+
+CPU budget (2 cores, measured with 3 replicas at 8-replica per-replica load, non-streamed, on a
+machine loaded by other work): per engine ~0.1 core per unit of time scale at ~3.7 QPS per
+replica, the EPP ~0.08 per 3 replicas, the client and Envoy < 0.05; the oracle's client ~0.16
+per 3 engines (it indexes every engine's KV events). 8 replicas need ~1.2-1.6 cores at time scale
+1: the presets default to 1. The report's clock slip says whether the engines kept up (near 0);
+if not, lower `--time-scale`.
 """
 
 from __future__ import annotations
@@ -42,9 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated: {', '.join(TARGET_NAMES)}, or kvswitch:CONFIG")
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--profile", default="qwen3-32b-2xh100", help="engine profile")
-    parser.add_argument("--time-scale", type=float, default=10.0,
+    parser.add_argument("--time-scale", type=float, default=None,
                         help="engines run X times faster than real time; latencies are "
-                             "reported in simulated seconds")
+                             "reported in simulated seconds (default: the preset's; keep the "
+                             "report's clock slip near 0)")
     parser.add_argument("--qps", type=_floats, default=None,
                         help="QPS ladder, simulated requests/s (default: the preset's)")
     parser.add_argument("--duration", type=float, default=None,
@@ -54,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=None,
                         help="override the preset's num_groups (scale a workload down)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--drain-timeout", type=float, default=120.0,
+    parser.add_argument("--drain-timeout", type=float, default=300.0,
                         help="wall seconds to wait for stragglers after the last send")
     parser.add_argument("--mode", default="random", choices=["random", "echo"],
                         help="engine output tokens")
@@ -69,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.time_scale is None:
+        args.time_scale = PRESETS[args.preset].time_scale
     logging.basicConfig(level=args.log_level, format="%(levelname)s [%(name)s] %(message)s")
     try:
         report = asyncio.run(_bench(args))
@@ -96,10 +112,12 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets = [make_target(t.strip()) for t in args.targets.split(",") if t.strip()]
     stream = PRESETS[args.preset].stream if args.stream is None else args.stream
     workload = await asyncio.to_thread(_workload, args)
+    ladder = workload.stage_duration * len(workload.qps) / args.time_scale
     print(f"{len(workload.requests)} requests over {len(workload.qps)} QPS steps "
           f"({workload.stage_duration:g} simulated s each = "
           f"{workload.stage_duration / args.time_scale:.1f} wall s at time scale "
-          f"{args.time_scale:g})", file=sys.stderr)
+          f"{args.time_scale:g}): {ladder / 60:.1f} wall min per target plus its drain (up to "
+          f"{args.drain_timeout / 60:.1f} min)", file=sys.stderr)
     runs: list[TargetRun] = []
     with tempfile.TemporaryDirectory(prefix="kvswitch-bench-") as tmp:
         state = Path(tmp)
