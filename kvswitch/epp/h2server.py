@@ -156,12 +156,15 @@ class H2ConnectionError(Exception):
 
 
 class _Stream:
-    __slots__ = ("buffer", "headers_sent", "id", "local_done", "pending", "recv_unacked",
-                 "recv_window", "remote_done", "send_window")
+    __slots__ = ("have", "headers_sent", "id", "local_done", "need", "partial", "pending",
+                 "recv_unacked", "recv_window", "remote_done", "send_window")
 
     def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
         self.id = stream_id
-        self.buffer = b""  # a partial gRPC message
+        # A partial gRPC message as received (joined once whole: big messages arrive in many
+        # frames), its size so far and the size that completes it (or its 5-byte prefix).
+        self.partial: list[bytes] = []
+        self.have = self.need = 0
         self.headers_sent = False
         self.remote_done = False  # the client sent END_STREAM
         self.local_done = False  # trailers queued or sent
@@ -184,7 +187,8 @@ class H2GrpcConnection:
         self.goaway_sent = False
         self.peer_goaway = False
         self._out: list[bytes] = []
-        self._buffer = b""
+        self._partial: list[bytes] = []  # an incomplete frame, joined once whole (as above)
+        self._have = self._need = 0
         self._preface = False
         self._settings_seen = False
         self._decoder = Decoder()
@@ -215,26 +219,36 @@ class H2GrpcConnection:
         if self.closed:
             return []
         events: list[Event] = []
-        buffer = self._buffer + data if self._buffer else data
+        if self._partial:
+            self._partial.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return events
+            buffer = b"".join(self._partial)
+            self._partial, self._have = [], 0
+        else:
+            buffer = data
         offset = 0
         try:
             if not self._preface:
                 if len(buffer) < len(PREFACE):
                     if not PREFACE.startswith(buffer):
                         raise H2ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                    self._buffer = buffer
+                    self._partial, self._have, self._need = [buffer], len(buffer), len(PREFACE)
                     return events
                 if not buffer.startswith(PREFACE):
                     raise H2ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
                 self._preface = True
                 offset = len(PREFACE)
             size = len(buffer)
+            self._need = 9
             while size - offset >= 9:
                 length = _U32.unpack_from(buffer, offset)[0] >> 8
                 if length > _MAX_FRAME:
                     raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
                 end = offset + 9 + length
                 if end > size:
+                    self._need = 9 + length
                     break
                 kind, flags = buffer[offset + 3], buffer[offset + 4]
                 stream_id = _U32.unpack_from(buffer, offset + 5)[0] & 0x7FFFFFFF
@@ -243,7 +257,8 @@ class H2GrpcConnection:
                 self._on_frame(kind, flags, stream_id, payload, events)
                 if self.closed:
                     return events
-            self._buffer = buffer[offset:] if offset < size else b""
+            if offset < size:
+                self._partial, self._have = [buffer[offset:]], size - offset
         except H2ConnectionError as exc:
             self._fail(exc.code, exc.reason, events)
         except Exception as exc:  # a parsing bug must cost this connection, not the server
@@ -392,7 +407,15 @@ class H2GrpcConnection:
             stream.recv_unacked = 0
 
     def _messages(self, stream: _Stream, data: bytes, events: list[Event]) -> None:
-        buffer = stream.buffer + data if stream.buffer else data
+        if stream.partial:
+            stream.partial.append(data)
+            stream.have += len(data)
+            if stream.have < stream.need:
+                return
+            buffer = b"".join(stream.partial)
+            stream.partial, stream.have = [], 0
+        else:
+            buffer = data
         offset, size = 0, len(buffer)
         while size - offset >= 5:
             length = _U32.unpack_from(buffer, offset + 1)[0]
@@ -410,11 +433,14 @@ class H2GrpcConnection:
                 break
             events.append(MessageReceived(stream.id, buffer[offset + 5:end]))
             offset = end
-        stream.buffer = buffer[offset:] if offset < size else b""
+        if offset < size:
+            rest = buffer[offset:]
+            stream.partial, stream.have = [rest], len(rest)
+            stream.need = 5 + _U32.unpack_from(rest, 1)[0] if len(rest) >= 5 else 5
 
     def _remote_ended(self, stream: _Stream, events: list[Event]) -> None:
         stream.remote_done = True
-        if stream.buffer:
+        if stream.partial:
             self._refuse(stream, INTERNAL, "stream ended inside a message", events)
         elif stream.local_done and not stream.pending:
             del self.streams[stream.id]

@@ -380,3 +380,16 @@ def test_cached_blocks_follow_dynamic_table_changes() -> None:
     base = peer.headers_block()  # the same fields, now one index further
     moved = peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 9, base + block))[0]
     assert moved.headers.get("x-b") == "2" and "x-a" not in moved.headers
+
+
+def test_a_message_over_many_frames_and_reads_arrives_whole() -> None:
+    peer = Peer()
+    peer.conn.max_message_bytes = 1 << 20
+    peer.open(1)
+    message = bytes(range(256)) * 800
+    data = grpc(message)
+    wire = b"".join(frame(DATA, 0, 1, data[i:i + 16384]) for i in range(0, len(data), 16384))
+    events = []
+    for i in range(0, len(wire), 5000):
+        events += peer.send(wire[i:i + 5000])
+    assert events == [MessageReceived(1, message)]
