@@ -17,7 +17,9 @@ headline of a report, with the client's own measurements beside them.
 - Clock slip: the simulator moves its clock's anchor when Python falls behind, dropping
   simulated time. Between an engine's first and last arrival of the run,
   slip = (wall_last - wall_first) x X - (arrival_last - arrival_first); fraction = slip over
-  the simulated span. Near 0: the engine kept up with the time scale.
+  the simulated span. Near 0: the engine kept up with the time scale. Per step, the largest
+  fraction over the engines of the slip within that step's window (is a saturated step the one
+  that slipped?).
 """
 
 from __future__ import annotations
@@ -99,13 +101,21 @@ def engine_summary(by_engine: Mapping[str, Sequence[RequestRecord]], start_wall:
                    time_scale: float, stage_duration: float, qps: Sequence[float]
                    ) -> dict[str, Any]:
     """Per step, overall and per engine (records, clock slip) for one target's run."""
+    step_wall = stage_duration / time_scale
     records = [r for rs in by_engine.values() for r in rs]
-    steps = bucket(records, start_wall, stage_duration / time_scale, len(qps))
+    steps = bucket(records, start_wall, step_wall, len(qps))
     slips = {a: clock_slip(rs, time_scale) for a, rs in by_engine.items()}
     known = [s for s in slips.values() if s is not None]
+    step_slips: list[list[float]] = [[] for _ in qps]
+    for rs in by_engine.values():
+        for i, in_step in enumerate(bucket(rs, start_wall, step_wall, len(qps))):
+            slip = clock_slip(in_step, time_scale)
+            if slip is not None:
+                step_slips[i].append(slip["slip_fraction"])
     return {
-        "steps": [{"qps": rate, **step_summary(rs, start_wall, time_scale)}
-                  for rate, rs in zip(qps, steps, strict=True)],
+        "steps": [{"qps": rate, **step_summary(rs, start_wall, time_scale),
+                   "clock_slip_max_fraction": max(slip, default=None)}
+                  for rate, rs, slip in zip(qps, steps, step_slips, strict=True)],
         "overall": step_summary([r for rs in steps for r in rs], start_wall, time_scale),
         "requests_per_engine": {a: len(rs) for a, rs in by_engine.items()},
         "clock_slip": slips,

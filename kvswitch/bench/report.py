@@ -148,13 +148,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_fmt(t['engine']['steps'][i]['output_tok_s'])}" for t in targets)))
     lines += ["", "## Engine-side, per QPS step", "",
               *_header("target", "QPS", "requests", "TTFT p50", "TTFT p90", "TTFT p99",
-                       "queue p90", "ITL p50", "e2e p90", "output tok/s", "cache hit")]
+                       "queue p90", "ITL p50", "e2e p90", "output tok/s", "cache hit",
+                       "clock slip")]
     for t in targets:
         for step in t["engine"]["steps"]:
             lines.append(_row(t["target"], f"{step['qps']:g}", step["requests"],
                               *(_fmt(step[k]) for k in (
                                   "ttft_p50", "ttft_p90", "ttft_p99", "queue_p90", "itl_p50",
-                                  "e2e_p90", "output_tok_s", "cache_hit_rate"))))
+                                  "e2e_p90", "output_tok_s", "cache_hit_rate",
+                                  "clock_slip_max_fraction"))))
     lines += ["", "## Overall", "",
               ("Engine-side latencies over the whole run; engine cache hit from the "
                "vllm:prefix_cache counters; success as the client saw it."), "",

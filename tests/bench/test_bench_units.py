@@ -102,15 +102,18 @@ def test_clock_slip_is_wall_time_times_scale_minus_engine_time() -> None:
 
 
 def test_engine_summary_and_markdown_headline() -> None:
-    by_engine = {"e1": (_rec("a", 100.0, 0.0, 8.0), _rec("b", 106.0, 12.0, 8.0)),
+    by_engine = {"e1": (_rec("a", 100.0, 0.0, 8.0), _rec("a2", 102.0, 4.0, 8.0),
+                        _rec("b", 106.0, 12.0, 8.0)),
                  "e2": (_rec("c", 101.0, 40.0, 8.0),)}
     summary = engine_summary(by_engine, 100.0, 2.0, 10.0, (1.0, 2.0))
-    assert [s["requests"] for s in summary["steps"]] == [2, 1]
-    assert summary["requests_per_engine"] == {"e1": 2, "e2": 1}
+    assert [s["requests"] for s in summary["steps"]] == [3, 1]
+    assert summary["requests_per_engine"] == {"e1": 3, "e2": 1}
     assert summary["clock_slip"]["e2"] is None
     assert summary["clock_slip_max_s"] == pytest.approx(0.0)
-    results = tuple(RequestResult(i, i // 2, 1.0, ok=True, e2e=8.0, output_tokens=100)
-                    for i in range(3))
+    assert summary["steps"][0]["clock_slip_max_fraction"] == pytest.approx(0.0)
+    assert summary["steps"][1]["clock_slip_max_fraction"] is None  # one record per engine
+    results = tuple(RequestResult(i, i // 3, 1.0, ok=True, e2e=8.0, output_tokens=100)
+                    for i in range(4))
     run = TargetRun("t", results, {}, 1.0, engine_records=by_engine, start_wall=100.0,
                     stream=False)
     target = target_summary(run, (1.0, 2.0), 10.0, 2.0)
