@@ -7,11 +7,20 @@ that the next `publish` resolves, so a batch costs O(1) regardless of the follow
 
 Within a batch no block hash is both stored and removed: events are folded to their net effect
 (the last event per hash wins), so a consumer may apply `removed` and `stored` in either order.
+
+Coalescing (`coalesce_seconds`, default 10 ms; 0 publishes every call): the engine publishes
+once per scheduler step, and every batch costs each subscriber (the EPP) a message to decode
+and apply. A call made at least `coalesce_seconds` (by its timestamp) after the previous batch
+is published at once (a quiet engine's news are not delayed); later calls inside that window
+are merged, in order, into one pending batch that a timer publishes when the window ends, with
+the latest load. A clear drops the pending events it supersedes and is published at once.
+Numbering stays contiguous (a merged batch takes one number), so replay is unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
@@ -39,11 +48,19 @@ def net_events(
 
 
 class KvEventLog:
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 4096, coalesce_seconds: float = 0.01) -> None:
         self.history: deque[KvEventBatchData] = deque(maxlen=max(1, capacity))
         self.next_sequence_number = 0
+        self.coalesce_seconds = coalesce_seconds
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
+        self._published_at = -math.inf
+        """Timestamp the current coalescing window opened at (the last batch's)."""
+        self._events: list[KvBlockStored | int] = []
+        self._cleared = False
+        self._load: EngineLoadSnapshot | None = None
+        self._timestamp = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     def publish(
         self,
@@ -52,11 +69,44 @@ class KvEventLog:
         *,
         cleared: bool = False,
         load: EngineLoadSnapshot | None = None,
-    ) -> KvEventBatchData:
-        stored, removed = net_events(events)
+    ) -> KvEventBatchData | None:
+        """One step's events: the batch when published now, None when merged into a pending
+        one (see the module docstring)."""
+        if cleared:
+            self._events.clear()  # a clear supersedes what came before it
+            self._cleared = True
+        self._events.extend(events)
+        self._timestamp = timestamp
+        if load is not None:
+            self._load = load
+        due = self._published_at + self.coalesce_seconds
+        if cleared or timestamp >= due:
+            return self._flush(timestamp)
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return self._flush(timestamp)  # no loop to flush later: publish now
+            self._timer = loop.call_later(due - timestamp, self._flush_window, due)
+        return None
+
+    def _flush_window(self, due: float) -> None:
+        self._timer = None
+        self._flush(due)
+
+    def _flush(self, opened_at: float) -> KvEventBatchData:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        stored, removed = net_events(self._events)
         batch = KvEventBatchData(
-            self.next_sequence_number, timestamp, stored, removed, cleared, load
+            self.next_sequence_number, self._timestamp, stored, removed, self._cleared,
+            self._load
         )
+        self._events = []
+        self._cleared = False
+        self._load = None
+        self._published_at = opened_at
         self.next_sequence_number += 1
         self.history.append(batch)
         self._wake()
@@ -68,7 +118,9 @@ class KvEventLog:
             w.set_result(None)
 
     def close(self) -> None:
-        """End every follower (engine stop)."""
+        """Publish what is pending, then end every follower (engine stop)."""
+        if self._timer is not None:
+            self._flush(self._timestamp)
         self._closed = True
         self._wake()
 

@@ -3,12 +3,16 @@
 The engine API streams `smg.grpc.common.KvEventBatch` messages (DESIGN §4). The index never
 sees protobuf: `batch_from_proto` turns one message into an `EventBatch` whose `events` keep
 the engine's order (a batch may remove a block and store it again).
+
+Decoding runs on the EPP's event loop for every block every engine stores, so a stored block
+is decoded into a plain `(engine_hash, token_ids)` pair (a `StoredBlock` is the same tuple with
+names, for callers that build events by hand); no per-block object is built beyond that.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvswitch.protocol import common_pb2
 
@@ -16,8 +20,7 @@ from kvswitch.protocol import common_pb2
 _DEVICE_TIERS = (common_pb2.KV_CACHE_TIER_UNSPECIFIED, common_pb2.KV_CACHE_TIER_DEVICE)
 
 
-@dataclass(frozen=True, slots=True)
-class StoredBlock:
+class StoredBlock(NamedTuple):
     engine_hash: int
     """The engine's block hash (only used to apply later removals)."""
     token_ids: tuple[int, ...]
@@ -28,7 +31,8 @@ class StoredBlock:
 class BlocksStored:
     """A chain of full blocks: `blocks[0]`'s parent is `parent_engine_hash`, then each the next."""
 
-    blocks: tuple[StoredBlock, ...]
+    blocks: tuple[tuple[int, tuple[int, ...]], ...]
+    """(engine hash, token ids) per block: `StoredBlock`s or plain pairs."""
     parent_engine_hash: int | None
     """None: the chain starts at the root (the request's first block)."""
     block_size: int
@@ -107,8 +111,9 @@ def _stored_from_proto(stored: Any) -> BlocksStored | None:
         return None
     if stored.HasField("group_idx") and stored.group_idx != 0:
         return None
-    blocks = tuple(StoredBlock(b.block_hash, tuple(b.token_ids)) for b in stored.blocks)
-    block_size = stored.blocks[0].block_size if stored.blocks else 0
+    proto_blocks = stored.blocks
+    blocks = tuple([(b.block_hash, tuple(b.token_ids[:])) for b in proto_blocks])
+    block_size = proto_blocks[0].block_size if proto_blocks else 0
     parent = stored.parent_block_hash if stored.HasField("parent_block_hash") else None
     return BlocksStored(blocks, parent, block_size, (stored.lora_name, stored.cache_salt))
 

@@ -75,25 +75,17 @@ class ApplyStats:
     """Placed blocks that were speculative until now."""
 
 
-class _Entry:
-    """One engine hash: the own hash it maps to (None: unplaced) and its physical copies."""
-
-    __slots__ = ("copies", "own")
-
-    def __init__(self, own: int | None) -> None:
-        self.own = own
-        self.copies = 1
-
-
 class _EndpointBlocks:
-    """One endpoint's blocks: engine hash -> (own hash | None, copies), own hash -> copies,
-    and speculative own hash -> expiry (disjoint from `own_copies`)."""
+    """One endpoint's blocks: engine hash -> own hash (None: unplaced), extra physical copies of
+    an engine hash (rare; absent = one), own hash -> copies, and speculative own hash -> expiry
+    (disjoint from `own_copies`). Plain dicts of ints: no object per block."""
 
-    __slots__ = ("bit", "by_engine", "own_copies", "speculative")
+    __slots__ = ("bit", "by_engine", "extra_copies", "own_copies", "speculative")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
-        self.by_engine: dict[int, _Entry] = {}
+        self.by_engine: dict[int, int | None] = {}
+        self.extra_copies: dict[int, int] = {}
         self.own_copies: dict[int, int] = {}
         self.speculative: dict[int, float] = {}
 
@@ -151,6 +143,7 @@ class PrefixIndex:
                 else:
                     del holders[own]
         state.by_engine.clear()
+        state.extra_copies.clear()
         state.own_copies.clear()
         state.speculative.clear()
 
@@ -196,57 +189,53 @@ class PrefixIndex:
     def _store(self, state: _EndpointBlocks, event: BlocksStored) -> tuple[int, int]:
         size = self.block_size
         parent: int | None
+        by_engine = state.by_engine
         if event.parent_engine_hash is None:
             parent = root_hash(event.namespace)
         else:
-            entry = state.by_engine.get(event.parent_engine_hash)
-            parent = None if entry is None else entry.own
+            parent = by_engine.get(event.parent_engine_hash)
         if event.block_size and event.block_size != size:
             parent = None  # another block size can never match our queries
         placed = 0
         bit = 1 << state.bit
-        by_engine, own_copies, holders = state.by_engine, state.own_copies, self._holders
-        speculative, hold = state.speculative, self._hold
-        for block in event.blocks:
-            if parent is not None and len(block.token_ids) == size:
-                parent = hash((parent, block.token_ids))
+        own_copies, speculative, holders = state.own_copies, state.speculative, self._holders
+        for engine_hash, token_ids in event.blocks:
+            if parent is not None and len(token_ids) == size:
+                parent = hash((parent, token_ids))
             else:
                 parent = None
-            entry = by_engine.get(block.engine_hash)
-            if entry is not None:
-                entry.copies += 1
-                if entry.own is None and parent is not None:
-                    entry.own = parent  # a later store taught us the chain: place it now
-                    hold(own_copies, speculative, holders, parent, bit)
-                    placed += 1
+            if engine_hash in by_engine:
+                extra = state.extra_copies
+                extra[engine_hash] = extra.get(engine_hash, 0) + 1
+                if parent is None or by_engine[engine_hash] is not None:
+                    continue
+                # A later store taught us the chain of an unplaced block: place it now.
+            by_engine[engine_hash] = parent
+            if parent is None:
                 continue
-            by_engine[block.engine_hash] = _Entry(parent)
-            if parent is not None:
-                hold(own_copies, speculative, holders, parent, bit)
-                placed += 1
+            placed += 1
+            count = own_copies.get(parent, 0)
+            own_copies[parent] = count + 1
+            if not count and speculative.pop(parent, None) is None:
+                holders[parent] = holders.get(parent, 0) | bit  # (a confirmed block's bit is set)
         return placed, len(event.blocks) - placed
 
-    @staticmethod
-    def _hold(own_copies: dict[int, int], speculative: dict[int, float],
-              holders: dict[int, int], own: int, bit: int) -> None:
-        count = own_copies.get(own, 0)
-        own_copies[own] = count + 1
-        if not count and speculative.pop(own, None) is None:
-            holders[own] = holders.get(own, 0) | bit  # (a confirmed block's bit is set)
-
     def _remove(self, state: _EndpointBlocks, engine_hashes: Iterable[int]) -> int:
-        by_engine, own_copies, holders = state.by_engine, state.own_copies, self._holders
+        by_engine, extra, own_copies = state.by_engine, state.extra_copies, state.own_copies
+        holders = self._holders
         mask = ~(1 << state.bit)
         removed = 0
         for engine_hash in engine_hashes:
-            entry = by_engine.get(engine_hash)
-            if entry is None:
+            if engine_hash not in by_engine:
                 continue  # stored before we subscribed: nothing to undo
-            entry.copies -= 1
-            if entry.copies > 0:
+            copies = extra.get(engine_hash)
+            if copies is not None:
+                if copies > 1:
+                    extra[engine_hash] = copies - 1
+                else:
+                    del extra[engine_hash]
                 continue
-            del by_engine[engine_hash]
-            own = entry.own
+            own = by_engine.pop(engine_hash)
             if own is None:
                 continue
             removed += 1

@@ -99,3 +99,31 @@ async def test_history_is_bounded_and_replay_starts_at_the_oldest() -> None:
         log.publish(float(t))
     log.close()
     assert [b.sequence_number async for b in log.follow(0)] == [2, 3, 4]
+
+
+async def test_steps_inside_the_window_are_merged_into_one_batch() -> None:
+    log = KvEventLog(coalesce_seconds=0.05)
+    a, b, c = (KvBlockStored(h, None, (h,)) for h in (1, 2, 3))
+    first = log.publish(100.0, [a])
+    assert first is not None and first.sequence_number == 0  # a quiet engine: at once
+    assert log.publish(100.01, [b]) is None
+    assert log.publish(100.02, [c, 2]) is None  # b removed again: only its removal remains
+    assert len(log.history) == 1
+    await asyncio.sleep(0.1)
+    merged = log.history[-1]
+    assert (merged.sequence_number, merged.timestamp) == (1, 100.02)
+    assert (merged.stored, merged.removed) == ((c,), (2,))
+    assert log.publish(100.2, [a]) is not None  # the window is over: at once again
+
+
+async def test_a_clear_drops_pending_events_and_is_published_at_once() -> None:
+    log = KvEventLog(coalesce_seconds=10.0)
+    a, b = KvBlockStored(1, None, (1,)), KvBlockStored(2, None, (2,))
+    log.publish(100.0, [a])
+    assert log.publish(100.01, [b]) is None
+    cleared = log.publish(100.02, [a], cleared=True)
+    assert cleared is not None and cleared.cleared and cleared.stored == (a,)
+    assert [x.sequence_number for x in log.history] == [0, 1]
+    assert log.publish(100.03, [b]) is None
+    log.close()  # publishes what is pending before ending the followers
+    assert [x.stored async for x in log.follow(2)] == [(b,)]
