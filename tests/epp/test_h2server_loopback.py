@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,8 +19,10 @@ from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.passthrough import PassthroughParser
 from kvswitch.epp.request import EndpointPicker, InferenceRequest, RoutingDecision
 from kvswitch.epp.server import PROCESS_PATH, EppServer
+from kvswitch.up import write_pool_file
 from tests.epp.test_extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
 from tests.epp.test_server import FakeRouter
+from tests.support.processes import free_port, kvswitch_argv, running
 
 
 class GatedRouter(FakeRouter):
@@ -205,3 +208,30 @@ async def test_graceful_stop_gives_up_after_grace(router: FakeRouter) -> None:
             for _ in range(3):
                 await call.read()
             await call.write(ep.ProcessingRequest())
+
+
+def test_kvswitch_epp_process_serves_h2_by_default_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """The real `kvswitch epp` process: Health and Process on the default transport, with a
+    pool whose only replica is down (503 with a reason), then SIGTERM ends it cleanly."""
+    pool = write_pool_file(tmp_path / "pool.yaml", [f"127.0.0.1:{free_port()}"])
+    port = free_port()
+    argv = kvswitch_argv("epp", "--pool", str(pool), "--port", str(port), "--metrics-port", "0",
+                         "--grace", "1")
+
+    async def talk() -> ep.ProcessingResponse:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service="liveness"))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(grpc_headers())
+            await call.write(body(GENERATE, eos=True))
+            answer: ep.ProcessingResponse = await call.read()
+            await call.done_writing()
+            return answer
+
+    with running(argv, port, tmp_path / "epp.log") as process:
+        answer = asyncio.run(talk())
+        assert answer.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "(h2)" in process.output()
+        assert process.stop(timeout=10) == 0
