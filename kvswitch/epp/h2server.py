@@ -701,11 +701,16 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.receiving = True
-        try:
-            for event in self.conn.receive(data):
+        for event in self.conn.receive(data):
+            try:
                 self._dispatch(event)
-        finally:
-            self.receiving = False
+            except Exception:  # a handler bug costs its stream, not the connection's others
+                logger.exception("stream handler failed")
+                stream_id = getattr(event, "stream_id", 0)
+                if stream_id:
+                    self.conn.reset(stream_id, INTERNAL_ERROR)
+                    self.handlers.pop(stream_id, None)
+        self.receiving = False
         self.flush()
         if self.conn.closed and self.transport is not None:
             self.transport.close()

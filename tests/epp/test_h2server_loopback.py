@@ -235,3 +235,24 @@ def test_kvswitch_epp_process_serves_h2_by_default_and_stops_on_sigterm(tmp_path
         assert answer.immediate_response.grpc_status.status == grpc.StatusCode.UNAVAILABLE.value[0]
         assert "(h2)" in process.output()
         assert process.stop(timeout=10) == 0
+
+
+async def test_a_failing_handler_costs_its_stream_only(router: FakeRouter) -> None:
+    server = await start(router)
+    assert server._h2 is not None
+
+    class Broken:
+        def __init__(self, call: object) -> None:
+            raise RuntimeError("handler bug")
+
+    server._h2.handlers["/broken.Service/Call"] = Broken  # type: ignore[assignment]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/broken.Service/Call")(b"")
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest())
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(grace=0.1)
