@@ -18,7 +18,9 @@ from kvswitch.protocol import headers as h
 
 __all__ = ["RequestContext", "new_request_context"]
 
-_FORWARDED = (h.OBJECTIVE, h.FAIRNESS_ID, h.SLO_TTFT_MS, h.SLO_TPOT_MS)
+_FORWARDED = tuple((name, tuple(alias for alias, current in h.ALIASES.items() if current == name))
+                   for name in (h.OBJECTIVE, h.FAIRNESS_ID, h.SLO_TTFT_MS, h.SLO_TPOT_MS))
+"""(header, its older names) forwarded as gRPC metadata."""
 # Request ids: 64 random bits per process + a counter (32 hex digits, like a uuid4's), with no
 # urandom syscall per request. Workers are spawned, so each draws its own random half.
 _PROCESS_ID = os.urandom(8).hex()
@@ -41,11 +43,10 @@ def new_request_context(headers: Mapping[str, str], *, prefix: str, user: str | 
     client_id = body_request_id or headers.get(h.REQUEST_ID)
     request_id = f"{prefix}-{client_id or _PROCESS_ID + format(next(_COUNTER), '016x')}"
     metadata: list[tuple[str, str]] = [(h.REQUEST_ID, client_id or request_id)]
-    for name in _FORWARDED:
+    for name, aliases in _FORWARDED:
         value = headers.get(name)
         if value is None:
-            value = next((headers[alias] for alias, current in h.ALIASES.items()
-                          if current == name and alias in headers), None)
+            value = next((headers[alias] for alias in aliases if alias in headers), None)
         if value is not None:
             metadata.append((name, value))
     if user_as_fairness_id and user and not any(k == h.FAIRNESS_ID for k, _ in metadata):

@@ -231,6 +231,7 @@ class _Connection(asyncio.Protocol):
         self._peer_max_streams = 2**31
         self._received = 0
         self._out: list[bytes] = []
+        self._decoded: dict[bytes, list[tuple[str, str]]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -393,15 +394,36 @@ class _Connection(asyncio.Protocol):
         sid, first_flags, block = self._header_block
         self._header_block = None
         try:  # always, to keep HPACK state in step
-            headers = self._decoder.decode(bytes(block), raw=True)
+            headers = self._decode(bytes(block))
         except Exception:  # noqa: BLE001 - any HPACK error breaks the connection (RFC 7540 §4.3)
             self.close()
             self.connection_lost(None)
             return
         call = self.streams.get(sid)
         if call is not None:
-            call._headers([(bytes(k).decode("latin-1"), bytes(v).decode("utf-8", "replace"))
-                           for k, v in headers], bool(first_flags & _END_STREAM))
+            call._headers(headers, bool(first_flags & _END_STREAM))
+
+    def _decode(self, block: bytes) -> list[tuple[str, str]]:
+        """HPACK-decode `block`, from the cache when the same bytes decoded earlier against
+        the same dynamic table. A server sends the same response headers (all indexed) and
+        near-same trailers on every call: a block that changed no table state decodes the same
+        until the table changes, and every change (an indexed literal, a size update) empties
+        the cache."""
+        headers = self._decoded.get(block)
+        if headers is not None:
+            return headers
+        table = self._decoder.header_table
+        before = (len(table.dynamic_entries), table._current_size, table.maxsize)
+        first = table.dynamic_entries[0] if table.dynamic_entries else None
+        headers = [(bytes(k).decode("latin-1"), bytes(v).decode("utf-8", "replace"))
+                   for k, v in self._decoder.decode(block, raw=True)]
+        unchanged = (before == (len(table.dynamic_entries), table._current_size, table.maxsize)
+                     and first is (table.dynamic_entries[0] if table.dynamic_entries else None))
+        if not unchanged or len(self._decoded) >= 256:
+            self._decoded.clear()
+        if unchanged:
+            self._decoded[block] = headers
+        return headers
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:

@@ -8,6 +8,7 @@ hands the connection to, so sum over scrapes per `pid` label, or run one worker 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -43,10 +44,16 @@ class FrontendMetrics:
             "kvswitch_frontend_request_duration_seconds", "Request arrival to the last byte",
             ["endpoint", "pid"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self._pid = labels["pid"]
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def request(self, endpoint: str, status: int, seconds: float) -> None:
-        self._requests.labels(endpoint, str(status), self._pid).inc()
-        self._e2e.labels(endpoint, self._pid).observe(seconds)
+        children = self._children.get((endpoint, status))
+        if children is None:  # labels() validates and locks: once per (endpoint, status)
+            children = (self._requests.labels(endpoint, str(status), self._pid),
+                        self._e2e.labels(endpoint, self._pid))
+            self._children[(endpoint, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
