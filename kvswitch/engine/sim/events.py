@@ -8,13 +8,16 @@ that the next `publish` resolves, so a batch costs O(1) regardless of the follow
 Within a batch no block hash is both stored and removed: events are folded to their net effect
 (the last event per hash wins), so a consumer may apply `removed` and `stored` in either order.
 
-Coalescing (`coalesce_seconds`, default 10 ms; 0 publishes every call): the engine publishes
-once per scheduler step, and every batch costs each subscriber (the EPP) a message to decode
-and apply. A call made at least `coalesce_seconds` (by its timestamp) after the previous batch
-is published at once (a quiet engine's news are not delayed); later calls inside that window
-are merged, in order, into one pending batch that a timer publishes when the window ends, with
-the latest load. A clear drops the pending events it supersedes and is published at once.
-Numbering stays contiguous (a merged batch takes one number), so replay is unchanged.
+Coalescing (`coalesce_seconds`, default 50 ms; 0 publishes every call): the engine publishes
+once per scheduler step (~10-30 ms), and every batch costs each subscriber (the EPP) a message
+to decode and apply. A call made at least `coalesce_seconds` (by its timestamp) after the
+previous batch is published at once (a quiet engine's news are not delayed); later calls inside
+that window are merged, in order, into one pending batch that a timer publishes when the window
+ends, with the latest load. Published at once all the same: a clear (it drops the pending
+events it supersedes), and a load that moved a lot since the last batch or went idle
+(`load_shifted`), so load scorers never see a queue build-up late; block events may wait (the EPP's speculative
+index entries cover the routed requests meanwhile). Numbering stays contiguous (a merged batch
+takes one number), so replay is unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +29,24 @@ from collections.abc import AsyncIterator, Sequence
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvBlockStored, KvEventBatchData
 
-__all__ = ["KvEventLog", "net_events"]
+__all__ = ["COALESCE_SECONDS", "KvEventLog", "load_shifted", "net_events"]
+
+COALESCE_SECONDS = 0.05
+
+
+def load_shifted(before: EngineLoadSnapshot | None, after: EngineLoadSnapshot | None) -> bool:
+    """The load moved enough to publish at once: the engine went idle, running or waiting
+    requests moved by at least max(2, a quarter of before), or KV usage by 5% of the cache.
+    +-1 jitter waits."""
+    if before is None or after is None:
+        return after is not None
+    if after.running == 0 and after.waiting == 0:
+        return True  # idle: nothing more is coming, hold nothing back
+    for old, new in ((before.running, after.running), (before.waiting, after.waiting)):
+        if abs(new - old) >= max(2, old // 4):
+            return True
+    total = max(after.total_blocks, 1)
+    return abs(after.used_blocks - before.used_blocks) >= 0.05 * total
 
 
 def net_events(
@@ -48,7 +68,7 @@ def net_events(
 
 
 class KvEventLog:
-    def __init__(self, capacity: int = 4096, coalesce_seconds: float = 0.01) -> None:
+    def __init__(self, capacity: int = 4096, coalesce_seconds: float = COALESCE_SECONDS) -> None:
         self.history: deque[KvEventBatchData] = deque(maxlen=max(1, capacity))
         self.next_sequence_number = 0
         self.coalesce_seconds = coalesce_seconds
@@ -59,6 +79,7 @@ class KvEventLog:
         self._events: list[KvBlockStored | int] = []
         self._cleared = False
         self._load: EngineLoadSnapshot | None = None
+        self._published_load: EngineLoadSnapshot | None = None
         self._timestamp = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
@@ -80,7 +101,7 @@ class KvEventLog:
         if load is not None:
             self._load = load
         due = self._published_at + self.coalesce_seconds
-        if cleared or timestamp >= due:
+        if cleared or timestamp >= due or load_shifted(self._published_load, load):
             return self._flush(timestamp)
         if self._timer is None:
             try:
@@ -105,6 +126,8 @@ class KvEventLog:
         )
         self._events = []
         self._cleared = False
+        if self._load is not None:
+            self._published_load = self._load
         self._load = None
         self._published_at = opened_at
         self.next_sequence_number += 1

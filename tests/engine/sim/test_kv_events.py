@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from kvswitch.engine.base import KvEventBatchData
+from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 from kvswitch.engine.sim import SimEngine
-from kvswitch.engine.sim.events import KvEventLog, net_events
+from kvswitch.engine.sim.events import KvEventLog, load_shifted, net_events
 from kvswitch.engine.sim.kv_cache import KvBlockStored
 
 from .conftest import collect, make_engine, request
@@ -127,3 +127,25 @@ async def test_a_clear_drops_pending_events_and_is_published_at_once() -> None:
     assert log.publish(100.03, [b]) is None
     log.close()  # publishes what is pending before ending the followers
     assert [x.stored async for x in log.follow(2)] == [(b,)]
+
+
+def snapshot(running: int, waiting: int, used: int = 0) -> EngineLoadSnapshot:
+    return EngineLoadSnapshot(running, waiting, 0, used, 100, 16, 256, 0.0, 0.0)
+
+
+def test_load_shifted_ignores_jitter_and_takes_real_moves() -> None:
+    assert load_shifted(None, snapshot(1, 0))
+    assert not load_shifted(snapshot(16, 0), snapshot(15, 1))
+    assert load_shifted(snapshot(16, 0), snapshot(16, 2))  # a queue builds up
+    assert load_shifted(snapshot(16, 0), snapshot(10, 0))
+    assert not load_shifted(snapshot(40, 0), snapshot(32, 0))  # within a quarter
+    assert load_shifted(snapshot(4, 0, used=10), snapshot(4, 0, used=15))
+
+
+async def test_a_load_that_moved_a_lot_is_published_at_once() -> None:
+    log = KvEventLog(coalesce_seconds=10.0)
+    log.publish(100.0, load=snapshot(16, 0))
+    assert log.publish(100.01, load=snapshot(15, 1)) is None
+    shifted = log.publish(100.02, load=snapshot(16, 5))
+    assert shifted is not None and shifted.load == snapshot(16, 5)
+    assert log.publish(100.03, load=snapshot(0, 0)) is not None  # idle: nothing held back
