@@ -97,6 +97,8 @@ class _Pending:
     request: HttpRequest
     keep_alive: bool
     refusal: KvswitchError | None = None
+    chunked: bool = True
+    """The client speaks HTTP/1.1: a stream can be chunked."""
 
 
 class _Connection(asyncio.Protocol):
@@ -192,7 +194,9 @@ class _Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = HttpRequest(self._parser.get_method().decode("latin-1"), path, self._headers,
                               body)
-        self._queue.append(_Pending(request, self._parser.should_keep_alive()))
+        parser = self._parser
+        self._queue.append(_Pending(request, parser.should_keep_alive(),
+                                    chunked=parser.get_http_version() != "1.0"))
         if self._task is None:
             self._next()
         elif len(self._queue) >= _MAX_QUEUED and self._transport is not None:
@@ -235,7 +239,7 @@ class _Connection(asyncio.Protocol):
                 if isinstance(reply, Reply):
                     self._write_reply(reply, keep_alive)
                 else:
-                    keep_alive = await self._write_stream(reply, keep_alive)
+                    keep_alive = await self._write_stream(reply, keep_alive, pending.chunked)
         except asyncio.CancelledError:
             if not self.lost:
                 raise
@@ -261,39 +265,42 @@ class _Connection(asyncio.Protocol):
             _status_line(reply.status), reply.content_type, len(reply.body),
             b"" if keep_alive else b"connection: close\r\n", reply.body))
 
-    async def _write_stream(self, reply: StreamReply, keep_alive: bool) -> bool:
-        """Chunked SSE; returns whether the connection may carry another request."""
+    async def _write_stream(self, reply: StreamReply, keep_alive: bool, chunked: bool) -> bool:
+        """The events, chunked (HTTP/1.1) or ended by closing the connection (HTTP/1.0);
+        returns whether the connection may carry another request."""
         transport = self._transport
         assert transport is not None
+        keep_alive = keep_alive and chunked
         events, last = reply.events, reply.last
-        head: bytes | None = b"%scontent-type: %s\r\ntransfer-encoding: chunked\r\n%s%s\r\n" % (
-            _status_line(200), reply.content_type, reply.headers,
+        head: bytes | None = b"%scontent-type: %s\r\n%s%s%s\r\n" % (
+            _status_line(200), reply.content_type,
+            b"transfer-encoding: chunked\r\n" if chunked else b"", reply.headers,
             b"" if keep_alive else b"connection: close\r\n")
+        term = b"0\r\n\r\n" if chunked else b""
         try:
             try:
                 async for event in events:
                     if not event:
                         continue
-                    chunk = b"%x\r\n%s\r\n" % (len(event), event)
+                    chunk = b"%x\r\n%s\r\n" % (len(event), event) if chunked else event
                     if last is not None and event.endswith(last):
-                        transport.write(head + chunk + b"0\r\n\r\n" if head else
-                                        chunk + b"0\r\n\r\n")
+                        transport.write(head + chunk + term if head else chunk + term)
                         return keep_alive
                     transport.write(head + chunk if head else chunk)
                     head = None
                     if not self._writable:
                         await self._drained()
+                # The iterator ended without its last event: write it now.
+                end = last or b""
             except (asyncio.CancelledError, OSError):
                 raise
             except Exception as exc:
                 if reply.on_error is None:
                     raise
                 end = reply.on_error(exc)
-                transport.write((head or b"") + b"%x\r\n%s\r\n0\r\n\r\n" % (len(end), end))
-                return keep_alive
-            end = last or b""  # the iterator ended without its last event: write it now
-            transport.write((head or b"") + (b"%x\r\n%s\r\n" % (len(end), end) if end else b"")
-                            + b"0\r\n\r\n")
+            if end and chunked:
+                end = b"%x\r\n%s\r\n" % (len(end), end)
+            transport.write((head or b"") + end + term)
             return keep_alive
         finally:
             await events.aclose()  # type: ignore[attr-defined]

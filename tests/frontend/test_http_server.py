@@ -249,3 +249,13 @@ async def test_stop_lets_a_stream_in_flight_finish(served) -> None:
     status, _, body = await _response(reader)
     assert status == 200 and body.endswith(DONE)
     assert await idle_reader.read() == b""  # idle connections are closed at once
+
+
+async def test_http10_stream_is_not_chunked_and_ends_with_the_connection(served) -> None:
+    _, _, connect = served
+    reader, writer = await connect()
+    writer.write(b"POST /stream HTTP/1.0\r\ncontent-length: 0\r\n\r\n")
+    head, _, body = (await reader.read()).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head
+    assert b"connection: close" in head
+    assert body == b"data: 1\n\ndata: 2\n\n" + DONE
