@@ -94,7 +94,8 @@ class Frontend:
         await self._client.close()
 
     def handle(self, request: HttpRequest) -> Awaitable[Reply | StreamReply]:
-        route = self._routes.get((request.method, request.path))
+        method = "GET" if request.method == "HEAD" else request.method  # server drops the body
+        route = self._routes.get((method, request.path))
         if route is None:
             return self._no_route(request)
         return route(request)

@@ -9,6 +9,7 @@ answer straight to its transport.
   order (a connection with many queued requests stops reading until it catches up).
 - Bodies: Content-Length or chunked (httptools decodes chunks); over `max_body_bytes` → 413,
   malformed HTTP → 400, both answered in turn and followed by closing the connection.
+- HEAD gets the headers of the app's answer (to the same request), without its body.
 - Streams: chunked transfer encoding, one `transport.write` per event (the status line and
   headers go with the first event, the terminating chunk with the last); `pause_writing`
   holds the stream until the client reads again.
@@ -233,11 +234,11 @@ class _Connection(asyncio.Protocol):
         keep_alive = pending.keep_alive and not self._server.stopping
         try:
             if pending.refusal is not None:
-                self._write_reply(self._app.refuse(pending.refusal), False)
+                self._write_reply(self._app.refuse(pending.refusal), keep_alive=False)
             else:
                 reply = await self._app.handle(pending.request)
                 if isinstance(reply, Reply):
-                    self._write_reply(reply, keep_alive)
+                    self._write_reply(reply, keep_alive, pending.request.method == "HEAD")
                 else:
                     keep_alive = await self._write_stream(reply, keep_alive, pending.chunked)
         except asyncio.CancelledError:
@@ -259,11 +260,11 @@ class _Connection(asyncio.Protocol):
             return
         self._next()
 
-    def _write_reply(self, reply: Reply, keep_alive: bool) -> None:
+    def _write_reply(self, reply: Reply, keep_alive: bool, head: bool = False) -> None:
         assert self._transport is not None
         self._transport.write(b"%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (
             _status_line(reply.status), reply.content_type, len(reply.body),
-            b"" if keep_alive else b"connection: close\r\n", reply.body))
+            b"" if keep_alive else b"connection: close\r\n", b"" if head else reply.body))
 
     async def _write_stream(self, reply: StreamReply, keep_alive: bool, chunked: bool) -> bool:
         """The events, chunked (HTTP/1.1) or ended by closing the connection (HTTP/1.0);

@@ -259,3 +259,12 @@ async def test_http10_stream_is_not_chunked_and_ends_with_the_connection(served)
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head
     assert b"connection: close" in head
     assert body == b"data: 1\n\ndata: 2\n\n" + DONE
+
+
+async def test_head_gets_headers_without_the_body(served) -> None:
+    _, _, connect = served
+    reader, writer = await connect()
+    writer.write(b"HEAD /echo HTTP/1.1\r\nhost: x\r\n\r\n" + _post("/echo", b"next"))
+    assert await reader.readuntil(b"\r\n\r\n") == (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 11\r\n\r\n")  # "HEAD /echo "
+    assert (await _response(reader))[2] == b"POST /echo next"
