@@ -102,6 +102,7 @@ class Generation:
         self._n = n
         self._prompts = [_Prompt(r, i * n) for i, r in enumerate(requests)]
         params = requests[0].sampling_params
+        self._logprobs = params.HasField("logprobs")
         stops = list(params.stop)
         self._choices: dict[int, _Choice] = {}
         for index in range(len(requests) * n):
@@ -187,6 +188,7 @@ class Generation:
         """The deltas of responses that had already arrived together, one per choice: what
         the engine sent in several messages goes out as one event (no waiting for more)."""
         choices, base, usage = self._choices, prompt.first_index, prompt.usage
+        logprobs = self._logprobs  # else the engine sends none: skip looking (≈1 µs a message)
         out: dict[int, ChoiceDelta] = {}
         waiting: list[_Choice] = []
         for message in batch:
@@ -199,7 +201,7 @@ class Generation:
                 if choice.done:
                     continue
                 choice.seen_chunk = True
-                if choice.stop is None and not chunk.output_logprobs.token_ids:
+                if choice.stop is None and not (logprobs and chunk.output_logprobs.token_ids):
                     # Detokenized once for the whole batch: same text, fewer calls.
                     if choice.pending is None:
                         choice.pending = list(chunk.token_ids)
