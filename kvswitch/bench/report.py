@@ -123,6 +123,37 @@ def _header(*names: str) -> list[str]:
     return [_row(*names), "|" + "---|" * len(names)]
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or not b:
+        return "-"
+    return f"{a / b:,.0f}x" if a / b >= 1000 else f"{a / b:.3g}x"
+
+
+def _ratios(targets: list[dict[str, Any]], qps: list[float]) -> list[str]:
+    """kvswitch against the oracle, round robin and SMG per step (engine-side), when present."""
+    steps = {t["target"]: t["engine"]["steps"] for t in targets}
+    if "kvswitch" not in steps:
+        return []
+    kv = steps["kvswitch"]
+    columns = [("oracle", "TTFT p90 kvswitch / oracle", "ttft_p90", False),
+               ("round-robin", "TTFT p90 round robin / kvswitch", "ttft_p90", True),
+               ("round-robin", "output tok/s kvswitch / round robin", "output_tok_s", False),
+               ("smg-cache-aware", "TTFT p90 SMG / kvswitch", "ttft_p90", True),
+               ("smg-cache-aware", "output tok/s kvswitch / SMG", "output_tok_s", False)]
+    present = [c for c in columns if c[0] in steps]
+    if not present:
+        return []
+    lines = ["", "## kvswitch against the others, per QPS step (engine-side)", "",
+             *_header("QPS", *(c[1] for c in present))]
+    for i, rate in enumerate(qps):
+        cells = []
+        for other, _, key, inverse in present:
+            mine, theirs = kv[i][key], steps[other][i][key]
+            cells.append(_ratio(theirs, mine) if inverse else _ratio(mine, theirs))
+        lines.append(_row(f"{rate:g}", *cells))
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     targets = [t for t in report["targets"] if "steps" in t]
@@ -157,6 +188,7 @@ def markdown(report: dict[str, Any]) -> str:
                                   "ttft_p50", "ttft_p90", "ttft_p99", "queue_p90", "itl_p50",
                                   "e2e_p90", "output_tok_s", "cache_hit_rate",
                                   "clock_slip_max_fraction"))))
+    lines += _ratios(targets, meta["qps"])
     lines += ["", "## Overall", "",
               ("Engine-side latencies over the whole run; engine cache hit from the "
                "vllm:prefix_cache counters; success as the client saw it."), "",

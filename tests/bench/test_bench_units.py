@@ -202,3 +202,16 @@ def test_oracle_sees_prefill_end_in_kv_events_or_at_its_estimate_without_streami
     now[0] = 10.0
     router.choose(request(3))
     assert 2 not in router.queues[engine].waiting
+
+
+def test_markdown_compares_kvswitch_with_the_oracle_and_round_robin_per_step() -> None:
+    def target(name: str, ttft: float, tok: float) -> dict:
+        step = {"ttft_p90": ttft, "output_tok_s": tok}
+        return {"target": name, "steps": [], "engine": {"steps": [step]}}
+
+    from kvswitch.bench.report import _ratios
+
+    lines = _ratios([target("kvswitch", 0.5, 1000.0), target("oracle", 0.4, 1100.0),
+                     target("round-robin", 100.0, 400.0)], [30.0])
+    assert lines[-1] == "| 30 | 1.25x | 200x | 2.5x |"
+    assert _ratios([target("oracle", 0.4, 1.0)], [30.0]) == []
