@@ -53,6 +53,10 @@ class GenerationRequest:
     sampling: SamplingOptions
     arrival_time: float = 0.0
     """Wall-clock arrival (time.time()), as vLLM's arrival_time."""
+    incremental: bool = True
+    """False when the consumer only needs the whole output (a non-streamed request): the
+    backend may then hold every update back and deliver one merged update at the end, which
+    saves a wake-up per token; `GenerationUpdate.first_token_time` keeps TTFT exact."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,9 @@ class GenerationUpdate:
     time: float | None = None
     """The engine's clock when the newest token here was produced; None: the consumer uses its
     own read time. Merged deltas keep the newest token's time."""
+    first_token_time: float | None = None
+    """On the update that carries the request's first output token: the engine's clock when
+    that token was produced (None: not told, or not in this update)."""
 
 
 @dataclass(frozen=True, slots=True)

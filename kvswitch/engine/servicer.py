@@ -84,7 +84,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(exc.grpc_code, exc.message)
         builder = conversion.ResponseBuilder(prompt, sampling, request.stream)
         timer = _Timer(self.metrics, self._clock, track=self.request_log is not None)
-        updates = self.engine.generate(GenerationRequest(request_id, prompt, sampling, received))
+        updates = self.engine.generate(GenerationRequest(request_id, prompt, sampling, received,
+                                                         incremental=request.stream))
         failure: KvswitchError | None = None
         self.active_requests += 1
         loop = asyncio.get_running_loop()
@@ -342,7 +343,10 @@ class _Timer:
             return
         if not self.first_done:
             self.first_done = True
-            self.metrics.ttft.observe(now - self.start)
+            first = now if update.first_token_time is None else update.first_token_time
+            self.metrics.ttft.observe(first - self.start)
+            if tokens > 1:  # a merged first update (non-streamed): its gaps after the first
+                self.metrics.itl.observe((now - first) / (tokens - 1))
         else:
             # A merged delta of k tokens spans k inter-token gaps: observe their mean once.
             self.metrics.itl.observe((now - self.last) / tokens)
@@ -358,7 +362,7 @@ class _Timer:
         if tokens or update.finished:
             now = self.clock() if update.time is None else update.time
             if tokens and self.first is None:
-                self.first = now
+                self.first = now if update.first_token_time is None else update.first_token_time
             self.tokens += tokens
             if self.metrics is None:
                 self.last = now

@@ -224,7 +224,8 @@ class SimEngine:
         # simulated time, not one event-loop wake-up x time_scale later.
         self.clock.resume()
         arrival = self.clock.at_real_time()
-        stream = OutputStream(request.request_id, seqs, plp, arrival)
+        stream = OutputStream(request.request_id, seqs, plp, arrival,
+                              final_only=not request.incremental)
         req = _Request(request.request_id, seqs, stream)
         for seq in seqs:
             seq.owner = req

@@ -5,8 +5,13 @@ taken the previous update, the push starts a new one; otherwise it is appended t
 update (a merge), so the scheduler never waits for a slow gRPC stream and the consumer always
 gets everything since its last read in one update.
 
-Each update carries the simulated time of its newest token (`time`) and, on the first one, the
-simulated seconds from arrival to the first scheduled step (`queue_seconds`).
+Each update carries the simulated time of its newest token (`time`), on the first one the
+simulated seconds from arrival to the first scheduled step (`queue_seconds`), and on the one
+holding the first token that token's time (`first_token_time`).
+
+With `final_only` (a non-streamed request) the consumer is woken only when the request ends or
+fails: every token merges into one pending update, so a long generation costs the consumer one
+wake-up instead of one per step.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class OutputStream:
         "delta0",
         "done",
         "error",
+        "final_only",
+        "first_token_sent",
         "index_done",
         "num_done",
         "pending",
@@ -44,8 +51,11 @@ class OutputStream:
         sequences: list[SimSequence],
         prompt_logprobs: list[TokenLogprob | None] | None = None,
         arrival: float = 0.0,
+        final_only: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.final_only = final_only
+        self.first_token_sent = False
         self.arrival = arrival
         """Simulated arrival time."""
         self.scheduled = False
@@ -87,10 +97,14 @@ class OutputStream:
                 self.queue_seconds,
             )
             self.prompt_logprobs = self.queue_seconds = None
-            w = self.waiter
-            if w is not None and not w.done():
-                w.set_result(None)
+            if not self.final_only:
+                self._wake()
         return u
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _delta(self, u: GenerationUpdate, index: int) -> SequenceDelta:
         if self.single:
@@ -116,6 +130,9 @@ class OutputStream:
             return  # ended by an abort while the step that produced this token ran
         u = self.pending or self._update()
         u.time = now
+        if not self.first_token_sent:
+            self.first_token_sent = True
+            u.first_token_time = now
         d = self.delta0 if self.single else self._delta(u, index)
         assert d is not None
         d.token_ids.append(seq.token_ids[-1])
@@ -143,12 +160,11 @@ class OutputStream:
         if self.num_done == len(self.sequences):
             u.finished = True
             self.done = True
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        self._wake()
 
     async def get(self) -> GenerationUpdate:
         """The next (possibly merged) update; raises the engine's error if it failed."""

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvswitch.engine.base import Engine
+from kvswitch.engine.base import Engine, GenerationRequest, SamplingOptions
 from kvswitch.engine.sim import SimEngine
 from kvswitch.errors import InternalError, InvalidRequest, Unavailable
 
@@ -284,3 +284,41 @@ async def test_counters_and_health(engine: SimEngine) -> None:
     assert engine.load().gen_throughput > 0
     await engine.stop()
     assert not engine.is_healthy()
+
+
+async def test_a_non_incremental_request_gets_one_merged_update_with_exact_timings() -> None:
+    """A non-streamed request is woken once, at its end: all tokens in one update, which still
+    says when the first token was produced (TTFT stays exact)."""
+    e = make_engine(time_scale=50.0)
+    await e.start()
+    try:
+        streamed = await collect(e.generate(request("s", PROMPT, max_tokens=12)))
+        merged = await collect(e.generate(
+            GenerationRequest("m", PROMPT, SamplingOptions(max_tokens=12), incremental=False)))
+    finally:
+        await e.stop()
+    assert len(merged) == 1 and merged[0].finished
+    assert tokens_of(merged) == tokens_of(streamed)
+    assert final_delta(merged).finish_reason == "length"
+    only = merged[0]
+    assert only.first_token_time is not None and only.time is not None
+    assert only.first_token_time < only.time  # 11 decode steps after the first token
+    # The streamed request's first update carries its own first-token time, later ones none.
+    assert streamed[0].first_token_time == streamed[0].time
+    assert all(u.first_token_time is None for u in streamed[1:])
+
+
+async def test_a_non_incremental_request_still_ends_at_an_abort() -> None:
+    e = make_engine(time_scale=50.0)
+    await e.start()
+    try:
+        gen = e.generate(GenerationRequest("m", PROMPT, SamplingOptions(ignore_eos=True),
+                                           incremental=False))
+        pending = asyncio.ensure_future(collect(gen))
+        await asyncio.sleep(0.05)
+        assert not pending.done()  # generating, but nothing delivered yet
+        await e.abort(["m"])
+        updates = await asyncio.wait_for(pending, 5)
+    finally:
+        await e.stop()
+    assert updates[-1].finished and final_delta(updates).finish_reason == "abort"
