@@ -9,6 +9,7 @@ EPP schedules nothing and its CPU is the telemetry path: SubscribeKvEvents decod
   engine_cpu_per_s  the engines' CPU seconds per wall second, summed
   messages_per_s    KvEventBatch messages (batch numbers) engine 0 publishes per subscriber
   requests_per_s    requests the engines completed
+  epp_cpu_ms_per_request  EPP CPU milliseconds per completed request (telemetry scales with work)
 Each tree (`--tree label=path`, e.g. a `git archive` of an older commit) runs engines and EPP
 from its own sources; trees alternate within each round and medians over rounds are reported.
 Prints and saves JSON.
@@ -55,13 +56,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
-def wait_port(port: int, timeout: float = 30.0) -> None:
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
             return
         time.sleep(0.1)
-    raise RuntimeError(f"port {port} never opened")
+    raise RuntimeError(f"port {port} never opened (exit code {proc.poll()})")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -141,7 +142,9 @@ async def measure(pids: dict[str, list[int]], addresses: list[str], args: argpar
     return {"epp_cpu_per_s": (cpu1["epp"] - cpu0["epp"]) / wall,
             "engine_cpu_per_s": (cpu1["engines"] - cpu0["engines"]) / wall,
             "messages_per_s": (seq1 - seq0) / wall,
-            "requests_per_s": (done1 - done0) / wall}
+            "requests_per_s": (done1 - done0) / wall,
+            # Throughput varies with the machine's other load: CPU per request compares better.
+            "epp_cpu_ms_per_request": (cpu1["epp"] - cpu0["epp"]) / max(done1 - done0, 1) * 1e3}
 
 
 def run_once(tree: Path, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
@@ -155,14 +158,14 @@ def run_once(tree: Path, args: argparse.Namespace, tmp: Path) -> dict[str, float
             procs.append(launch(tree, ["engine", "--port", str(port), "--profile", args.profile,
                                        "--time-scale", str(args.time_scale), "--mode", "random",
                                        "--log-level", "WARNING"], tmp / f"engine{i}.log"))
-        for port in ports:
-            wait_port(port)
+        for port, proc in zip(ports, procs, strict=True):
+            wait_port(port, proc)
         epp_port, metrics_port = free_port(), free_port()
         epp = launch(tree, ["epp", "--config", str(tmp / "config.yaml"),
                             "--pool", str(tmp / "pool.yaml"), "--port", str(epp_port),
                             "--metrics-port", str(metrics_port)], tmp / "epp.log")
         procs.append(epp)
-        wait_port(epp_port)
+        wait_port(epp_port, epp)
         time.sleep(1.0)  # subscriptions open
         pids = {"epp": [epp.pid], "engines": [p.pid for p in procs[:-1]]}
         return asyncio.run(measure(pids, addresses, args))
@@ -189,8 +192,15 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in trees}
     for r in range(args.rounds):
         for label, path in trees.items():
-            with tempfile.TemporaryDirectory() as tmp:
-                result = run_once(Path(path), args, Path(tmp))
+            for attempt in range(3):  # a port taken between pick and bind: start over
+                with tempfile.TemporaryDirectory() as tmp:
+                    try:
+                        result = run_once(Path(path), args, Path(tmp))
+                        break
+                    except RuntimeError as exc:
+                        print(f"round {r} {label}: {exc}; retrying", flush=True)
+            else:
+                raise SystemExit(f"round {r} {label}: could not start")
             runs[label].append(result)
             print(f"round {r} {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()),
                   flush=True)
