@@ -29,8 +29,8 @@ never both:
 - AllBlocksCleared, a resync (`clear`) or the endpoint leaving drop it at once; BlockRemoved
   can only name real blocks (a speculative one has no engine hash yet).
 Both kinds set the endpoint's bit in the one holder table, so `match` costs the same.
-Cost per request: O(blocks not already held), mostly in C set operations, plus one Python step
-per such block at speculation and at expiry.
+Cost per request: O(blocks not already held) in C set operations; Python steps only for blocks
+another endpoint holds too, and at expiry for blocks never confirmed.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ class PrefixIndex:
         state = self._endpoints.get(endpoint)
         if state is None or ttl <= 0 or held >= len(hashes):
             return
-        # Set algebra runs in C: only blocks neither real nor speculative cost a Python step.
+        # Set algebra runs in C; a Python step only for a block another endpoint also holds.
         pending = set(hashes[held:] if held else hashes).difference(state.own_copies)
         if not pending:
             return
@@ -272,8 +272,11 @@ class PrefixIndex:
         expiry = now + ttl
         speculative, holders = state.speculative, self._holders
         bit = 1 << state.bit
-        for own in pending.difference(speculative):
-            holders[own] = holders.get(own, 0) | bit
+        fresh = pending.difference(speculative)
+        unheld = fresh.difference(holders)
+        holders.update(dict.fromkeys(unheld, bit))
+        for own in fresh.difference(unheld):
+            holders[own] |= bit
         speculative.update(dict.fromkeys(pending, expiry))
         self._speculations += 1
         heapq.heappush(self._expiries, (expiry, self._speculations, state, pending))
@@ -287,13 +290,11 @@ class PrefixIndex:
         while expiries and expiries[0][0] <= now:
             _, _, state, hashes = heapq.heappop(expiries)
             speculative = state.speculative
-            if not speculative:
-                continue  # all confirmed, or cleared
+            # In C: the confirmed (the usual fate) and cleared ones drop out here.
             holders, mask = self._holders, ~(1 << state.bit)
-            for own in hashes:
-                expiry = speculative.get(own)
-                if expiry is None or expiry > now:
-                    continue  # confirmed, or speculated again since
+            for own in hashes.intersection(speculative):
+                if speculative[own] > now:
+                    continue  # speculated again since
                 del speculative[own]
                 rest = holders[own] & mask
                 if rest:
