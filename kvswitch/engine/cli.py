@@ -23,6 +23,7 @@ _SIM_FIELDS = {
     "time_scale": "time_scale",
     "mode": "mode",
     "seed": "seed",
+    "kv_events_coalesce": "kv_events_coalesce_seconds",
     "max_model_len": "max_model_len",
     "block_size": "block_size",
     "num_gpu_blocks": "num_gpu_blocks",
@@ -81,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--num-gpu-blocks", type=int, default=None, metavar="N")
     sched.add_argument("--max-num-seqs", type=int, default=None, metavar="N")
     sched.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
+    sched.add_argument("--kv-events-coalesce-ms", type=lambda ms: float(ms) / 1000,
+                       dest="kv_events_coalesce", default=None, metavar="MS",
+                       help="publish KV events (SubscribeKvEvents) at most once per MS wall "
+                            "milliseconds, merging steps in order (default 50; 0: every step); "
+                            "a cache clear or a large load change goes out at once")
     faults = parser.add_argument_group("failure injection")
     faults.add_argument("--failure-rate", type=float, default=None, metavar="F",
                         help="fraction of requests that fail (0-1)")

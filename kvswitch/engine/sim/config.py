@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvswitch.engine.sim.events import COALESCE_SECONDS
 from kvswitch.engine.sim.profiles import SimProfile, get_profile
 
 __all__ = ["FAILURE_KINDS", "MODES", "SimConfig"]
@@ -45,6 +46,8 @@ class SimConfig:
     """One of FAILURE_KINDS."""
     kv_event_history: int = 4096
     """KV event batches kept for replay by `kv_events(start_sequence_number)`."""
+    kv_events_coalesce_seconds: float = COALESCE_SECONDS
+    """Wall seconds over which scheduler steps merge into one KV event batch (0: none)."""
     max_logprobs: int = 20
     """vLLM's max_logprobs: larger logprobs / prompt_logprobs requests are rejected."""
 
@@ -85,4 +88,6 @@ class SimConfig:
             raise ValueError("failure_rate must be in [0, 1]")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        if self.kv_events_coalesce_seconds < 0:
+            raise ValueError("kv_events_coalesce_seconds must be >= 0")
         return p

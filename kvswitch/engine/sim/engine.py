@@ -94,7 +94,8 @@ class SimEngine:
             self.vocab_size,
         )
         self.clock = SimClock(cfg.time_scale)
-        self._events = KvEventLog(cfg.kv_event_history)
+        self._events = KvEventLog(cfg.kv_event_history,
+                                  coalesce_seconds=cfg.kv_events_coalesce_seconds)
         self._requests: dict[str, _Request] = {}
         self._failures = random.Random(cfg.seed)
         self._finished: dict[str, int] = {}

@@ -149,3 +149,17 @@ async def test_a_load_that_moved_a_lot_is_published_at_once() -> None:
     shifted = log.publish(100.02, load=snapshot(16, 5))
     assert shifted is not None and shifted.load == snapshot(16, 5)
     assert log.publish(100.03, load=snapshot(0, 0)) is not None  # idle: nothing held back
+
+
+def test_the_engine_flag_sets_the_coalescing_window() -> None:
+    import argparse
+
+    from kvswitch.engine.cli import add_arguments, sim_config_kwargs
+    from kvswitch.engine.sim import SimConfig, SimEngine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, window in (([], 0.05), (["--kv-events-coalesce-ms", "0"], 0.0),
+                         (["--kv-events-coalesce-ms", "20"], 0.02)):
+        engine = SimEngine(SimConfig(**sim_config_kwargs(parser.parse_args(argv))))
+        assert engine._events.coalesce_seconds == pytest.approx(window)
