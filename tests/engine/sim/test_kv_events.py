@@ -154,6 +154,8 @@ async def test_a_load_that_moved_a_lot_is_published_at_once() -> None:
 def test_the_engine_flag_sets_the_coalescing_window() -> None:
     import argparse
 
+    import pytest
+
     from kvswitch.engine.cli import add_arguments, sim_config_kwargs
     from kvswitch.engine.sim import SimConfig, SimEngine
 
