@@ -24,13 +24,29 @@ from typing import Any
 
 import grpc
 
+from kvswitch.protocol.http2 import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    MAX_WINDOW,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    RST_STREAM,
+    SETTINGS,
+    U32,
+    WINDOW_UPDATE,
+    frame,
+    hpack_literal,
+)
+
 __all__ = ["H2Channel", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target"]
 
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-_DATA, _HEADERS, _RST, _SETTINGS, _PING, _GOAWAY, _WINDOW, _CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9
-_END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
-_FRAME = struct.Struct(">I")  # length is 24 bits: unpacked from 4 bytes and shifted
-_BIG_WINDOW = 2**31 - 1
 _REFILL_AT = 2**30
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _RST_CODES = {0x7: grpc.StatusCode.UNAVAILABLE, 0x8: grpc.StatusCode.CANCELLED,
@@ -70,32 +86,6 @@ def parse_target(target: str) -> list[tuple[str, int]] | None:
             return None
         out.append((host.strip("[]"), int(port)))
     return out
-
-
-def _hpack_int(value: int, bits: int, flags: int = 0) -> bytes:
-    """HPACK's prefixed integer (RFC 7541 §5.1)."""
-    limit = (1 << bits) - 1
-    if value < limit:
-        return bytes((flags | value,))
-    out = bytearray((flags | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _hpack_literal(name: str, value: str) -> bytes:
-    """A header as "literal without indexing, new name", no Huffman: encoding it touches no
-    HPACK state, so request header blocks are plain concatenations (RFC 7541 §6.2.2)."""
-    raw_name, raw_value = name.encode("latin-1"), value.encode("latin-1", "replace")
-    return (b"\x00" + _hpack_int(len(raw_name), 7) + raw_name
-            + _hpack_int(len(raw_value), 7) + raw_value)
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return _FRAME.pack(len(payload))[1:] + bytes((kind, flags)) + _FRAME.pack(stream) + payload
 
 
 class StreamCall:
@@ -151,7 +141,7 @@ class StreamCall:
         offset, size = 0, len(buffer)
         parse, messages = self._parse, self._messages
         while size - offset >= 5:
-            length = _FRAME.unpack_from(buffer, offset + 1)[0]
+            length = U32.unpack_from(buffer, offset + 1)[0]
             end = offset + 5 + length
             if end > size:
                 break
@@ -235,9 +225,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        settings = struct.pack(">HIHIHI", 0x2, 0, 0x4, _BIG_WINDOW, 0x5, 1 << 20)
-        self.transport.write(_PREFACE + _frame(_SETTINGS, 0, 0, settings)  # type: ignore[union-attr]
-                             + _frame(_WINDOW, 0, 0, _FRAME.pack(_BIG_WINDOW - 65535)))
+        settings = struct.pack(">HIHIHI", 0x2, 0, 0x4, MAX_WINDOW, 0x5, 1 << 20)
+        self.transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)  # type: ignore[union-attr]
+                             + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - 65535)))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -255,28 +245,28 @@ class _Connection(asyncio.Protocol):
         stream_id, self._next_id = self._next_id, self._next_id + 2
         fixed = self._fixed_headers.get(path)
         if fixed is None:
-            fixed = b"".join(_hpack_literal(k, v) for k, v in (
+            fixed = b"".join(hpack_literal(k, v) for k, v in (
                 (":method", "POST"), (":scheme", "http"), (":path", path),
                 (":authority", self.authority), ("content-type", "application/grpc"),
                 ("te", "trailers"), ("user-agent", "kvswitch-frontend")))
             self._fixed_headers[path] = fixed
-        block = fixed + b"".join([_hpack_literal(k, v) for k, v in metadata])
+        block = fixed + b"".join([hpack_literal(k, v) for k, v in metadata])
         call = StreamCall(self, stream_id, parse)
         self.streams[stream_id] = call
-        message = b"\x00" + _FRAME.pack(len(body)) + body
+        message = b"\x00" + U32.pack(len(body)) + body
         self._send_window -= size
-        out = [_frame(_HEADERS, _END_HEADERS, stream_id, block)]
+        out = [frame(HEADERS, END_HEADERS, stream_id, block)]
         step = self._peer_max_frame
         for start in range(0, len(message), step):
             last = start + step >= len(message)
-            out.append(_frame(_DATA, _END_STREAM if last else 0, stream_id,
+            out.append(frame(DATA, END_STREAM if last else 0, stream_id,
                               message[start:start + step]))
         self._send(b"".join(out))
         return call
 
     def reset(self, stream_id: int) -> None:
         if not self.closed and self.transport is not None:
-            self._send(_frame(_RST, 0, stream_id, _FRAME.pack(0x8)))
+            self._send(frame(RST_STREAM, 0, stream_id, U32.pack(0x8)))
 
     def _send(self, data: bytes) -> None:
         # Calls started (or reset) in the same loop iteration leave in one write: one syscall
@@ -297,15 +287,15 @@ class _Connection(asyncio.Protocol):
         # whose messages arrived together is parsed and woken once.
         gathered: dict[int, list[bytes]] = {}
         while size - offset >= 9:
-            length = _FRAME.unpack_from(buffer, offset)[0] >> 8
+            length = U32.unpack_from(buffer, offset)[0] >> 8
             end = offset + 9 + length
             if end > size:
                 break
             kind, flags = buffer[offset + 3], buffer[offset + 4]
-            stream_id = _FRAME.unpack_from(buffer, offset + 5)[0] & 0x7FFFFFFF
+            stream_id = U32.unpack_from(buffer, offset + 5)[0] & 0x7FFFFFFF
             payload = buffer[offset + 9:end]
             offset = end
-            if kind == _DATA and not flags:
+            if kind == DATA and not flags:
                 self._received += length
                 parts = gathered.get(stream_id)
                 if parts is None:
@@ -316,7 +306,7 @@ class _Connection(asyncio.Protocol):
             if gathered:  # in order: what came before this frame first
                 self._deliver(gathered)
                 gathered = {}
-            if kind == _DATA:
+            if kind == DATA:
                 self._received += length
                 self._on_data(stream_id, flags, payload)
             else:
@@ -325,7 +315,7 @@ class _Connection(asyncio.Protocol):
         if gathered:
             self._deliver(gathered)
         if self._received >= _REFILL_AT and self.transport is not None:
-            self.transport.write(_frame(_WINDOW, 0, 0, _FRAME.pack(self._received)))
+            self.transport.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self._received)))
             self._received = 0
 
     def _deliver(self, gathered: dict[int, list[bytes]]) -> None:
@@ -339,17 +329,17 @@ class _Connection(asyncio.Protocol):
         call = self.streams.get(stream_id)
         if call is None:
             return
-        if flags & _PADDED:
+        if flags & PADDED:
             payload = payload[1:len(payload) - payload[0]]
         if payload:
             call._data(payload)
-        if flags & _END_STREAM:
+        if flags & END_STREAM:
             call._finish(StreamError(grpc.StatusCode.INTERNAL, "stream ended without trailers"))
 
     def _on_control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind in (_HEADERS, _CONTINUATION):
+        if kind in (HEADERS, CONTINUATION):
             self._on_header_fragment(kind, flags, stream_id, payload)
-        elif kind == _SETTINGS and not flags & _ACK:
+        elif kind == SETTINGS and not flags & ACK:
             for i in range(0, len(payload) - 5, 6):
                 key, value = struct.unpack_from(">HI", payload, i)
                 if key == 0x3:
@@ -358,19 +348,19 @@ class _Connection(asyncio.Protocol):
                     self._peer_initial_window = value
                 elif key == 0x5:
                     self._peer_max_frame = value
-            self._write(_frame(_SETTINGS, _ACK, 0))
-        elif kind == _PING and not flags & _ACK:
-            self._write(_frame(_PING, _ACK, 0, payload))
-        elif kind == _WINDOW and stream_id == 0:
-            self._send_window += _FRAME.unpack_from(payload)[0] & 0x7FFFFFFF
-        elif kind == _RST:
+            self._write(frame(SETTINGS, ACK, 0))
+        elif kind == PING and not flags & ACK:
+            self._write(frame(PING, ACK, 0, payload))
+        elif kind == WINDOW_UPDATE and stream_id == 0:
+            self._send_window += U32.unpack_from(payload)[0] & 0x7FFFFFFF
+        elif kind == RST_STREAM:
             call = self.streams.get(stream_id)
             if call is not None:
-                code = _FRAME.unpack_from(payload)[0]
+                code = U32.unpack_from(payload)[0]
                 call._finish(StreamError(_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
                                          f"stream reset by the server (HTTP/2 error {code})"))
-        elif kind == _GOAWAY:
-            last = _FRAME.unpack_from(payload)[0] & 0x7FFFFFFF
+        elif kind == GOAWAY:
+            last = U32.unpack_from(payload)[0] & 0x7FFFFFFF
             self.closed = True  # no new streams here; those the server never saw fail now
             for sid, call in list(self.streams.items()):
                 if sid > last:
@@ -378,18 +368,18 @@ class _Connection(asyncio.Protocol):
                                              "connection closing (GOAWAY)"))
 
     def _on_header_fragment(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind == _HEADERS:
+        if kind == HEADERS:
             pad = 0
-            if flags & _PADDED:
+            if flags & PADDED:
                 pad, payload = payload[0], payload[1:]
-            if flags & _PRIORITY:
+            if flags & PRIORITY_FLAG:
                 payload = payload[5:]
             if pad:
                 payload = payload[:-pad]
             self._header_block = (stream_id, flags, bytearray(payload))
         elif self._header_block is not None:
             self._header_block[2].extend(payload)
-        if not flags & _END_HEADERS or self._header_block is None:
+        if not flags & END_HEADERS or self._header_block is None:
             return
         sid, first_flags, block = self._header_block
         self._header_block = None
@@ -401,7 +391,7 @@ class _Connection(asyncio.Protocol):
             return
         call = self.streams.get(sid)
         if call is not None:
-            call._headers(headers, bool(first_flags & _END_STREAM))
+            call._headers(headers, bool(first_flags & END_STREAM))
 
     def _decode(self, block: bytes) -> list[tuple[str, str]]:
         """HPACK-decode `block`, from the cache when the same bytes decoded earlier against

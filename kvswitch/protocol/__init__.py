@@ -5,13 +5,13 @@ from __future__ import annotations
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 __all__ = [
+    "EMBED_PATH",
+    "GENERATE_PATH",
+    "SERVICE_NAME",
     "common_pb2",
+    "method_path",
     "vllm_engine_pb2",
     "vllm_engine_pb2_grpc",
-    "SERVICE_NAME",
-    "GENERATE_PATH",
-    "EMBED_PATH",
-    "method_path",
 ]
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"

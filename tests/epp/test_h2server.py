@@ -9,7 +9,16 @@ from typing import Any
 import pytest
 from hpack import Decoder, Encoder
 
-from kvswitch.epp.h2server import (
+from kvswitch.epp.h2connection import (
+    ConnectionEnded,
+    H2GrpcConnection,
+    InputEnded,
+    MessageReceived,
+    StreamOpened,
+    StreamReset,
+)
+from kvswitch.protocol.http2 import (
+    ACK,
     CANCEL,
     COMPRESSION_ERROR,
     CONTINUATION,
@@ -32,17 +41,10 @@ from kvswitch.epp.h2server import (
     SETTINGS,
     STREAM_CLOSED,
     WINDOW_UPDATE,
-    ConnectionEnded,
-    H2GrpcConnection,
-    InputEnded,
-    MessageReceived,
-    StreamOpened,
-    StreamReset,
     frame,
 )
 
 PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-ACK = 0x1
 
 
 def grpc(message: bytes, compressed: bool = False) -> bytes:

@@ -14,11 +14,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hpack import Encoder
 
-from kvswitch.epp.h2server import DATA, END_HEADERS, HEADERS, PREFACE, SETTINGS, frame
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.passthrough import PassthroughParser
 from kvswitch.epp.request import EndpointPicker, InferenceRequest, RoutingDecision
 from kvswitch.epp.server import PROCESS_PATH, EppServer
+from kvswitch.protocol.http2 import DATA, END_HEADERS, HEADERS, PREFACE, SETTINGS, frame
 from kvswitch.up import write_pool_file
 from tests.epp.test_extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
 from tests.epp.test_server import FakeRouter

@@ -1,0 +1,633 @@
+"""The sans-IO core of the EPP's lean gRPC-over-HTTP/2 server (h2c, prior knowledge).
+
+`H2GrpcConnection`: `receive(bytes) -> [event]`, `send_message()`, `finish()`, `reset()`,
+`goaway()`, `data_to_send() -> bytes`. It parses and writes frames, keeps per-stream state,
+does HTTP/2 flow control both ways (inbound: large windows, topped up as data arrives;
+outbound: data waits per stream for WINDOW_UPDATE), and gRPC message framing (5-byte prefix;
+compressed messages are refused: no encoding is negotiated). Malformed input is a connection
+error: GOAWAY with the error code, then `closed`. `kvswitch.epp.h2server` drives it.
+
+Scope, on purpose: unary and bidi calls, no compression, no server push, no priorities,
+grpc-timeout ignored (Envoy's message_timeout governs). HPACK decoding is `hpack`; responses are
+encoded as literals without indexing (`kvswitch.protocol.http2`), so encoding touches no HPACK
+state.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import deque
+from dataclasses import dataclass
+from typing import TypeAlias
+from urllib.parse import quote
+
+from hpack import Decoder, HPACKError
+
+from kvswitch.protocol.http2 import (
+    ACK,
+    CANCEL,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    INTERNAL_ERROR,
+    MAX_WINDOW,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTINGS,
+    STREAM_CLOSED,
+    U32,
+    WINDOW_UPDATE,
+    frame,
+    hpack_literal,
+)
+
+__all__ = [
+    "ConnectionEnded", "Event", "H2ConnectionError", "H2GrpcConnection", "InputEnded",
+    "MessageReceived", "StreamOpened", "StreamReset",
+]
+
+logger = logging.getLogger(__name__)
+
+# gRPC status codes used here.
+OK, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 5, 8, 12, 13
+
+_MAX_FRAME = 1 << 20  # what we accept; Envoy sends up to this once told
+_STREAM_WINDOW = 4 << 20
+_REFILL_CONNECTION_AT = 1 << 30
+
+
+# ":status: 200" is static-table entry 8 (indexed: one byte).
+_RESPONSE_HEADERS = b"\x88" + hpack_literal("content-type", "application/grpc")
+_OK_TRAILERS = hpack_literal("grpc-status", "0")
+
+
+def _trailers(status: int, message: str) -> bytes:
+    if status == OK and not message:
+        return _OK_TRAILERS
+    block = hpack_literal("grpc-status", str(status))
+    if message:  # percent-encoded as gRPC requires (printable ASCII except '%' stays)
+        block += hpack_literal("grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"))
+    return block
+
+
+# -- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpened:
+    """A request's headers arrived on a new stream."""
+
+    stream_id: int
+    path: str
+    """`:path`, e.g. /envoy.service.ext_proc.v3.ExternalProcessor/Process."""
+    headers: dict[str, str]
+    """Every header field, pseudo-headers included, lowercase names."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived:
+    """One whole gRPC message (without its 5-byte prefix) on an open stream."""
+
+    stream_id: int
+    message: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class InputEnded:
+    """The client half-closed the stream: no more messages will come on it."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReset:
+    """The stream ended abnormally (RST_STREAM from the peer, or a stream error here)."""
+
+    stream_id: int
+    error_code: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionEnded:
+    """A connection error: GOAWAY sent, every open stream is gone, nothing more is read."""
+
+    error_code: int
+    reason: str
+
+
+Event: TypeAlias = StreamOpened | MessageReceived | InputEnded | StreamReset | ConnectionEnded
+
+
+class H2ConnectionError(Exception):
+    """A connection error (RFC 9113 §5.4.1): answered with GOAWAY `code`."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+class _Stream:
+    __slots__ = ("have", "headers_sent", "id", "local_done", "need", "partial", "pending",
+                 "recv_unacked", "recv_window", "remote_done", "send_window")
+
+    def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
+        self.id = stream_id
+        # A partial gRPC message as received (joined once whole: big messages arrive in many
+        # frames), its size so far and the size that completes it (or its 5-byte prefix).
+        self.partial: list[bytes] = []
+        self.have = self.need = 0
+        self.headers_sent = False
+        self.remote_done = False  # the client sent END_STREAM
+        self.local_done = False  # trailers queued or sent
+        self.pending: deque[bytes | tuple[bytes]] = deque()  # DATA waiting for window; (trailers,)
+        self.send_window = send_window
+        self.recv_window = recv_window
+        self.recv_unacked = 0
+
+
+class H2GrpcConnection:
+    """The server side of one HTTP/2 connection carrying gRPC calls; no I/O."""
+
+    def __init__(self, *, max_message_bytes: int = 4 << 20,
+                 stream_window: int = _STREAM_WINDOW) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.stream_window = stream_window
+        self.streams: dict[int, _Stream] = {}
+        self.closed = False
+        self.highest_stream_id = 0
+        self.goaway_sent = False
+        self.peer_goaway = False
+        self._out: list[bytes] = []
+        self._partial: list[bytes] = []  # an incomplete frame, joined once whole (as above)
+        self._have = self._need = 0
+        self._preface = False
+        self._settings_seen = False
+        self._decoder = Decoder()
+        self._decoded: dict[bytes, tuple[object, int, dict[str, str]]] = {}
+        self._header_block: tuple[int, int, bytearray] | None = None
+        self._send_window = DEFAULT_WINDOW
+        self._peer_initial_window = DEFAULT_WINDOW
+        self._peer_max_frame = 16384
+        self._recv_window = DEFAULT_WINDOW
+        self._recv_unacked = 0
+        self._blocked: dict[int, _Stream] = {}
+
+    def initiate(self) -> None:
+        """Queue our SETTINGS (big stream window and frames) and open the connection window."""
+        settings = struct.pack(">HIHIHI", 0x2, 0, 0x4, self.stream_window, 0x5, _MAX_FRAME)
+        self._out.append(frame(SETTINGS, 0, 0, settings))
+        self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
+        self._recv_window = MAX_WINDOW
+
+    def data_to_send(self) -> bytes:
+        out, self._out = self._out, []
+        return b"".join(out) if len(out) != 1 else out[0]
+
+    # -- input -------------------------------------------------------------------------------
+
+    def receive(self, data: bytes) -> list[Event]:
+        """Feed bytes read from the socket; never raises (bad input ends the connection)."""
+        if self.closed:
+            return []
+        events: list[Event] = []
+        if self._partial:
+            self._partial.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return events
+            buffer = b"".join(self._partial)
+            self._partial, self._have = [], 0
+        else:
+            buffer = data
+        offset = 0
+        try:
+            if not self._preface:
+                if len(buffer) < len(PREFACE):
+                    if not PREFACE.startswith(buffer):
+                        raise H2ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    self._partial, self._have, self._need = [buffer], len(buffer), len(PREFACE)
+                    return events
+                if not buffer.startswith(PREFACE):
+                    raise H2ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                self._preface = True
+                offset = len(PREFACE)
+            size = len(buffer)
+            self._need = 9
+            while size - offset >= 9:
+                length = U32.unpack_from(buffer, offset)[0] >> 8
+                if length > _MAX_FRAME:
+                    raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                end = offset + 9 + length
+                if end > size:
+                    self._need = 9 + length
+                    break
+                kind, flags = buffer[offset + 3], buffer[offset + 4]
+                stream_id = U32.unpack_from(buffer, offset + 5)[0] & 0x7FFFFFFF
+                payload = buffer[offset + 9:end]
+                offset = end
+                self._on_frame(kind, flags, stream_id, payload, events)
+                if self.closed:
+                    return events
+            if offset < size:
+                self._partial, self._have = [buffer[offset:]], size - offset
+        except H2ConnectionError as exc:
+            self._fail(exc.code, exc.reason, events)
+        except Exception as exc:  # a parsing bug must cost this connection, not the server
+            logger.exception("HTTP/2 connection failed")
+            self._fail(INTERNAL_ERROR, f"internal error: {exc}", events)
+        if self._recv_unacked >= _REFILL_CONNECTION_AT:
+            self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self._recv_unacked)))
+            self._recv_window += self._recv_unacked
+            self._recv_unacked = 0
+        return events
+
+    def _fail(self, code: int, reason: str, events: list[Event]) -> None:
+        logger.warning("HTTP/2 connection error %#x: %s", code, reason)
+        self.goaway(code, reason.encode("utf-8", "replace")[:256])
+        self.closed = True
+        events.append(ConnectionEnded(code, reason))
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes,
+                  events: list[Event]) -> None:
+        if self._header_block is not None and (
+                kind != CONTINUATION or stream_id != self._header_block[0]):
+            raise H2ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION")
+        if not self._settings_seen:
+            if kind != SETTINGS or flags & ACK:
+                raise H2ConnectionError(PROTOCOL_ERROR, "the preface must be followed by SETTINGS")
+            self._settings_seen = True
+        if kind == DATA:
+            self._on_data(flags, stream_id, payload, events)
+        elif kind == HEADERS or kind == CONTINUATION:
+            self._on_headers(kind, flags, stream_id, payload, events)
+        elif kind == WINDOW_UPDATE:
+            self._on_window_update(stream_id, payload, events)
+        elif kind == RST_STREAM:
+            if len(payload) != 4:
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "RST_STREAM of the wrong size")
+            self._check_not_idle(stream_id, "RST_STREAM")
+            if self._drop(stream_id):
+                events.append(StreamReset(stream_id, U32.unpack(payload)[0]))
+        elif kind == SETTINGS:
+            self._on_settings(flags, stream_id, payload)
+        elif kind == PING:
+            if stream_id:
+                raise H2ConnectionError(PROTOCOL_ERROR, "PING on a stream")
+            if len(payload) != 8:
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "PING of the wrong size")
+            if not flags & ACK:
+                self._out.append(frame(PING, ACK, 0, payload))
+        elif kind == GOAWAY:
+            if stream_id or len(payload) < 8:
+                raise H2ConnectionError(PROTOCOL_ERROR, "malformed GOAWAY")
+            self.peer_goaway = True  # no new streams from the peer; open ones carry on
+        elif kind == PRIORITY:
+            if not stream_id:
+                raise H2ConnectionError(PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if len(payload) != 5:
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "PRIORITY of the wrong size")
+        elif kind == PUSH_PROMISE:
+            raise H2ConnectionError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        # Unknown frame types are ignored (RFC 9113 §4.1).
+
+    def _check_not_idle(self, stream_id: int, what: str) -> None:
+        if not stream_id or stream_id > self.highest_stream_id:
+            raise H2ConnectionError(PROTOCOL_ERROR, f"{what} on idle stream {stream_id}")
+
+    def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise H2ConnectionError(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        if len(payload) % 6:
+            raise H2ConnectionError(FRAME_SIZE_ERROR, "SETTINGS of the wrong size")
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == 0x2 and value > 1:
+                raise H2ConnectionError(PROTOCOL_ERROR, "bad SETTINGS_ENABLE_PUSH")
+            if key == 0x4:
+                if value > MAX_WINDOW:
+                    raise H2ConnectionError(FLOW_CONTROL_ERROR, "bad SETTINGS_INITIAL_WINDOW_SIZE")
+                delta, self._peer_initial_window = value - self._peer_initial_window, value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+            elif key == 0x5:
+                if not 16384 <= value < 1 << 24:
+                    raise H2ConnectionError(PROTOCOL_ERROR, "bad SETTINGS_MAX_FRAME_SIZE")
+                self._peer_max_frame = value
+        self._out.append(frame(SETTINGS, ACK, 0))
+        self._flush_blocked()
+
+    def _on_window_update(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
+        if len(payload) != 4:
+            raise H2ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE of the wrong size")
+        increment = U32.unpack(payload)[0] & 0x7FFFFFFF
+        if not stream_id:
+            if not increment:
+                raise H2ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self._send_window += increment
+            if self._send_window > MAX_WINDOW:
+                raise H2ConnectionError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+            self._flush_blocked()
+            return
+        self._check_not_idle(stream_id, "WINDOW_UPDATE")
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return
+        stream.send_window += increment
+        if not increment or stream.send_window > MAX_WINDOW:
+            self._stream_error(stream, PROTOCOL_ERROR if not increment else FLOW_CONTROL_ERROR,
+                               events)
+        elif stream.pending:
+            self._flush(stream)
+
+    def _on_data(self, flags: int, stream_id: int, payload: bytes, events: list[Event]) -> None:
+        if not stream_id:
+            raise H2ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
+        length = len(payload)
+        self._recv_window -= length
+        if self._recv_window < 0:
+            raise H2ConnectionError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        self._recv_unacked += length
+        if flags & PADDED:
+            payload = _unpad(payload)
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            self._check_not_idle(stream_id, "DATA")
+            return  # a stream we closed already: discard
+        if stream.remote_done:
+            self._stream_error(stream, STREAM_CLOSED, events)
+            return
+        stream.recv_window -= length
+        if stream.recv_window < 0:
+            self._stream_error(stream, FLOW_CONTROL_ERROR, events)
+            return
+        if payload:
+            self._messages(stream, payload, events)
+            if stream.id not in self.streams:
+                return
+        if flags & END_STREAM:
+            self._remote_ended(stream, events)
+            return
+        stream.recv_unacked += length
+        if stream.recv_unacked >= self.stream_window // 2:
+            self._out.append(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(stream.recv_unacked)))
+            stream.recv_window += stream.recv_unacked
+            stream.recv_unacked = 0
+
+    def _messages(self, stream: _Stream, data: bytes, events: list[Event]) -> None:
+        if stream.partial:
+            stream.partial.append(data)
+            stream.have += len(data)
+            if stream.have < stream.need:
+                return
+            buffer = b"".join(stream.partial)
+            stream.partial, stream.have = [], 0
+        else:
+            buffer = data
+        offset, size = 0, len(buffer)
+        while size - offset >= 5:
+            length = U32.unpack_from(buffer, offset + 1)[0]
+            if buffer[offset]:
+                self._refuse(stream, INTERNAL, "compressed message without negotiated encoding",
+                             events)
+                return
+            if length > self.max_message_bytes:
+                self._refuse(stream, RESOURCE_EXHAUSTED,
+                             f"message of {length} bytes over the {self.max_message_bytes} limit",
+                             events)
+                return
+            end = offset + 5 + length
+            if end > size:
+                break
+            events.append(MessageReceived(stream.id, buffer[offset + 5:end]))
+            offset = end
+        if offset < size:
+            rest = buffer[offset:]
+            stream.partial, stream.have = [rest], len(rest)
+            stream.need = 5 + U32.unpack_from(rest, 1)[0] if len(rest) >= 5 else 5
+
+    def _remote_ended(self, stream: _Stream, events: list[Event]) -> None:
+        stream.remote_done = True
+        if stream.partial:
+            self._refuse(stream, INTERNAL, "stream ended inside a message", events)
+        elif stream.local_done and not stream.pending:
+            del self.streams[stream.id]
+        else:
+            events.append(InputEnded(stream.id))
+
+    def _refuse(self, stream: _Stream, status: int, message: str, events: list[Event]) -> None:
+        """End a call the server cannot take further: trailers with `status`, then the stream
+        is reset for the input side."""
+        stream.pending.clear()
+        self.finish(stream.id, status, message)
+        self._drop(stream.id)
+        events.append(StreamReset(stream.id, CANCEL))
+
+    def _stream_error(self, stream: _Stream, code: int, events: list[Event]) -> None:
+        self.reset(stream.id, code)
+        events.append(StreamReset(stream.id, code))
+
+    def _on_headers(self, kind: int, flags: int, stream_id: int, payload: bytes,
+                    events: list[Event]) -> None:
+        if kind == HEADERS:
+            if not stream_id or not stream_id & 1:
+                raise H2ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+            if flags & PADDED:
+                payload = _unpad(payload)
+            if flags & PRIORITY_FLAG:
+                if len(payload) < 5:
+                    raise H2ConnectionError(FRAME_SIZE_ERROR, "HEADERS too short for priority")
+                payload = payload[5:]
+            if flags & END_HEADERS:
+                self._header_block_done(stream_id, flags, payload, events)
+            else:
+                self._header_block = (stream_id, flags, bytearray(payload))
+            return
+        if self._header_block is None:
+            raise H2ConnectionError(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+        block = self._header_block[2]
+        block += payload
+        if len(block) > 1 << 20:
+            raise H2ConnectionError(ENHANCE_YOUR_CALM, "header block over 1 MiB")
+        if flags & END_HEADERS:
+            _, first_flags, _ = self._header_block
+            self._header_block = None
+            self._header_block_done(stream_id, first_flags, bytes(block), events)
+
+    def _header_block_done(self, stream_id: int, flags: int, block: bytes,
+                           events: list[Event]) -> None:
+        headers = self._decode(block)
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # trailers
+            if not flags & END_STREAM or stream.remote_done:
+                self._stream_error(stream, PROTOCOL_ERROR, events)
+            else:
+                self._remote_ended(stream, events)
+            return
+        if stream_id <= self.highest_stream_id:
+            return  # trailers of a stream we already closed
+        self.highest_stream_id = stream_id
+        if self.goaway_sent:
+            self._out.append(frame(RST_STREAM, 0, stream_id, U32.pack(REFUSED_STREAM)))
+            return
+        stream = self.streams[stream_id] = _Stream(stream_id, self._peer_initial_window,
+                                                           self.stream_window)
+        path = headers.get(":path")
+        if headers.get(":method") != "POST" or not path:
+            self._stream_error(stream, PROTOCOL_ERROR, events)  # not a gRPC request
+            return
+        events.append(StreamOpened(stream_id, path, headers))
+        if flags & END_STREAM:
+            self._remote_ended(stream, events)
+
+    def _decode(self, block: bytes) -> dict[str, str]:
+        """The header block as a dict. Envoy opens every ext_proc stream with the same block
+        (indexed fields and a literal :path that is not indexed): a block whose decoding left
+        the dynamic table as it was decodes the same way while the table stays so, and its
+        result is reused (hpack costs ≈ 2 µs per field). Any insertion makes a new newest
+        entry, any eviction a shorter table: (newest entry, length) tells the table changed."""
+        dynamic = self._decoder.header_table.dynamic_entries
+        newest, length = (dynamic[0] if dynamic else None), len(dynamic)
+        cached = self._decoded.get(block)
+        if cached is not None and cached[0] is newest and cached[1] == length:
+            return dict(cached[2])
+        try:  # always decoded otherwise, to keep the HPACK state in step
+            fields = self._decoder.decode(block, raw=True)
+        except (HPACKError, ValueError, IndexError) as exc:
+            raise H2ConnectionError(COMPRESSION_ERROR, f"HPACK: {exc}") from exc
+        headers = {bytes(k).decode("latin-1"): bytes(v).decode("latin-1") for k, v in fields}
+        if (dynamic[0] if dynamic else None) is newest and len(dynamic) == length:
+            if len(self._decoded) >= 64:
+                self._decoded.clear()
+            self._decoded[block] = (newest, length, headers)
+            return dict(headers)
+        return headers
+
+    # -- output ------------------------------------------------------------------------------
+
+    def send_message(self, stream_id: int, message: bytes) -> bool:
+        """Queue one gRPC message (response headers first if not sent); False if the stream
+        is gone or finished."""
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.local_done:
+            return False
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            self._out.append(frame(HEADERS, END_HEADERS, stream_id, _RESPONSE_HEADERS))
+        data = b"\x00" + U32.pack(len(message)) + message
+        size = len(data)
+        if (not stream.pending and size <= stream.send_window and size <= self._send_window
+                and size <= self._peer_max_frame):
+            stream.send_window -= size
+            self._send_window -= size
+            self._out.append(frame(DATA, 0, stream_id, data))
+        else:
+            stream.pending.append(data)
+            self._flush(stream)
+        return True
+
+    def finish(self, stream_id: int, status: int = OK, message: str = "") -> None:
+        """End the call with trailers (trailers-only if nothing was sent), after queued data."""
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.local_done:
+            return
+        stream.local_done = True
+        block = _trailers(status, message)
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            block = _RESPONSE_HEADERS + block
+        if stream.pending:
+            stream.pending.append((block,))
+            self._flush(stream)
+        else:
+            self._send_trailers(stream, block)
+
+    def _send_trailers(self, stream: _Stream, block: bytes) -> None:
+        step = self._peer_max_frame
+        if len(block) <= step:
+            self._out.append(frame(HEADERS, END_STREAM | END_HEADERS, stream.id, block))
+        else:
+            self._out.append(frame(HEADERS, END_STREAM, stream.id, block[:step]))
+            for start in range(step, len(block), step):
+                last = start + step >= len(block)
+                self._out.append(frame(CONTINUATION, END_HEADERS if last else 0, stream.id,
+                                       block[start:start + step]))
+        if stream.remote_done:
+            del self.streams[stream.id]
+        else:  # the client may still be sending: tell it to stop (as gRPC servers do)
+            self.reset(stream.id, NO_ERROR)
+
+    def _flush(self, stream: _Stream) -> None:
+        pending = stream.pending
+        while pending:
+            item = pending[0]
+            if type(item) is tuple:
+                pending.popleft()
+                self._blocked.pop(stream.id, None)
+                self._send_trailers(stream, item[0])
+                return
+            assert isinstance(item, bytes)
+            size = min(len(item), stream.send_window, self._send_window, self._peer_max_frame)
+            if size <= 0:
+                self._blocked[stream.id] = stream
+                return
+            stream.send_window -= size
+            self._send_window -= size
+            self._out.append(frame(DATA, 0, stream.id, item[:size]))
+            if size == len(item):
+                pending.popleft()
+            else:
+                pending[0] = item[size:]
+        self._blocked.pop(stream.id, None)
+
+    def _flush_blocked(self) -> None:
+        for stream in list(self._blocked.values()):
+            if self._send_window <= 0:
+                return
+            if stream.id in self.streams:
+                self._flush(stream)
+            else:
+                self._blocked.pop(stream.id, None)
+
+    def reset(self, stream_id: int, code: int = CANCEL) -> None:
+        """RST_STREAM `code`; the stream is forgotten."""
+        self._out.append(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
+        self._drop(stream_id)
+
+    def _drop(self, stream_id: int) -> bool:
+        self._blocked.pop(stream_id, None)
+        return self.streams.pop(stream_id, None) is not None
+
+    def goaway(self, code: int = NO_ERROR, debug: bytes = b"") -> None:
+        """No new streams past the highest seen; open ones may finish (NO_ERROR)."""
+        self.goaway_sent = True
+        payload = U32.pack(self.highest_stream_id) + U32.pack(code) + debug
+        self._out.append(frame(GOAWAY, 0, 0, payload))
+
+
+def _unpad(payload: bytes) -> bytes:
+    if not payload or payload[0] >= len(payload):
+        raise H2ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1:len(payload) - payload[0]]
+
+
