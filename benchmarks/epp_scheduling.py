@@ -35,7 +35,9 @@ def percentile(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     rnd = random.Random(args.seed)
-    addresses = [f"10.0.0.{i}:8000" for i in range(args.endpoints)]
+    # Loopback ports nothing listens on: routing is in process; a plugin that subscribes to
+    # the endpoints (precise-prefix-cache-scorer) is refused at once and never gets events.
+    addresses = [f"127.0.0.1:{1 + i}" for i in range(args.endpoints)]
     router = build_endpoint_picker(args.config, static_pool(addresses), metrics=EppMetrics()).router
     assert isinstance(router, EppRouter)
     datalayer = router.datalayer
