@@ -46,9 +46,6 @@ __all__ = ["INTERNAL", "NOT_FOUND", "OK", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED",
 logger = logging.getLogger(__name__)
 
 
-# -- asyncio driver ----------------------------------------------------------------------------
-
-
 class StreamHandler(Protocol):
     """One call's server side; `H2GrpcServer` calls these as the client's frames arrive."""
 
