@@ -101,6 +101,9 @@ class GenerationUpdate:
     first_token_time: float | None = None
     """On the update that carries the request's first output token: the engine's clock when
     that token was produced (None: not told, or not in this update)."""
+    num_preemptions: int | None = None
+    """On the last update: how many times the request's sequences were preempted (None: the
+    backend does not tell)."""
 
 
 @dataclass(frozen=True, slots=True)

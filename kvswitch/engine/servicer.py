@@ -313,8 +313,8 @@ class _Timer:
     the engine stamped on its update (when it was produced), else when it was read here.
     With `track`, it also keeps what a `RequestRecord` needs (first token, tokens, finish)."""
 
-    __slots__ = ("clock", "finish_reason", "first", "first_done", "last", "metrics", "queue",
-                 "start", "tokens", "track")
+    __slots__ = ("clock", "finish_reason", "first", "first_done", "last", "metrics",
+                 "preemptions", "queue", "start", "tokens", "track")
 
     def __init__(self, metrics: EngineMetrics | None, clock: Callable[[], float],
                  track: bool = False):
@@ -327,6 +327,7 @@ class _Timer:
         self.queue: float | None = None
         self.tokens = 0
         self.finish_reason: str | None = None
+        self.preemptions: int | None = None
 
     def update(self, update: GenerationUpdate) -> None:
         if self.track:
@@ -355,6 +356,8 @@ class _Timer:
     def _track(self, update: GenerationUpdate) -> None:
         if update.queue_seconds is not None:
             self.queue = update.queue_seconds
+        if update.num_preemptions is not None:
+            self.preemptions = update.num_preemptions
         tokens = sum(len(s.token_ids) for s in update.sequences)
         for s in update.sequences:
             if s.finish_reason is not None:
@@ -384,4 +387,5 @@ class _Timer:
             else None,
             prompt_tokens=builder.prompt_tokens, cached_tokens=builder.cached_tokens,
             completion_tokens=tokens,
-            finish_reason=failed or self.finish_reason or "abort", stream=stream)
+            finish_reason=failed or self.finish_reason or "abort", stream=stream,
+            preemptions=self.preemptions)

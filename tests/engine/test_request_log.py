@@ -93,6 +93,7 @@ async def test_engine_logs_each_request_in_its_own_clock(tmp_path: Path) -> None
         r = by_id[rid]
         assert (r.prompt_tokens, r.completion_tokens, r.finish_reason) == (64, 100, "length")
         assert r.stream == (rid in ("q0", "q2", "q4"))
+        assert r.preemptions is not None  # the simulator tells (0 unless KV ran out)
         assert r.cached_tokens == 48  # the warm-up's first 3 blocks (the last token is recomputed)
         assert started <= r.arrival_wall <= r.finish_wall <= time.time()
         assert r.queue_s is not None and r.ttft_s is not None and r.itl_s is not None

@@ -159,6 +159,7 @@ class OutputStream:
         self.num_done += 1
         if self.num_done == len(self.sequences):
             u.finished = True
+            u.num_preemptions = sum(s.num_preemptions for s in self.sequences)
             self.done = True
             self._wake()
 

@@ -322,3 +322,20 @@ async def test_a_non_incremental_request_still_ends_at_an_abort() -> None:
     finally:
         await e.stop()
     assert updates[-1].finished and final_delta(updates).finish_reason == "abort"
+
+
+async def test_the_last_update_counts_the_requests_preemptions() -> None:
+    # tiny: 64 blocks of 16; 4 x (100 prompt + 300 output) tokens need 100 blocks: preemption.
+    e = make_engine()
+    await e.start()
+    try:
+        prompt = PROMPT * 3  # 120 tokens
+        runs = await asyncio.gather(*(collect(e.generate(request(f"p{i}", [i + 1, *prompt[1:]],
+                                                                 max_tokens=300)))
+                                      for i in range(4)))
+    finally:
+        await e.stop()
+    finals = [updates[-1] for updates in runs]
+    assert all(u.finished and u.num_preemptions is not None for u in finals)
+    assert all(u.num_preemptions is None for updates in runs for u in updates[:-1])
+    assert sum(u.num_preemptions or 0 for u in finals) == e.scheduler.preemptions > 0
