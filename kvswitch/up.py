@@ -61,7 +61,10 @@ DEFAULT_EPP_CONFIG = {
          "parameters": {"blockSize": 16}},
         {"name": "queue-scorer", "type": "queue-scorer"},
         {"name": "kv-cache-utilization-scorer", "type": "kv-cache-utilization-scorer"},
-        {"name": "max-score-picker", "type": "max-score-picker"},
+        # The pick plus one fallback: Envoy retries a refused connection (a replica that died
+        # before the EPP noticed) on the fallback instead of failing the request.
+        {"name": "max-score-picker", "type": "max-score-picker",
+         "parameters": {"maxNumOfEndpoints": 2}},
     ],
     "schedulingProfiles": [{"name": "default", "plugins": [
         {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
