@@ -21,7 +21,7 @@ from kvswitch.frontend.metrics import FrontendMetrics
 from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
-from kvswitch.frontend.sse import DONE
+from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.chat_template import ChatTemplate
 
@@ -130,43 +130,28 @@ class ChatServing:
                 "model": model.name, "choices": choices,
                 "usage": generation.usage.as_dict(), "system_fingerprint": None}
 
-    async def _stream(self, deltas: AsyncIterator[ChoiceDelta], generation: Generation, request: ChatCompletionRequest,
-                      model: ServedModel, ctx: RequestContext) -> AsyncIterator[bytes]:
+    def _stream(self, deltas: AsyncIterator[ChoiceDelta], generation: Generation,
+                request: ChatCompletionRequest, model: ServedModel,
+                ctx: RequestContext) -> AsyncIterator[bytes]:
         head = orjson.dumps({"id": ctx.request_id, "object": "chat.completion.chunk",
                              "created": ctx.created, "model": model.name})
-        prefix = b"data: " + head[:-1] + b',"choices":['
-        suffix = b"]}\n\n"
-        dumps = orjson.dumps
-        # The role chunks go out with the first delta (already here: `prime` waited for it);
-        # the deltas that finish the generation go out with the usage chunk and [DONE].
-        lead = b"".join(prefix + dumps({"index": index, "delta": {"role": "assistant",
-                                                                  "content": ""},
-                                        "logprobs": None, "finish_reason": None}) + suffix
-                        for index in range(request.n))
-        tail = b""
+        start = chunk_start(head)
+        # The role chunks go out with the first delta (already here: `prime` waited for it).
+        lead = b"".join(start + orjson.dumps({"index": index, "delta": {"role": "assistant",
+                                                                        "content": ""},
+                                              "logprobs": None, "finish_reason": None})
+                        + CHUNK_END for index in range(request.n))
         want_logprobs = bool(request.logprobs)
-        async for delta in deltas:
-            choice: dict[str, Any] = {
-                "index": delta.index,
-                "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": chat_logprobs(model, delta.logprobs)
-                if want_logprobs and delta.logprobs is not None else None,
-                "finish_reason": delta.finish_reason,
-            }
-            if delta.finish_reason is not None:
-                choice["stop_reason"] = delta.stop_reason
-            event = lead + prefix + dumps(choice) + suffix
-            lead = b""
-            if generation.finished:
-                tail += event
-            else:
-                yield event
-        self._record(generation)
-        if request.include_usage:
-            tail += (b"data: " + head[:-1] + b',"choices":[],"usage":'
-                     + dumps(generation.usage.as_dict()) + b"}\n\n")
-        yield lead + tail + DONE
 
+        def choice_of(delta: ChoiceDelta) -> dict[str, Any]:
+            return {"index": delta.index,
+                    "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": chat_logprobs(model, delta.logprobs)
+                    if want_logprobs and delta.logprobs is not None else None,
+                    "finish_reason": delta.finish_reason}
+
+        return choice_events(deltas, generation, head, lead, choice_of, request.include_usage,
+                             self._record)
 
     def _record(self, generation: Generation) -> None:
         if self._metrics is not None:

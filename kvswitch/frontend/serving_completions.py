@@ -19,7 +19,7 @@ from kvswitch.frontend.protocol import CompletionRequest, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_chat import token_bytes
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
-from kvswitch.frontend.sse import DONE
+from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
 from kvswitch.protocol import vllm_engine_pb2 as pb
 
 __all__ = ["CompletionServing", "completion_logprobs"]
@@ -112,47 +112,34 @@ class CompletionServing:
                 "model": model.name, "choices": choices, "usage": generation.usage.as_dict(),
                 "system_fingerprint": None}
 
-    async def _stream(self, deltas: AsyncIterator[ChoiceDelta], generation: Generation,
-                      request: CompletionRequest, model: ServedModel, ctx: RequestContext,
-                      echoes: list[str] | None) -> AsyncIterator[bytes]:
+    def _stream(self, deltas: AsyncIterator[ChoiceDelta], generation: Generation,
+                request: CompletionRequest, model: ServedModel, ctx: RequestContext,
+                echoes: list[str] | None) -> AsyncIterator[bytes]:
         head = orjson.dumps({"id": ctx.request_id, "object": "text_completion",
                              "created": ctx.created, "model": model.name})
-        prefix = b"data: " + head[:-1] + b',"choices":['
-        suffix = b"]}\n\n"
-        dumps = orjson.dumps
+        start = chunk_start(head)
         offsets: dict[int, int] = {}
-        # Echoed prompts go out with the first delta (already here: `prime` waited for it);
-        # the deltas that finish the generation go out with the usage chunk and [DONE].
-        lead, tail = b"", b""
+        # Echoed prompts go out with the first delta (already here: `prime` waited for it).
+        lead = b""
         if echoes:
             for index in range(len(echoes) * request.n):
                 text = echoes[index // request.n]
                 offsets[index] = len(text)
-                lead += prefix + dumps({"index": index, "text": text, "logprobs": None,
-                                        "finish_reason": None}) + suffix
+                lead += start + orjson.dumps({"index": index, "text": text, "logprobs": None,
+                                              "finish_reason": None}) + CHUNK_END
         want_logprobs = request.logprobs is not None
-        async for delta in deltas:
+
+        def choice_of(delta: ChoiceDelta) -> dict[str, Any]:
             logprobs = None
             if want_logprobs and delta.logprobs is not None:
                 logprobs = completion_logprobs(model, delta.logprobs,
                                                offsets.get(delta.index, 0))
                 offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
-            choice: dict[str, Any] = {"index": delta.index, "text": delta.text,
-                                      "logprobs": logprobs,
-                                      "finish_reason": delta.finish_reason}
-            if delta.finish_reason is not None:
-                choice["stop_reason"] = delta.stop_reason
-            event = lead + prefix + dumps(choice) + suffix
-            lead = b""
-            if generation.finished:
-                tail += event
-            else:
-                yield event
-        self._record(generation)
-        if request.include_usage:
-            tail += (b"data: " + head[:-1] + b',"choices":[],"usage":'
-                     + dumps(generation.usage.as_dict()) + b"}\n\n")
-        yield lead + tail + DONE
+            return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason}
+
+        return choice_events(deltas, generation, head, lead, choice_of, request.include_usage,
+                             self._record)
 
     def _record(self, generation: Generation) -> None:
         if self._metrics is not None:

@@ -9,19 +9,63 @@ only travel in-band: an SSE `data: {"error": ...}` event, then `data: [DONE]`.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
 
 from kvswitch.errors import InternalError, KvswitchError, openai_type_for_http
+from kvswitch.frontend.generation import ChoiceDelta, Generation
 from kvswitch.frontend.http_server import Reply, StreamReply
 
-__all__ = ["DONE", "error_body", "error_reply", "sse_error_event", "sse_reply"]
+__all__ = [
+    "CHUNK_END",
+    "DONE",
+    "choice_events",
+    "chunk_start",
+    "error_body",
+    "error_reply",
+    "sse_error_event",
+    "sse_reply",
+]
 
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+CHUNK_END = b"]}\n\n"
+
+
+def chunk_start(head: bytes) -> bytes:
+    """`data: {...head fields,"choices":[` — a chunk event is this + choice JSON + CHUNK_END."""
+    return b"data: " + head[:-1] + b',"choices":['
+
+
+async def choice_events(deltas: AsyncIterator[ChoiceDelta], generation: Generation, head: bytes,
+                        lead: bytes, choice_of: Callable[[ChoiceDelta], dict[str, Any]],
+                        include_usage: bool, on_end: Callable[[Generation], None]
+                        ) -> AsyncIterator[bytes]:
+    """A streamed response's SSE events: one chunk per delta (`choice_of` builds its choice;
+    vLLM's `stop_reason` is added on the finishing one). `lead` (role or echo chunks) rides with
+    the first event, and the deltas that finish the generation ride with the usage chunk
+    (`stream_options.include_usage`) and [DONE] in one last write. `head` is the chunk object's
+    JSON without choices; `on_end` runs once the deltas are done."""
+    start, dumps = chunk_start(head), orjson.dumps
+    tail = b""
+    async for delta in deltas:
+        choice = choice_of(delta)
+        if delta.finish_reason is not None:
+            choice["stop_reason"] = delta.stop_reason
+        event = lead + start + dumps(choice) + CHUNK_END
+        lead = b""
+        if generation.finished:
+            tail += event
+        else:
+            yield event
+    on_end(generation)
+    if include_usage:
+        tail += (b"data: " + head[:-1] + b',"choices":[],"usage":'
+                 + dumps(generation.usage.as_dict()) + b"}\n\n")
+    yield lead + tail + DONE
 
 
 def error_body(error: KvswitchError) -> dict[str, Any]:
