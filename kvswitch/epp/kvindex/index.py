@@ -133,19 +133,22 @@ class PrefixIndex:
         state = self._endpoints.get(endpoint)
         if state is None:
             return
-        mask = ~(1 << state.bit)
-        holders = self._holders
-        for held in (state.own_copies, state.speculative):
-            for own in held:
-                left = holders[own] & mask
-                if left:
-                    holders[own] = left
-                else:
-                    del holders[own]
+        self._release(state.own_copies, state.bit)
+        self._release(state.speculative, state.bit)
         state.by_engine.clear()
         state.extra_copies.clear()
         state.own_copies.clear()
         state.speculative.clear()
+
+    def _release(self, owns: Iterable[int], bit: int) -> None:
+        """The endpoint with `bit` no longer holds these blocks (real or speculative)."""
+        holders, mask = self._holders, ~(1 << bit)
+        for own in owns:
+            left = holders[own] & mask
+            if left:
+                holders[own] = left
+            else:
+                del holders[own]
 
     def remove_endpoint(self, endpoint: str) -> None:
         self.clear(endpoint)
@@ -222,8 +225,7 @@ class PrefixIndex:
 
     def _remove(self, state: _EndpointBlocks, engine_hashes: Iterable[int]) -> int:
         by_engine, extra, own_copies = state.by_engine, state.extra_copies, state.own_copies
-        holders = self._holders
-        mask = ~(1 << state.bit)
+        released: list[int] = []
         removed = 0
         for engine_hash in engine_hashes:
             if engine_hash not in by_engine:
@@ -244,11 +246,8 @@ class PrefixIndex:
                 own_copies[own] = left
                 continue
             del own_copies[own]
-            rest = holders[own] & mask
-            if rest:
-                holders[own] = rest
-            else:
-                del holders[own]
+            released.append(own)
+        self._release(released, state.bit)
         return removed
 
     # -- speculative entries ---------------------------------------------------------------------
@@ -290,17 +289,12 @@ class PrefixIndex:
         while expiries and expiries[0][0] <= now:
             _, _, state, hashes = heapq.heappop(expiries)
             speculative = state.speculative
-            # In C: the confirmed (the usual fate) and cleared ones drop out here.
-            holders, mask = self._holders, ~(1 << state.bit)
-            for own in hashes.intersection(speculative):
-                if speculative[own] > now:
-                    continue  # speculated again since
+            # In C: the confirmed (the usual fate) and cleared ones drop out here; those
+            # speculated again since keep their later expiry.
+            due = [own for own in hashes.intersection(speculative) if speculative[own] <= now]
+            for own in due:
                 del speculative[own]
-                rest = holders[own] & mask
-                if rest:
-                    holders[own] = rest
-                else:
-                    del holders[own]
+            self._release(due, state.bit)
 
     # -- queries -------------------------------------------------------------------------------
 
