@@ -4,7 +4,7 @@ The channel is created lazily on the running event loop, so a worker process for
 by `kvswitch frontend --workers N` builds its own (gRPC channels do not survive a fork).
 gRPC failures become kvswitch errors here, at the boundary (`error_from_rpc`).
 
-Generate, the per-token hot path, goes over `h2stream.H2Channel` (a lean HTTP/2 client) when
+Generate, the per-token hot path, goes over `h2client.H2Channel` (a lean HTTP/2 client) when
 the target is a list of addresses; the other calls, and any Generate that channel cannot take
 (no connection, a request larger than the peer's window), use grpc.aio. Both hand back a
 `GenerateStream`: `read_batch()` returns every response already received.
@@ -35,8 +35,8 @@ from kvswitch.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvswitch.frontend.h2stream import H2Channel, NotAccepted, StreamError, parse_target
-from kvswitch.frontend.h2stream import available as h2_available
+from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, parse_target
+from kvswitch.protocol.h2client import available as h2_available
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 

@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 
 from kvswitch.frontend.engine_client import EngineClient, Metadata, error_from_rpc
-from kvswitch.frontend.h2stream import StreamError
+from kvswitch.protocol.h2client import StreamError
 from kvswitch.frontend.serving_models import ServedModel
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.detokenizer import StopStringMatcher, new_detokenizer

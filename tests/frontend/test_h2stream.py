@@ -9,7 +9,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvswitch.frontend.h2stream import H2Channel, StreamError, parse_target
+from kvswitch.protocol.h2client import H2Channel, StreamError, parse_target
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 
@@ -117,7 +117,7 @@ def test_parse_target() -> None:
 async def test_cached_header_blocks_follow_the_hpack_table() -> None:
     from hpack import Encoder
 
-    from kvswitch.frontend.h2stream import _Connection
+    from kvswitch.protocol.h2client import _Connection
 
     conn, encoder = _Connection("x"), Encoder()
     first = [(":status", "200"), ("x-a", "1")]
