@@ -3,45 +3,172 @@
 Upstream-like names where the meaning matches (scheduler e2e duration, request totals, token
 counters, pool ready endpoints, flow-control queue size). Pass a fresh `CollectorRegistry` per
 router in tests; `default_metrics()` registers one set in the global registry.
+
+The metrics updated on every request (request and token counters, in-flight gauge, scheduling
+histogram) are counted in plain dicts and exported by a custom collector at scrape time: a
+prometheus_client child costs a `.labels()` lookup and a lock per update, several times per
+request. They serve the same names, types, labels and values as prometheus_client's own
+Counter/Gauge/Histogram would (a test compares the two expositions). The event loop is their
+only writer; a scrape thread reads copies taken in one C call each (atomic under the GIL).
 """
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+import bisect
+import time
+from collections.abc import Iterator, Sequence
+
+import prometheus_client.metrics as _prometheus_metrics
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def _use_created() -> bool:
+    # prometheus_client's switch for `_created` series (PROMETHEUS_DISABLE_CREATED_SERIES).
+    return bool(getattr(_prometheus_metrics, "_use_created", True))
+
+
+class CountedCounter(Collector):
+    """A labelled counter kept as label values -> value; `inc` is one dict update."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.values: dict[tuple[str, ...], float] = {}
+        self.created: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        values = self.values
+        value = values.get(labels)
+        if value is None:
+            self.created[labels] = time.time()
+            value = 0.0
+        values[labels] = value + amount
+
+    def value(self, *labels: str) -> float:
+        return self.values.get(labels, 0.0)
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        values, created = self.values.copy(), self.created.copy()
+        with_created = _use_created()
+        for labels, value in values.items():
+            family.add_metric(labels, value, created.get(labels) if with_created else None)
+        yield family
+
+
+class CountedGauge(Collector):
+    """A labelled gauge kept as label values -> value; `set` is one dict store."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.values: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def set(self, labels: tuple[str, ...], value: float) -> None:
+        self.values[labels] = value
+
+    def value(self, *labels: str) -> float:
+        return self.values.get(labels, 0.0)
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.values.copy().items():
+            family.add_metric(labels, float(value))
+        yield family
+
+
+class CountedHistogram(Collector):
+    """An unlabelled histogram kept as per-bucket counts and a sum; `observe` is a bisect and
+    two additions."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = (*buckets, float("inf"))
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.created = time.time()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        # `le` buckets: the first bound >= value.
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> Iterator[Metric]:
+        counts, total = self.counts.copy(), self.sum
+        buckets = []
+        acc = 0.0
+        for bound, count in zip(self.bounds, counts, strict=True):
+            acc += count
+            buckets.append((floatToGoString(bound), acc))
+        family = HistogramMetricFamily(self.name, self.documentation)
+        family.add_metric([], buckets, total)
+        if _use_created():
+            family.add_sample(self.name + "_created", {}, self.created)
+        yield family
 
 
 class EppMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.scheduling_seconds = Histogram(
+        self.scheduling_seconds = CountedHistogram(
             "kvswitch_epp_scheduler_e2e_duration_seconds",
             "Time to run one scheduling cycle (filters, scorers, picker), excluding queueing.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            _LATENCY_BUCKETS, r)
         self.queue_wait_seconds = Histogram(
             "kvswitch_epp_flow_control_request_queue_duration_seconds",
             "Time requests spent in flow-control queues.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = Counter(
+        self.requests = CountedCounter(
             "kvswitch_epp_requests", "Routing decisions.",
-            ["model", "objective", "fairness_id", "endpoint", "status"], registry=r)
-        self.finished = Counter(
+            ["model", "objective", "fairness_id", "endpoint", "status"], r)
+        self.finished = CountedCounter(
             "kvswitch_epp_requests_finished", "Routed requests that ended, by outcome.",
-            ["endpoint", "ok"], registry=r)
-        self.prompt_tokens = Counter(
+            ["endpoint", "ok"], r)
+        self.prompt_tokens = CountedCounter(
             "kvswitch_epp_prompt_tokens", "Prompt tokens of finished requests.",
-            ["model", "endpoint"], registry=r)
-        self.completion_tokens = Counter(
+            ["model", "endpoint"], r)
+        self.completion_tokens = CountedCounter(
             "kvswitch_epp_completion_tokens", "Completion tokens of finished requests.",
-            ["model", "endpoint"], registry=r)
-        self.cached_tokens = Counter(
+            ["model", "endpoint"], r)
+        self.cached_tokens = CountedCounter(
             "kvswitch_epp_cached_tokens", "Prompt tokens served from the engines' prefix caches.",
-            ["model", "endpoint"], registry=r)
-        self.in_flight = Gauge(
+            ["model", "endpoint"], r)
+        self.in_flight = CountedGauge(
             "kvswitch_epp_endpoint_in_flight_requests", "Requests the EPP routed and not finished.",
-            ["endpoint"], registry=r)
+            ["endpoint"], r)
         self.endpoint_ready = Gauge(
             "kvswitch_epp_endpoint_ready", "1 when the endpoint is eligible for scheduling.",
             ["endpoint"], registry=r)

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
 from kvswitch.epp.flowcontrol import FlowGate, Verdict
@@ -56,15 +55,6 @@ class EppRouter:
         self._routed: dict[str, Endpoint] = {}
         self._gauges: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
-        # prometheus_client's labels() costs microseconds; keep the children per label set.
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (metric._name, *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def _lifecycle_plugins(self) -> list[Lifecycle]:
         # Deduplicated: a plugin may be listed both as configured and as a shared object.
@@ -133,32 +123,33 @@ class EppRouter:
             return self._count(request, FILTERED)
         pick = result.endpoints[0]
         pick.in_flight += 1
-        self._child(self.metrics.in_flight, pick.address).set(pick.in_flight)
+        self.metrics.in_flight.set((pick.address,), pick.in_flight)
         self._routed[request.request_id] = pick
-        decision = RoutingDecision(endpoints=tuple(e.address for e in result.endpoints))
+        decision = RoutingDecision(endpoints=tuple([e.address for e in result.endpoints]))
         return self._count(request, decision)
 
     def _count(self, request: InferenceRequest, decision: RoutingDecision) -> RoutingDecision:
         endpoint = decision.endpoints[0] if decision.endpoints else ""
-        self._child(self.metrics.requests, request.body.model or "", request.objective or "",
-                    request.fairness_id, endpoint, str(decision.status)).inc()
+        self.metrics.requests.inc((request.body.model or "", request.objective or "",
+                                   request.fairness_id, endpoint, str(decision.status)))
         return decision
 
     def request_finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
         endpoint = self._routed.pop(request.request_id, None)
+        m = self.metrics
         if endpoint is not None:
             endpoint.in_flight = max(0, endpoint.in_flight - 1)
-            self._child(self.metrics.in_flight, endpoint.address).set(endpoint.in_flight)
-        m = self.metrics
-        model = request.body.model or ""
+            m.in_flight.set((endpoint.address,), endpoint.in_flight)
         where = outcome.endpoint
-        self._child(m.finished, where, "true" if outcome.ok else "false").inc()
-        if outcome.prompt_tokens:
-            self._child(m.prompt_tokens, model, where).inc(outcome.prompt_tokens)
-        if outcome.completion_tokens:
-            self._child(m.completion_tokens, model, where).inc(outcome.completion_tokens)
-        if outcome.cached_tokens:
-            self._child(m.cached_tokens, model, where).inc(outcome.cached_tokens)
+        m.finished.inc((where, "true" if outcome.ok else "false"))
+        if outcome.prompt_tokens or outcome.completion_tokens or outcome.cached_tokens:
+            by_model = (request.body.model or "", where)
+            if outcome.prompt_tokens:
+                m.prompt_tokens.inc(by_model, outcome.prompt_tokens)
+            if outcome.completion_tokens:
+                m.completion_tokens.inc(by_model, outcome.completion_tokens)
+            if outcome.cached_tokens:
+                m.cached_tokens.inc(by_model, outcome.cached_tokens)
         self.scheduler.finished(request, outcome)
         # A finished request may have made room for queued ones.
         self.gate.pump()

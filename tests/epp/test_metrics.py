@@ -1,0 +1,81 @@
+"""The EPP's counted metrics serve exactly what prometheus_client's own metrics would."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import disable_created_metrics, enable_created_metrics
+
+from kvswitch.epp.metrics import EppMetrics
+
+LABELS = ["model", "objective", "fairness_id", "endpoint", "status"]
+NAMES = ("kvswitch_epp_scheduler_e2e_duration_seconds", "kvswitch_epp_requests_total",
+         "kvswitch_epp_requests_created", "kvswitch_epp_endpoint_in_flight_requests")
+
+
+def _without_created_values(text: str) -> str:
+    # `_created` samples hold creation timestamps: compare that they exist, not their value.
+    return re.sub(r"(_created(?:\{[^}]*\})?) \S+", r"\1 T", text)
+
+
+def _reference(registry: CollectorRegistry) -> tuple[Histogram, Counter, Gauge]:
+    histogram = Histogram(
+        "kvswitch_epp_scheduler_e2e_duration_seconds",
+        "Time to run one scheduling cycle (filters, scorers, picker), excluding queueing.",
+        buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), registry=registry)
+    counter = Counter("kvswitch_epp_requests", "Routing decisions.", LABELS, registry=registry)
+    gauge = Gauge("kvswitch_epp_endpoint_in_flight_requests",
+                  "Requests the EPP routed and not finished.", ["endpoint"], registry=registry)
+    return histogram, counter, gauge
+
+
+def _families(text: str, names: tuple[str, ...]) -> str:
+    return "\n".join(line for line in text.splitlines()
+                     if any(name in line for name in names))
+
+
+@pytest.mark.parametrize("created", [True, False])
+def test_counted_metrics_expose_what_prometheus_client_would(created: bool) -> None:
+    if not created:
+        disable_created_metrics()
+    try:
+        ours = EppMetrics()
+        reference = CollectorRegistry()
+        histogram, counter, gauge = _reference(reference)
+        for value in (0.00005, 0.0001, 0.0003, 0.002, 0.2, 31.0, 0.0001):
+            ours.scheduling_seconds.observe(value)
+            histogram.observe(value)
+        for labels, amount in ((("m", "", "default-flow", "10.0.0.1:8000", "200"), 1),
+                               (("m", "", "default-flow", "10.0.0.1:8000", "200"), 1),
+                               (("", "o", "t", "", "503"), 3)):
+            ours.requests.inc(labels, amount)
+            counter.labels(*labels).inc(amount)
+        ours.in_flight.set(("10.0.0.1:8000",), 2)
+        gauge.labels("10.0.0.1:8000").set(2)
+        ours.in_flight.set(("10.0.0.2:8000",), 0)
+        gauge.labels("10.0.0.2:8000").set(0)
+        expected = _families(generate_latest(reference).decode(), NAMES)
+        served = _families(generate_latest(ours.registry).decode(), NAMES)
+    finally:
+        enable_created_metrics()
+    assert _without_created_values(served) == _without_created_values(expected)
+    assert ("_created" in served) is created
+    assert ours.requests.value("", "o", "t", "", "503") == 3.0
+    assert ours.scheduling_seconds.count == 7
+
+
+def test_unused_counted_metrics_expose_their_help_and_type() -> None:
+    text = generate_latest(EppMetrics().registry).decode()
+    assert "# TYPE kvswitch_epp_prompt_tokens_total counter" in text
+    assert "# TYPE kvswitch_epp_endpoint_in_flight_requests gauge" in text
+    assert "kvswitch_epp_scheduler_e2e_duration_seconds_count 0.0" in text
+
+
+def test_the_default_registry_takes_the_counted_metrics_once() -> None:
+    registry = CollectorRegistry(auto_describe=True)
+    EppMetrics(registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        EppMetrics(registry)
