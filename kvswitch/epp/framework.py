@@ -117,6 +117,12 @@ class ProfileResult:
 
 @runtime_checkable
 class ProfileHandler(Protocol):
+    """Chooses the profiles a request runs and the result it is routed by.
+
+    A handler with the class attribute `max_profiles = 1` promises to run its one profile once
+    and answer with that profile's result; with one profile configured, the scheduler then runs
+    it directly (no `pick_profiles`/`process_results` calls per request)."""
+
     name: str
 
     def pick_profiles(self, request: InferenceRequest, state: CycleState,
@@ -154,8 +160,9 @@ class SchedulerProfile:
         totals = [0.0] * len(endpoints)
         for scorer, weight in self.scorers:
             scores = scorer.score(request, state, endpoints)
-            for i, s in enumerate(scores):
-                totals[i] += weight * _clamp(s)
+            # The chained comparison passes scores already in [0, 1] without a call.
+            totals = [total + weight * (s if 0.0 <= s <= 1.0 else _clamp(s))
+                      for total, s in zip(totals, scores)]
         return ProfileResult(self.name, self.picker.pick(request, state, endpoints, totals))
 
 
@@ -170,11 +177,26 @@ class Scheduler:
         self.producers = [p for p in plugins if isinstance(p, DataProducer)]
         self.pre_request = [p for p in plugins if isinstance(p, PreRequest)]
         self.response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
+        # A one-profile handler's answer is its profile's result: run it without the handshake.
+        self._only: SchedulerProfile | None = None
+        if getattr(handler, "max_profiles", None) == 1 and len(self.profiles) == 1:
+            self._only = next(iter(self.profiles.values()))
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> ProfileResult:
         state: CycleState = {}
         for producer in self.producers:
             producer.produce(request, state, endpoints)
+        if self._only is not None:
+            result = self._only.run(request, state, endpoints)
+        else:
+            result = self._run_profiles(request, state, endpoints)
+        if result.endpoints:
+            for hook in self.pre_request:
+                hook.pre_request(request, state, result)
+        return result
+
+    def _run_profiles(self, request: InferenceRequest, state: CycleState,
+                      endpoints: Sequence[Endpoint]) -> ProfileResult:
         results: dict[str, ProfileResult] = {}
         while True:
             todo = self.handler.pick_profiles(request, state, self.profiles, results)
@@ -182,11 +204,7 @@ class Scheduler:
                 break
             for profile in todo:
                 results[profile.name] = profile.run(request, state, endpoints)
-        result = self.handler.process_results(request, state, results)
-        if result.endpoints:
-            for hook in self.pre_request:
-                hook.pre_request(request, state, result)
-        return result
+        return self.handler.process_results(request, state, results)
 
     def finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
         for hook in self.response_complete:

@@ -120,6 +120,58 @@ def test_scheduler_runs_producers_then_profile_then_pre_request() -> None:
     assert calls == ["produce", "pre_request 1 10.0.0.1:8000"]
 
 
+class TwoProfiles:
+    """A handler that runs "first", then "second" if the first picked nothing."""
+
+    name = "two"
+
+    def pick_profiles(self, request, state, profiles, results):  # type: ignore[no-untyped-def]
+        if not results:
+            return [profiles["first"]]
+        if "second" not in results and not results["first"].endpoints:
+            return [profiles["second"]]
+        return []
+
+    def process_results(self, request, state, results):  # type: ignore[no-untyped-def]
+        return results.get("second") or results["first"]
+
+
+def test_scheduler_consults_a_multi_profile_handler_until_it_is_done() -> None:
+    eps = endpoints(2)
+    first = SchedulerProfile("first", [DropFirst(), DropFirst()], [], MaxScorePicker("m"))
+    second = SchedulerProfile("second", [], [(FixedScorer("s", [1.0, 0.0]), 1.0)],
+                              MaxScorePicker("m"))
+    scheduler = Scheduler(TwoProfiles(), {"first": first, "second": second}, [])
+    result = scheduler.schedule(REQ, eps)
+    assert (result.profile, result.endpoints) == ("second", (eps[0],))
+
+
+def test_a_one_profile_handler_answers_with_its_profile_without_per_request_calls() -> None:
+    class OneProfile(SingleProfileHandler):
+        def pick_profiles(self, *args):  # type: ignore[no-untyped-def]
+            raise AssertionError("not consulted per request")
+
+    eps = endpoints(3)
+    profile = SchedulerProfile("only", [], [(FixedScorer("s", [0.2, 0.9, 0.1]), 1.0)],
+                               MaxScorePicker("m"))
+    result = Scheduler(OneProfile("h"), {"only": profile}, []).schedule(REQ, eps)
+    assert (result.profile, result.endpoints) == ("only", (eps[1],))
+
+
+def test_scores_outside_zero_one_are_clamped() -> None:
+    eps = endpoints(4)
+    seen: list[list[float]] = []
+
+    class Recorder(MaxScorePicker):
+        def pick(self, request, state, eps_, scores):  # type: ignore[no-untyped-def]
+            seen.append(list(scores))
+            return super().pick(request, state, eps_, scores)
+
+    scorer = FixedScorer("a", [1.0, 0.0, -0.0, 1.5])
+    SchedulerProfile("p", [], [(scorer, 2.0)], Recorder("m")).run(REQ, {}, eps)
+    assert seen == [[2.0, 0.0, 0.0, 2.0]]
+
+
 def test_plugin_handle_shares_objects_and_names_missing_plugins() -> None:
     handle = PluginHandle(Datalayer())
     first = handle.shared("k", dict)

@@ -41,6 +41,23 @@ def test_max_score_breaks_ties_at_random() -> None:
     assert min(seen.values()) > 60
 
 
+def test_max_score_with_fallbacks_breaks_ties_at_random() -> None:
+    picker = MaxScorePicker("m", 2, rng=random.Random(5))
+    firsts: Counter[str] = Counter()
+    for _ in range(300):
+        pick = picker.pick(REQ, {}, EPS, [0.5, 0.9, 0.9, 0.1])
+        assert set(pick) == {EPS[1], EPS[2]}
+        firsts[pick[0].address] += 1
+    assert min(firsts.values()) > 100
+    # A tie at the cut: either 0.5 may be the fallback.
+    fallbacks = Counter(picker.pick(REQ, {}, EPS, [0.5, 0.9, 0.5, 0.1])[1].address
+                        for _ in range(300))
+    assert set(fallbacks) == {EPS[0].address, EPS[2].address}
+    assert min(fallbacks.values()) > 100
+    # No tie: the order is the scores' order.
+    assert picker.pick(REQ, {}, EPS, [0.5, 0.9, 0.5, 0.7]) == (EPS[1], EPS[3])
+
+
 def test_weighted_random_follows_scores() -> None:
     picker = WeightedRandomPicker("w", rng=random.Random(2))
     seen = Counter(picker.pick(REQ, {}, EPS, [0.0, 3.0, 1.0, 0.0])[0].address

@@ -32,10 +32,15 @@ class MaxScorePicker:
             best = max(scores)
             ties = [i for i, s in enumerate(scores) if s == best]
             return (endpoints[ties[0] if len(ties) == 1 else self._rng.choice(ties)],)
-        order = list(range(len(endpoints)))
-        self._rng.shuffle(order)  # a stable sort after a shuffle breaks ties at random
-        order.sort(key=lambda i: -scores[i])
-        return tuple(endpoints[i] for i in order[: self.max_endpoints])
+        n = self.max_endpoints
+        order = sorted(range(len(endpoints)), key=scores.__getitem__, reverse=True)
+        edge = [scores[i] for i in order[: n + 1]]
+        if len(set(edge)) < len(edge):
+            # A tie among the chosen or at the cut (rare once loads differ): order equal
+            # scores by a random key instead of by position.
+            rnd = self._rng.random
+            order = sorted(range(len(endpoints)), key=lambda i: (scores[i], rnd()), reverse=True)
+        return tuple([endpoints[i] for i in order[:n]])
 
 
 def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> MaxScorePicker:

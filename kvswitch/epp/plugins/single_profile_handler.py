@@ -21,6 +21,7 @@ TYPE = "single-profile-handler"
 
 class SingleProfileHandler:
     max_profiles = 1
+    """Config check, and the scheduler's cue to run the profile without the calls below."""
 
     def __init__(self, name: str) -> None:
         self.name = name

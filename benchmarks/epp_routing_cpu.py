@@ -1,0 +1,195 @@
+"""CPU per routed request and per KV-event batch of the EPP, in process (no network).
+
+Two measurements, each over many iterations with `time.process_time`:
+
+- routing: `EppRouter.route()` + `request_finished()` with `kvswitch up`'s default profile
+  (precise-prefix-cache-scorer 3, queue-scorer 2, kv-cache-utilization-scorer 2, max-score-picker
+  maxNumOfEndpoints 2; what benchmarks/gateway_throughput.py runs) over 4 and 16 endpoints with varied load, for 128- and 1k-token tokenized
+  prompts (a shared prefix per group + a unique tail, as in benchmarks/epp_scheduling.py). The
+  precise index knows every endpoint (as when subscribed) but gets no events here, so matches come
+  from the speculative entries of earlier picks. No subscription is opened.
+- kv_events: `batch_from_proto()` + `PrefixIndex.apply()` per `KvEventBatch` message as the
+  simulated engine sends them (one `KvBlocksStored` per request: 9 blocks of 16 tokens for a
+  128-token prompt + 16 output tokens, a `KvBlocksRemoved` evicting as many older blocks in steady
+  state, an `EngineLoad` record), with 1 and 6 requests per batch.
+
+Each case runs `--rounds` times and the round with the least CPU is reported (the machine's
+other work only ever adds). Prints and saves JSON.
+
+    .venv/bin/python benchmarks/epp_routing_cpu.py --out benchmarks/results/epp_routing_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections import deque
+from pathlib import Path
+
+from kvswitch.engine.kv_events import load_record, to_int64
+from kvswitch.epp.config import build_endpoint_picker, static_pool
+from kvswitch.epp.datalayer import Metrics
+from kvswitch.epp.kvindex import PrefixIndex, batch_from_proto
+from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome
+from kvswitch.epp.router import EppRouter
+from kvswitch.protocol import common_pb2
+from kvswitch.up import DEFAULT_EPP_CONFIG
+
+PATH = "/vllm.grpc.engine.VllmEngine/Generate"
+
+
+def make_router(endpoints: int, rnd: random.Random) -> EppRouter:
+    addresses = [f"10.0.0.{i + 1}:8000" for i in range(endpoints)]
+    router = build_endpoint_picker(DEFAULT_EPP_CONFIG, static_pool(addresses),
+                                   metrics=EppMetrics()).router
+    assert isinstance(router, EppRouter)
+    datalayer = router.datalayer
+    datalayer.set_endpoints(router.refresher.discovery.endpoints)  # type: ignore[union-attr]
+    datalayer.staleness = 1e9
+    for a in addresses:
+        datalayer.update(a, Metrics(running=rnd.randrange(20), waiting=rnd.randrange(4),
+                                    kv_usage=rnd.random() * 0.7, max_tokens=29205 * 16,
+                                    block_size=16, updated_at=datalayer.clock()))
+    for plugin in router.scheduler.plugins:
+        if isinstance(plugin, PrecisePrefixCacheScorer):
+            plugin._following = plugin._pool()  # no grpc subscriptions in a CPU benchmark
+            for a in addresses:
+                plugin.index.add_endpoint(a)
+    return router
+
+
+async def routing_cost(endpoints: int, prompt_tokens: int, requests: int, warmup: int,
+                       seed: int) -> dict[str, float]:
+    rnd = random.Random(seed)
+    router = make_router(endpoints, rnd)
+    prefix = prompt_tokens * 3 // 4
+    prefixes = [tuple(rnd.randrange(150_000) for _ in range(prefix)) for _ in range(32)]
+    tails = [tuple(rnd.randrange(150_000) for _ in range(prompt_tokens - prefix - 1))
+             for _ in range(64)]
+    built = [InferenceRequest(f"r{i}", "grpc", PATH, ParsedBody(
+        prompt_token_ids=rnd.choice(prefixes) + tails[i % len(tails)] + (i,)))
+        for i in range(requests + warmup)]
+    # Requests finish in the order they were routed, `in_flight` later (as under load).
+    in_flight: deque[tuple[InferenceRequest, RequestOutcome]] = deque()
+    cpu = 0.0
+    for i, request in enumerate(built):
+        c0 = time.process_time()
+        decision = await router.route(request, None)
+        in_flight.append((request, RequestOutcome(decision.endpoints[0], ok=True,
+                                                  prompt_tokens=prompt_tokens,
+                                                  completion_tokens=16)))
+        if len(in_flight) > 8:
+            router.request_finished(*in_flight.popleft())
+        c1 = time.process_time()
+        if i >= warmup:
+            cpu += c1 - c0
+    return {"endpoints": endpoints, "prompt_tokens": prompt_tokens, "requests": requests,
+            "cpu_us_per_request": cpu / requests * 1e6}
+
+
+def _load() -> common_pb2.EngineLoad:
+    from kvswitch.engine.base import EngineLoadSnapshot
+    snapshot = EngineLoadSnapshot(running=8, waiting=0, waiting_uncached_tokens=0,
+                                  used_blocks=4000, total_blocks=29205, block_size=16,
+                                  max_running=256, gen_throughput=900.0, cache_hit_rate=0.1)
+    return load_record(snapshot, 1, load_only=False, full=False)
+
+
+def make_batches(count: int, requests_per_batch: int, rnd: random.Random,
+                 blocks_per_request: int = 9, block_size: int = 16) -> list[bytes]:
+    """Serialized KvEventBatch messages as kvswitch.engine.kv_events builds them."""
+    out: list[bytes] = []
+    live: deque[int] = deque()
+    next_hash = 1
+    event_id = 1
+    for seq in range(count):
+        events: list[common_pb2.KvCacheEvent] = []
+        # Steady state: once 2,000 blocks are cached, evict as many as are stored.
+        evictions = min(max(0, len(live) - 2000), requests_per_batch * blocks_per_request)
+        evict = [live.popleft() for _ in range(evictions)]
+        if evict:
+            events.append(common_pb2.KvCacheEvent(removed=common_pb2.KvBlocksRemoved(
+                block_hashes=[to_int64(h) for h in evict])))
+        for _ in range(requests_per_batch):
+            stored = common_pb2.KvBlocksStored()
+            for _ in range(blocks_per_request):
+                h = next_hash * 0x9E3779B97F4A7C15 & ((1 << 64) - 1)
+                next_hash += 1
+                stored.blocks.append(common_pb2.KvBlock(
+                    block_hash=to_int64(h), block_size=block_size,
+                    token_ids=[rnd.randrange(100, 100_000) for _ in range(block_size)]))
+                live.append(h)
+            events.append(common_pb2.KvCacheEvent(stored=stored))
+        for offset, event in enumerate(events):
+            event.event_id = event_id + offset
+        event_id += len(events)
+        out.append(common_pb2.KvEventBatch(sequence_number=seq, timestamp=time.time(),
+                                           events=events, load=_load()).SerializeToString())
+    return out
+
+
+def kv_event_cost(requests_per_batch: int, batches: int, seed: int) -> dict[str, float]:
+    rnd = random.Random(seed)
+    wire = make_batches(batches, requests_per_batch, rnd)
+    messages = [common_pb2.KvEventBatch.FromString(w) for w in wire]  # as grpc hands them over
+    index = PrefixIndex(16)
+    index.add_endpoint("e")
+    blocks = sum(len(e.stored.blocks) + len(e.removed.block_hashes)
+                 for m in messages for e in m.events)
+    convert = apply = 0.0
+    for message in messages:
+        c0 = time.process_time()
+        batch = batch_from_proto(message)
+        c1 = time.process_time()
+        index.apply("e", batch.events)
+        c2 = time.process_time()
+        convert += c1 - c0
+        apply += c2 - c1
+    n = len(messages)
+    return {"requests_per_batch": requests_per_batch, "batches": n,
+            "block_events_per_batch": blocks / n,
+            "batch_from_proto_us": convert / n * 1e6, "apply_us": apply / n * 1e6,
+            "total_us_per_batch": (convert + apply) / n * 1e6,
+            "total_us_per_block_event": (convert + apply) / blocks * 1e6}
+
+
+def best_of(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """The round with the least CPU (other processes only ever add to it)."""
+    key = "cpu_us_per_request" if "cpu_us_per_request" in rounds[0] else "total_us_per_batch"
+    return min(rounds, key=lambda r: r[key])
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    routing = []
+    for endpoints in (4, 16):
+        for prompt_tokens in (128, 1024):
+            routing.append(best_of([await routing_cost(endpoints, prompt_tokens, args.requests,
+                                                       args.warmup, args.seed)
+                                    for _ in range(args.rounds)]))
+    kv = [best_of([kv_event_cost(r, args.batches, args.seed) for _ in range(args.rounds)])
+          for r in (1, 6)]
+    return {"rounds": args.rounds, "routing": routing, "kv_events": kv}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--warmup", type=int, default=2000)
+    parser.add_argument("--batches", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="repeat each case; report the best")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/epp_routing_cpu.json"))
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    print(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
