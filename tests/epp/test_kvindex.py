@@ -16,6 +16,7 @@ from kvswitch.epp.kvindex import (
     Verdict,
     batch_from_proto,
     block_hashes,
+    root_hash,
 )
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
 from kvswitch.protocol import common_pb2
@@ -44,6 +45,20 @@ def test_match_counts_leading_blocks_per_endpoint() -> None:
     assert index.match(hashes) == {"a": 3, "b": 5, "c": 0}
     assert index.match_tokens(PROMPT[:10]) == {"a": 8, "b": 8, "c": 0}
     assert index.match(hashes, ["b", "zzz"]) == {"b": 5, "zzz": 0}
+
+
+def test_block_hashes_take_any_sequence_and_only_full_blocks() -> None:
+    expected, parent = [], root_hash()
+    for i in range(5):
+        parent = hash((parent, tuple(PROMPT[i * B:(i + 1) * B])))
+        expected.append(parent)
+    assert block_hashes(PROMPT + [7], B) == block_hashes(tuple(PROMPT), B) == expected
+    assert block_hashes(PROMPT[:B - 1], B) == []
+    index = PrefixIndex(B)
+    index.apply("a", [chain(PROMPT)])
+    # Nobody holds the first block: every named endpoint matches 0.
+    assert index.match(block_hashes([9] * 8, B), ["a", "b"]) == {"a": 0, "b": 0}
+    assert index.match([], ["a"]) == {"a": 0}
 
 
 def test_hash_is_chained_content_not_engine_hash() -> None:

@@ -51,12 +51,12 @@ def root_hash(namespace: tuple[str, str] = ("", "")) -> int:
 def block_hashes(token_ids: Sequence[int], block_size: int,
                  namespace: tuple[str, str] = ("", "")) -> list[int]:
     """Own chained hashes of every full block of `token_ids` (a trailing partial block: none)."""
-    tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
     parent = root_hash(namespace)
     out: list[int] = []
     append = out.append
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tokens[start:start + block_size]))
+    # zip over one iterator `block_size` times yields the full blocks as tuples, built in C.
+    for block in zip(*[iter(token_ids)] * block_size):
+        parent = hash((parent, block))
         append(parent)
     return out
 
@@ -316,6 +316,8 @@ class PrefixIndex:
         for bit in bits:
             alive |= 1 << bit
         get = self._holders.get
+        if not hashes or not alive & get(hashes[0], 0):
+            return result  # nobody holds the first block (a new prefix): all 0
         position = 0
         for position, own in enumerate(hashes):
             held = alive & get(own, 0)

@@ -36,6 +36,7 @@ the refresher polls GetLoads only rarely while records flow.
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +57,7 @@ from kvswitch.epp.request import InferenceRequest
 from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 
 TYPE = "precise-prefix-cache-scorer"
+_address = operator.attrgetter("address")
 
 
 class PrecisePrefixCacheScorer:
@@ -77,7 +79,7 @@ class PrecisePrefixCacheScorer:
     def _pool(self) -> frozenset[str]:
         if self._handle is None:
             return frozenset()
-        return frozenset(e.address for e in self._handle.datalayer.all())
+        return frozenset(map(_address, self._handle.datalayer.all()))
 
     def _follow_pool(self) -> None:
         """Start/stop subscriptions when the pool changed (cheap when it did not)."""
