@@ -1,9 +1,13 @@
-"""CPU cost of the EPP request path per request: a streaming Generate with a 1k-token prompt.
+"""CPU cost of the EPP request path per request: a streaming Generate (`--prompt-tokens`, 1024).
 
 Three figures, each CPU seconds per request (not wall time):
 - `core`: ExtProcStream alone (headers, body, routed, response headers, trailers, close) on
   prebuilt messages -- parsing, routing bookkeeping, reply building;
 - `core_wire`: the same plus protobuf (de)serialization of every ext_proc message, as grpc does;
+- `h2_inproc`: the h2 transport in process: what Envoy sends for a gRPC pool (HEADERS,
+  request_headers, request_body, response_trailers, end of stream) fed as bytes to the
+  server's protocol object, replies written to a null transport -- frames, HPACK, gRPC framing
+  and the core, with no socket or event loop;
 - `server`: the whole EPP process (`EppServer` with a constant router, uvloop) in a child
   process, once per `--transports` entry (h2: kvswitch.epp.h2server; grpcio: grpc.aio), driven
   over loopback by `--concurrency` concurrent ext_proc streams; measured as the child's
@@ -34,15 +38,31 @@ from pathlib import Path
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from hpack import Encoder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting
+from kvswitch.epp.h2server import _Protocol
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.request import EndpointPicker, RoutingDecision
+from kvswitch.epp.server import PROCESS_PATH, EppServer
 from kvswitch.protocol import vllm_engine_pb2
 from kvswitch.protocol.frames import encode
+from kvswitch.protocol.http2 import (
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    MAX_WINDOW,
+    PREFACE,
+    SETTINGS,
+    U32,
+    WINDOW_UPDATE,
+    frame,
+)
 from tests.epp.test_extproc import (
     body,
     grpc_headers,
@@ -62,10 +82,10 @@ class ConstantRouter:
     def request_finished(self, request: object, outcome: object) -> None: ...
 
 
-def messages() -> list[ep.ProcessingRequest]:
+def messages(prompt_tokens: int = PROMPT_TOKENS) -> list[ep.ProcessingRequest]:
     generate = vllm_engine_pb2.GenerateRequest(
         request_id="bench", stream=True,
-        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=range(1000, 1000 + PROMPT_TOKENS)),
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=range(1000, 1000 + prompt_tokens)),
         sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=64),
     )
     headers = grpc_headers(("x-request-id", "bench"), ("user-agent", "grpc-python/1.85"),
@@ -75,12 +95,13 @@ def messages() -> list[ep.ProcessingRequest]:
         body(encode(generate.SerializeToString()), eos=True),
         response_headers((":status", "200"), ("content-type", "application/grpc")),
         response_trailers(("grpc-status", "0"),
-                          ("x-kvswitch-usage", "prompt_tokens=1024;completion_tokens=64;cached_tokens=0")),
+                          ("x-kvswitch-usage",
+                           f"prompt_tokens={prompt_tokens};completion_tokens=64;cached_tokens=0")),
     ]
 
 
-def run_core(picker: EndpointPicker, n: int, wire: bool) -> float:
-    msgs = messages()
+def run_core(picker: EndpointPicker, n: int, wire: bool, prompt_tokens: int) -> float:
+    msgs = messages(prompt_tokens)
     raw = [m.SerializeToString() for m in msgs]
     start = time.process_time()
     for _ in range(n):
@@ -99,6 +120,67 @@ def run_core(picker: EndpointPicker, n: int, wire: bool) -> float:
                 if type(reply) is ep.ProcessingResponse:
                     reply.SerializeToString()
     return (time.process_time() - start) / n
+
+
+class _NullTransport:
+    """What `_Protocol` needs of an asyncio transport; counts what it is given."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None: ...
+
+
+def h2_input(n: int, prompt_tokens: int) -> list[list[bytes]]:
+    """What Envoy sends for `n` ext_proc streams on one connection, one list of reads each:
+    HEADERS + request_headers + request_body, response_trailers (response headers skipped, as
+    for a gRPC pool), end of stream."""
+    msgs = messages(prompt_tokens)
+    del msgs[2]
+    framed = [b"\0" + U32.pack(len(raw)) + raw for raw in (m.SerializeToString() for m in msgs)]
+    encoder = Encoder()
+    fields = [(":method", "POST"), (":scheme", "http"), (":path", PROCESS_PATH),
+              (":authority", "epp"), ("content-type", "application/grpc"), ("te", "trailers"),
+              ("x-envoy-internal", "true"), ("x-forwarded-for", "10.0.0.9")]
+    first = bytes(encoder.encode(fields))
+    again = bytes(encoder.encode(fields))  # all indexed now: the same block from here on
+    streams = []
+    for i in range(n):
+        sid = 2 * i + 1
+        block = again if i else first
+        streams.append([
+            frame(HEADERS, END_HEADERS, sid, block) + frame(DATA, 0, sid, framed[0])
+            + frame(DATA, 0, sid, framed[1]),
+            frame(DATA, 0, sid, framed[2]),
+            frame(DATA, END_STREAM, sid, b""),
+        ])
+    return streams
+
+
+def run_h2(picker: EndpointPicker, n: int, prompt_tokens: int) -> float:
+    """The h2 transport in process: Envoy's bytes fed to `_Protocol.data_received`, no socket
+    or event loop (the router answers at once)."""
+    server = EppServer(picker, port=0)._h2
+    assert server is not None
+    protocol = _Protocol(server)
+    transport = _NullTransport()
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol.data_received(PREFACE + frame(SETTINGS, 0, 0, b"")
+                           + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
+    streams = h2_input(n, prompt_tokens)
+    start = time.process_time()
+    for reads in streams:
+        for data in reads:
+            protocol.data_received(data)
+    elapsed = time.process_time() - start
+    assert not protocol.conn.streams and not protocol.conn.closed and transport.written
+    return elapsed / n
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -148,8 +230,8 @@ uvloop.run(main())
 SKIP_RESPONSE_HEADERS = False
 
 
-async def drive(port: int, n: int, concurrency: int) -> None:
-    msgs = messages()
+async def drive(port: int, n: int, concurrency: int, prompt_tokens: int) -> None:
+    msgs = messages(prompt_tokens)
     if SKIP_RESPONSE_HEADERS:
         del msgs[2]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -174,15 +256,15 @@ async def drive(port: int, n: int, concurrency: int) -> None:
         await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))
 
 
-def run_server(n: int, concurrency: int, code: str) -> tuple[float, float]:
+def run_server(n: int, concurrency: int, code: str, prompt_tokens: int) -> tuple[float, float]:
     child = subprocess.Popen([sys.executable, "-c", code],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
         port = int(child.stdout.readline())
-        asyncio.run(drive(port, 200, concurrency))  # warm up
+        asyncio.run(drive(port, 200, concurrency, prompt_tokens))  # warm up
         cpu0, wall0 = proc_cpu_seconds(child.pid), time.perf_counter()
-        asyncio.run(drive(port, n, concurrency))
+        asyncio.run(drive(port, n, concurrency, prompt_tokens))
         cpu1, wall1 = proc_cpu_seconds(child.pid), time.perf_counter()
         return (cpu1 - cpu0) / n, n / (wall1 - wall0)
     finally:
@@ -193,9 +275,12 @@ def run_server(n: int, concurrency: int, code: str) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="in-process runs of requests/repeat each; the best is reported")
     parser.add_argument("--server-requests", type=int, default=4000)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved server rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved server rounds (0: in-process figures only)")
     parser.add_argument("--transports", default="h2,grpcio", help="EppServer transports to run")
     parser.add_argument("--skip-response-headers", action="store_true",
                         help="drive the server as Envoy does with response_header_mode SKIP")
@@ -204,29 +289,38 @@ def main() -> None:
     global SKIP_RESPONSE_HEADERS
     SKIP_RESPONSE_HEADERS = args.skip_response_headers
     picker = EndpointPicker(parsers=default_parsers(), router=ConstantRouter())
-    run_core(picker, 2000, wire=True)  # warm up
-    core = run_core(picker, args.requests, wire=False)
-    core_wire = run_core(picker, args.requests, wire=True)
+    tokens = args.prompt_tokens
+    run_core(picker, 2000, wire=True, prompt_tokens=tokens)  # warm up
+    run_h2(picker, 2000, tokens)
+    # The in-process figures: the best of `--repeat` runs, as the machine may be shared.
+    share = max(1, args.requests // args.repeat)
+    core = min(run_core(picker, share, wire=False, prompt_tokens=tokens) for _ in range(args.repeat))
+    core_wire = min(run_core(picker, share, wire=True, prompt_tokens=tokens)
+                    for _ in range(args.repeat))
+    h2_inproc = min(run_h2(picker, share, tokens) for _ in range(args.repeat))
     transports = args.transports.split(",")
     rounds: dict[str, list[tuple[float, float]]] = {t: [] for t in [*transports, "grpc_floor"]}
     for index in range(args.rounds):
         for name, values in rounds.items():
             code = FLOOR_CHILD if name == "grpc_floor" else SERVER_CHILD.format(
                 repo=str(REPO), transport=name)
-            cpu, rate = run_server(args.server_requests, args.concurrency, code)
+            cpu, rate = run_server(args.server_requests, args.concurrency, code, tokens)
             values.append((cpu, rate))
             print(f"round {index + 1} {name:10s} {cpu * 1e3:.4f} ms CPU/request, "
                   f"{rate:.0f} requests/s", flush=True)
     result: dict[str, object] = {
-        "prompt_tokens": PROMPT_TOKENS,
+        "prompt_tokens": tokens,
         "requests": args.requests,
         "core_cpu_ms_per_request": round(core * 1e3, 4),
         "core_wire_cpu_ms_per_request": round(core_wire * 1e3, 4),
+        "h2_inproc_cpu_ms_per_request": round(h2_inproc * 1e3, 4),
         "server_requests": args.server_requests,
         "server_concurrency": args.concurrency,
         "rounds": args.rounds,
     }
     for name, values in rounds.items():
+        if not values:  # --rounds 0: in-process figures only
+            continue
         prefix = name if name == "grpc_floor" else f"server_{name}"
         result[f"{prefix}_cpu_ms_per_request"] = round(
             statistics.median(v[0] for v in values) * 1e3, 4)

@@ -1,11 +1,12 @@
 """The ext_proc request path as a sans-IO state machine: one `ExtProcStream` per Envoy stream.
 
-    stream.receive(ProcessingRequest) -> [ProcessingResponse | NeedRouting | RequestFinished]
-    stream.routed(RoutingDecision)     -> [ProcessingResponse | RequestFinished]
+    stream.receive(ProcessingRequest) -> [SerializedResponse | NeedRouting | RequestFinished]
+    stream.routed(RoutingDecision)     -> [SerializedResponse | RequestFinished]
     stream.close()                     -> [RequestFinished]     (the gRPC stream ended)
 
-The driver (`kvswitch.epp.server`) sends responses, resolves `NeedRouting` with
-`router.route()` and hands `RequestFinished` to `router.request_finished()`.
+The driver (`kvswitch.epp.server`) sends responses (ProcessingResponses already serialized:
+`bytes`), resolves `NeedRouting` with `router.route()` and hands `RequestFinished` to
+`router.request_finished()`.
 
 Envoy's request body mode decides the reply order (it arrives in `protocol_config`):
 - FULL_DUPLEX_STREAMED (default): Envoy streams the body without waiting for the headers
@@ -41,6 +42,7 @@ from kvswitch.epp.extproc_messages import (
     RESPONSE_HEADERS_CONTINUE,
     RESPONSE_TRAILERS_CONTINUE,
     TRAILERS_CONTINUE,
+    SerializedResponse,
     destination_reply,
     header_dict,
     immediate_error,
@@ -62,7 +64,7 @@ from kvswitch.epp.request import (
 from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, PayloadTooLarge
 from kvswitch.protocol import headers as h
 
-__all__ = ["Action", "ExtProcStream", "NeedRouting", "RequestFinished"]
+__all__ = ["Action", "ExtProcStream", "NeedRouting", "RequestFinished", "SerializedResponse"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,8 @@ class RequestFinished:
     outcome: RequestOutcome
 
 
-Action: TypeAlias = ep.ProcessingResponse | NeedRouting | RequestFinished
+Action: TypeAlias = SerializedResponse | NeedRouting | RequestFinished
+"""What a stream asks of its driver; a `SerializedResponse` is `bytes` at run time."""
 
 
 class _Phase(Enum):

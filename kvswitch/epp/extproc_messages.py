@@ -1,14 +1,15 @@
 """Envoy ext_proc messages for the request path: reading them and building the replies.
 
-Pure functions and prebuilt constant replies, no state: `ExtProcStream` (`kvswitch.epp.extproc`)
-decides what to send, this module knows how ext_proc spells it. Replies are filled through
-attribute paths (several times cheaper in upb than nested constructor kwargs) and constant
-replies are built once.
+Pure functions and prebuilt replies: `ExtProcStream` (`kvswitch.epp.extproc`) decides what to
+send, this module knows how ext_proc spells it. Replies come serialized (`SerializedResponse`):
+constant ones are built once, destination replies once per destination, the body echo is
+encoded by hand.
 """
 
 from __future__ import annotations
 
 import urllib.parse
+from typing import NewType
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption
@@ -21,7 +22,8 @@ from kvswitch.protocol import headers as h
 
 __all__ = [
     "BODY_CONTINUE", "HEADERS_CONTINUE", "RESPONSE_BODY_CONTINUE", "RESPONSE_HEADERS_CONTINUE",
-    "RESPONSE_TRAILERS_CONTINUE", "TRAILERS_CONTINUE", "destination_reply", "header_dict",
+    "RESPONSE_TRAILERS_CONTINUE", "TRAILERS_CONTINUE", "SerializedResponse", "destination_reply",
+    "header_dict",
     "immediate_error", "inference_request", "parse_usage", "streamed_body",
     "streamed_body_chunks", "subset_hint",
 ]
@@ -101,12 +103,24 @@ def parse_usage(value: str) -> dict[str, int]:
 
 # -- building replies --------------------------------------------------------------------------
 
-HEADERS_CONTINUE = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-BODY_CONTINUE = ep.ProcessingResponse(request_body=ep.BodyResponse())
-TRAILERS_CONTINUE = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-RESPONSE_HEADERS_CONTINUE = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-RESPONSE_BODY_CONTINUE = ep.ProcessingResponse(response_body=ep.BodyResponse())
-RESPONSE_TRAILERS_CONTINUE = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+SerializedResponse = NewType("SerializedResponse", bytes)
+"""A ProcessingResponse in wire form: the transports send it as is. Replies are built
+serialized because their bytes repeat (constants, one per destination) or are a few length
+prefixes around the body (the echo): no message is built and serialized per request."""
+
+
+def _serialized(reply: ep.ProcessingResponse) -> SerializedResponse:
+    return SerializedResponse(reply.SerializeToString())
+
+
+HEADERS_CONTINUE = _serialized(ep.ProcessingResponse(request_headers=ep.HeadersResponse()))
+BODY_CONTINUE = _serialized(ep.ProcessingResponse(request_body=ep.BodyResponse()))
+TRAILERS_CONTINUE = _serialized(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+RESPONSE_HEADERS_CONTINUE = _serialized(
+    ep.ProcessingResponse(response_headers=ep.HeadersResponse()))
+RESPONSE_BODY_CONTINUE = _serialized(ep.ProcessingResponse(response_body=ep.BodyResponse()))
+RESPONSE_TRAILERS_CONTINUE = _serialized(
+    ep.ProcessingResponse(response_trailers=ep.TrailersResponse()))
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # Envoy's ext_proc client has no small message limit, but keep each echoed chunk modest.
@@ -120,15 +134,27 @@ def _header(key: str, value: str) -> HeaderValueOption:
 
 
 _TE_TRAILERS = _header("te", "trailers")
+# Destinations repeat (a pool's endpoints, a pick and its fallbacks): their replies are kept.
+_DESTINATION_REPLIES_MAX = 4096
+_destination_replies: dict[tuple[str, bool, bool], SerializedResponse] = {}
 
 
-# Replies are filled through attribute paths: several times cheaper in upb than nested kwargs.
-
-
-def destination_reply(destination: str, *, grpc: bool, on_body: bool) -> ep.ProcessingResponse:
+def destination_reply(destination: str, *, grpc: bool, on_body: bool) -> SerializedResponse:
     """Route to `destination`: the header (overwriting any client-supplied copy, which is never
     trusted) and the same value under `envoy.lb` dynamic metadata. `on_body`: reply to the last
     body chunk (buffered modes) instead of the request headers."""
+    key = (destination, grpc, on_body)
+    reply = _destination_replies.get(key)
+    if reply is None:
+        if len(_destination_replies) >= _DESTINATION_REPLIES_MAX:
+            _destination_replies.clear()
+        reply = _destination_replies[key] = _serialized(
+            _destination_message(destination, grpc=grpc, on_body=on_body))
+    return reply
+
+
+def _destination_message(destination: str, *, grpc: bool, on_body: bool) -> ep.ProcessingResponse:
+    # Filled through attribute paths: several times cheaper in upb than nested kwargs.
     reply = ep.ProcessingResponse()
     common = reply.request_body.response if on_body else reply.request_headers.response
     sets = common.header_mutation.set_headers
@@ -144,16 +170,57 @@ def destination_reply(destination: str, *, grpc: bool, on_body: bool) -> ep.Proc
     return reply
 
 
-def streamed_body(body: bytes, end: bool, *, response: bool = False) -> ep.ProcessingResponse:
-    reply = ep.ProcessingResponse()
-    body_reply = reply.response_body if response else reply.request_body
-    streamed = body_reply.response.body_mutation.streamed_response
-    streamed.body = body
-    streamed.end_of_stream = end
-    return reply
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
-def streamed_body_chunks(body: bytes, end: bool) -> list[ep.ProcessingResponse]:
+# The echo's envelope, outermost first, as (field number << 3 | length-delimited) tags:
+# ProcessingResponse.request_body (3) or .response_body (4) -> BodyResponse.response (1) ->
+# CommonResponse.body_mutation (3) -> BodyMutation.streamed_response (3).
+_REQUEST_ECHO_TAGS = (b"\x1a", b"\x0a", b"\x1a", b"\x1a")
+_RESPONSE_ECHO_TAGS = (b"\x22", b"\x0a", b"\x1a", b"\x1a")
+_STREAMED_BODY_TAG = b"\x0a"  # StreamedBodyResponse.body (1)
+_STREAMED_END = b"\x10\x01"  # StreamedBodyResponse.end_of_stream (2) = true
+
+
+def streamed_body(body: bytes, end: bool, *, response: bool = False) -> SerializedResponse:
+    """`ProcessingResponse{request_body{response{body_mutation{streamed_response{body,
+    end_of_stream}}}}}` (`response`: response_body), encoded by hand as protobuf would: the
+    body between a few length prefixes. Empty and false fields are left out, as proto3 does."""
+    key = (len(body), end, response)
+    head = _echo_heads.get(key)
+    if head is None:
+        head = _echo_head(*key)
+    return SerializedResponse(b"".join((head, body, _STREAMED_END if end else b"")))
+
+
+# Echo heads depend on the body's size only; sizes repeat (a client's prompts, fixed lengths).
+_ECHO_HEADS_MAX = 4096
+_echo_heads: dict[tuple[int, bool, bool], bytes] = {}
+
+
+def _echo_head(size: int, end: bool, response: bool) -> bytes:
+    """Everything before the body bytes: the envelope's prefixes and the body's."""
+    head = _STREAMED_BODY_TAG + _varint(size) if size else b""
+    length = len(head) + size + (len(_STREAMED_END) if end else 0)
+    for tag in reversed(_RESPONSE_ECHO_TAGS if response else _REQUEST_ECHO_TAGS):
+        prefix = tag + _varint(length)
+        head = prefix + head
+        length += len(prefix)
+    if len(_echo_heads) >= _ECHO_HEADS_MAX:
+        _echo_heads.clear()
+    _echo_heads[size, end, response] = head
+    return head
+
+
+def streamed_body_chunks(body: bytes, end: bool) -> list[SerializedResponse]:
     if len(body) <= _ECHO_CHUNK_BYTES:
         return [streamed_body(body, end)]
     starts = range(0, len(body), _ECHO_CHUNK_BYTES)
@@ -173,7 +240,7 @@ def _grpc_message(message: str) -> str:
 
 def immediate_error(
     status: int, message: str, reason: str, *, grpc: bool, param: str | None = None
-) -> ep.ProcessingResponse:
+) -> SerializedResponse:
     """A local reply: trailers-only gRPC status for gRPC calls, OpenAI-style JSON for HTTP."""
     dropped = _header(h.DROPPED_REASON, reason)
     if grpc:
@@ -199,4 +266,4 @@ def immediate_error(
             ),
             body=orjson.dumps({"error": error}),
         )
-    return ep.ProcessingResponse(immediate_response=immediate)
+    return _serialized(ep.ProcessingResponse(immediate_response=immediate))

@@ -73,6 +73,9 @@ _STREAM_WINDOW = 4 << 20
 _REFILL_CONNECTION_AT = 1 << 30
 
 
+# A DATA frame's header followed by an uncompressed gRPC message's 5-byte prefix.
+_DATA_MESSAGE = struct.Struct(">HBBBIBI")
+
 # ":status: 200" is static-table entry 8 (indexed: one byte).
 _RESPONSE_HEADERS = b"\x88" + hpack_literal("content-type", "application/grpc")
 _OK_TRAILERS = hpack_literal("grpc-status", "0")
@@ -534,15 +537,16 @@ class H2GrpcConnection:
         if not stream.headers_sent:
             stream.headers_sent = True
             self._out.append(frame(HEADERS, END_HEADERS, stream_id, _RESPONSE_HEADERS))
-        data = b"\x00" + U32.pack(len(message)) + message
-        size = len(data)
+        size = 5 + len(message)
         if (not stream.pending and size <= stream.send_window and size <= self._send_window
                 and size <= self._peer_max_frame):
             stream.send_window -= size
             self._send_window -= size
-            self._out.append(frame(DATA, 0, stream_id, data))
+            # The frame header and the gRPC prefix in one pack: one copy of the message.
+            self._out.append(_DATA_MESSAGE.pack(size >> 8, size & 0xFF, DATA, 0, stream_id, 0,
+                                                size - 5) + message)
         else:
-            stream.pending.append(data)
+            stream.pending.append(b"\x00" + U32.pack(size - 5) + message)
             self._flush(stream)
         return True
 

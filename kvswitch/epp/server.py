@@ -31,7 +31,6 @@ from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -78,26 +77,34 @@ def _report_finished(router: Router, actions: list[Action]) -> None:
             logger.exception("request_finished failed for %s", action.request.request_id)
 
 
-class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """`ExternalProcessor.Process` on grpc.aio: one `ExtProcStream` per gRPC stream."""
+class ExtProcServicer:
+    """`ExternalProcessor.Process` on grpc.aio: one `ExtProcStream` per gRPC stream. It yields
+    serialized ProcessingResponses: register it with `add_to_server()` (no response
+    serializer), not the generated `add_ExternalProcessorServicer_to_server`."""
 
     def __init__(self, picker: EndpointPicker) -> None:
         self._picker = picker
         self._router = picker.router
 
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        process = grpc.stream_stream_rpc_method_handler(
+            self.Process, request_deserializer=ep.ProcessingRequest.FromString)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": process}),))
+
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ep.ProcessingResponse]:
+    ) -> AsyncIterator[bytes]:
         stream = ExtProcStream(self._picker)
         try:
             async for message in request_iterator:
                 for action in stream.receive(message):
-                    if type(action) is ep.ProcessingResponse:
+                    if type(action) is bytes:
                         yield action
                     elif type(action) is NeedRouting:
                         decision = await self._route(action)
                         for routed in stream.routed(decision):
-                            if type(routed) is ep.ProcessingResponse:
+                            if type(routed) is bytes:
                                 yield routed
                             else:
                                 _report_finished(self._router, [routed])
@@ -205,8 +212,8 @@ class _ProcessCall:
     def _perform(self, actions: list[Action]) -> None:
         for i, action in enumerate(actions):
             kind = type(action)
-            if kind is ep.ProcessingResponse:
-                self._call.send(action.SerializeToString())  # type: ignore[union-attr]
+            if kind is bytes:
+                self._call.send(action)  # type: ignore[arg-type]
             elif kind is NeedRouting:
                 if not self._route(action, actions[i + 1:]):  # type: ignore[arg-type]
                     return
@@ -375,7 +382,7 @@ def _grpcio_server(picker: EndpointPicker, limit: int) -> grpc.aio.Server:
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
     ])
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker), server)
+    ExtProcServicer(picker).add_to_server(server)
     reflection.enable_server_reflection(
         (EXT_PROC_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME),

@@ -25,9 +25,15 @@ U32 = struct.Struct(">I")
 24 bits: `U32.unpack_from(buf, offset)[0] >> 8` reads it from the frame's first 4 bytes)."""
 
 
+FRAME_HEADER = struct.Struct(">HBBBI")
+"""A frame's 9-byte header as (length >> 8, length & 0xFF, type, flags, stream id): one pack
+call for the 24-bit length."""
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     """One HTTP/2 frame: 24-bit length, type, flags, 31-bit stream id, payload."""
-    return U32.pack(len(payload))[1:] + bytes((kind, flags)) + U32.pack(stream_id) + payload
+    size = len(payload)
+    return FRAME_HEADER.pack(size >> 8, size & 0xFF, kind, flags, stream_id) + payload
 
 
 def hpack_int(value: int, bits: int, flags: int = 0) -> bytes:

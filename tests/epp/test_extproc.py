@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 import pytest
@@ -32,10 +33,25 @@ class NeverRouter:
         raise AssertionError("sans-IO stream must not call request_finished")
 
 
+def decoded(actions: list[Any]) -> list[Any]:
+    """Serialized replies read back as ProcessingResponse messages, to compare them whole."""
+    return [ep.ProcessingResponse.FromString(a) if type(a) is bytes else a for a in actions]
+
+
+class ReadableStream(ExtProcStream):
+    """The stream under test with its replies decoded (`decoded`)."""
+
+    def receive(self, message: ep.ProcessingRequest) -> list[Any]:
+        return decoded(super().receive(message))
+
+    def routed(self, decision: RoutingDecision) -> list[Any]:
+        return decoded(super().routed(decision))
+
+
 def make_stream(*, passthrough: bool = False, max_body_bytes: int = 1 << 20) -> ExtProcStream:
     parsers = [*default_parsers(), *([PassthroughParser()] if passthrough else [])]
     picker = EndpointPicker(parsers=parsers, router=NeverRouter(), max_body_bytes=max_body_bytes)
-    return ExtProcStream(picker, clock=lambda: 42.0)
+    return ReadableStream(picker, clock=lambda: 42.0)
 
 
 def header_map(pairs: Sequence[tuple[str, str]]) -> HeaderMap:
