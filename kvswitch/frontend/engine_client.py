@@ -35,10 +35,10 @@ from kvswitch.errors import (
     Unavailable,
     Unimplemented,
 )
-from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, parse_target
-from kvswitch.protocol.h2client import available as h2_available
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, parse_target
+from kvswitch.protocol.h2client import available as h2_available
 
 __all__ = ["EngineClient", "GenerateStream", "Metadata", "error_from_rpc", "error_from_status"]
 

@@ -18,9 +18,9 @@ import grpc
 import grpc.aio
 
 from kvswitch.frontend.engine_client import EngineClient, Metadata, error_from_rpc
-from kvswitch.protocol.h2client import StreamError
 from kvswitch.frontend.serving_models import ServedModel
 from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.protocol.h2client import StreamError
 from kvswitch.tokenization.detokenizer import StopStringMatcher, new_detokenizer
 
 __all__ = ["ChoiceDelta", "Generation", "TokenLogprobs", "Usage", "prime"]

@@ -1,23 +1,28 @@
-"""A minimal asyncio HTTP/2 client for gRPC server-streaming calls: the Generate hot path.
+"""A minimal asyncio HTTP/2 client for gRPC: unary request -> streamed (or one) responses.
 
-Why not grpc.aio: on 2 cores its per-message cost (a completion-queue poller thread handing
-each received message to the event loop, one batch op and one future per read) measured
-≈ 25–38 µs of CPU per streamed token, more than the whole of SMG's transcoding. Here a
-connection is an `asyncio.Protocol` that parses frames straight out of `data_received`; every
-gRPC message already received for a stream is handed over in one `read_batch()`, so a slow
-reader gets several engine messages at once (coalesced into one SSE event, never delayed).
+Used for the frontend's Generate hot path and the EPP's engine telemetry (SubscribeKvEvents,
+GetLoads, HealthCheck, GetServerInfo). Why not grpc.aio: on 2 cores its per-message cost (a
+completion-queue poller thread handing each received message to the event loop, one batch op
+and one future per read) measured ≈ 25–38 µs of CPU per streamed token, more than the whole of
+SMG's transcoding. Here a connection is an `asyncio.Protocol` that parses frames straight out of
+`data_received`; every gRPC message already received for a stream is handed over in one
+`read_batch()`, so a slow reader gets several engine messages at once.
 
-Scope, on purpose: h2c (prior knowledge), unary request → streamed responses, no compression.
-Large flow-control windows are granted up front (the responses are small and read promptly).
-A request that does not fit the peer's send window or stream limit is refused with
-`NotAccepted` and the caller uses grpc.aio instead. HPACK is `hpack` (python-hyper); without
-it installed `available()` is False and everything stays on grpc.aio.
+Scope, on purpose: h2c (prior knowledge), unary request -> streamed responses (`unary()` waits
+for exactly one), no compression. Large flow-control windows are granted up front and refilled
+as they are used, so a stream can live for days. A call may carry a deadline (sent as
+`grpc-timeout`; when it passes the call fails with DEADLINE_EXCEEDED and is reset). A lost
+connection fails every open call with UNAVAILABLE at once. A call this channel cannot start (no
+connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE `StreamError`:
+the frontend then uses grpc.aio instead. HPACK is `hpack` (python-hyper); without it installed
+`available()` is False and the frontend stays on grpc.aio.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -45,7 +50,8 @@ from kvswitch.protocol.http2 import (
     hpack_literal,
 )
 
-__all__ = ["H2Channel", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target"]
+__all__ = ["H2Channel", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target",
+           "timeout_header"]
 
 _REFILL_AT = 2**30
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -61,8 +67,11 @@ class StreamError(Exception):
         self.code, self.details = code, details
 
 
-class NotAccepted(Exception):
+class NotAccepted(StreamError):
     """This channel cannot take the call now (no connection, window or stream slot)."""
+
+    def __init__(self, details: str = "call not accepted") -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
 
 
 def available() -> bool:
@@ -100,6 +109,8 @@ class StreamCall:
         "_id",
         "_messages",
         "_parse",
+        "_received",
+        "_timer",
         "_waiter",
     )
 
@@ -111,6 +122,8 @@ class StreamCall:
         self._ended = False
         self._error: StreamError | None = None
         self._headers_seen = False
+        self._received = 0  # DATA bytes since this stream's window was last refilled
+        self._timer: asyncio.TimerHandle | None = None
 
     async def read_batch(self) -> list[Any]:
         """The messages received so far (at least one), or [] once the call ended OK;
@@ -120,13 +133,32 @@ class StreamCall:
                 if self._error is None:
                     return []
                 raise self._error
-            self._waiter = self._conn.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
         messages, self._messages = self._messages, []
         return messages
+
+    async def response(self) -> Any:
+        """A unary call's one response, once the call ended OK; raises `StreamError` when it
+        ended otherwise. Cancelling the caller cancels the call."""
+        try:
+            while not self._ended:
+                await self._wait()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if self._error is not None:
+            raise self._error
+        if len(self._messages) != 1:
+            raise StreamError(grpc.StatusCode.INTERNAL,
+                              f"unary call answered {len(self._messages)} messages")
+        return self._messages[0]
+
+    async def _wait(self) -> None:
+        self._waiter = self._conn.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def cancel(self) -> None:
         """Reset the stream (the server aborts the request); a no-op once it ended."""
@@ -134,23 +166,35 @@ class StreamCall:
             self._finish(StreamError(grpc.StatusCode.CANCELLED, "cancelled by the client"))
             self._conn.reset(self._id)
 
+    def _expire(self) -> None:
+        if not self._ended:
+            self._finish(StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
+            self._conn.reset(self._id)
+
     # --- fed by the connection -------------------------------------------------------------
 
     def _data(self, data: bytes) -> None:
+        self._received += len(data)
+        if self._received >= _REFILL_AT:
+            self._conn.refill(self._id, self._received)
+            self._received = 0
         buffer = self._buffer + data if self._buffer else data
         offset, size = 0, len(buffer)
         parse, messages = self._parse, self._messages
-        while size - offset >= 5:
-            length = U32.unpack_from(buffer, offset + 1)[0]
-            end = offset + 5 + length
-            if end > size:
-                break
-            if buffer[offset]:
-                self._finish(StreamError(grpc.StatusCode.INTERNAL,
-                                         "compressed message without negotiated encoding"))
-                return
-            messages.append(parse(buffer[offset + 5:end]))
-            offset = end
+        try:
+            while size - offset >= 5:
+                length = U32.unpack_from(buffer, offset + 1)[0]
+                end = offset + 5 + length
+                if end > size:
+                    break
+                if buffer[offset]:
+                    raise ValueError("compressed message without negotiated encoding")
+                messages.append(parse(buffer[offset + 5:end]))
+                offset = end
+        except Exception as exc:  # noqa: BLE001 - a bad message fails its call, not the others
+            self._finish(StreamError(grpc.StatusCode.INTERNAL, f"bad response message: {exc}"))
+            self._conn.reset(self._id)
+            return
         self._buffer = buffer[offset:] if offset < size else b""
         self._wake()
 
@@ -177,6 +221,8 @@ class StreamCall:
         if not self._ended:
             self._ended, self._error = True, error
             self._conn.streams.pop(self._id, None)
+            if self._timer is not None:
+                self._timer.cancel()
             self._wake()
 
     def _wake(self) -> None:
@@ -201,10 +247,20 @@ def _unquote(message: str) -> str:
     return unquote(message)
 
 
+def timeout_header(seconds: float) -> str:
+    """A deadline as gRPC's `grpc-timeout` value: at most 8 digits and a unit, rounded up."""
+    millis = max(1, math.ceil(seconds * 1000))
+    return f"{millis}m" if millis < 10**8 else f"{min(math.ceil(seconds), 10**8 - 1)}S"
+
+
 class _Connection(asyncio.Protocol):
-    def __init__(self, authority: str) -> None:
+    def __init__(self, authority: str, user_agent: str = "kvswitch-frontend",
+                 on_lost: Callable[[], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.authority = authority
+        self.user_agent = user_agent
+        self.on_lost = on_lost
+        """Called once when the connection drops or the server sends GOAWAY."""
         self.streams: dict[int, StreamCall] = {}
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -213,7 +269,7 @@ class _Connection(asyncio.Protocol):
         from hpack import Decoder
 
         self._decoder = Decoder()
-        self._fixed_headers: dict[str, bytes] = {}
+        self._fixed_headers: dict[tuple[str, float | None], bytes] = {}
         self._header_block: tuple[int, int, bytearray] | None = None
         self._send_window = 65535
         self._peer_initial_window = 65535
@@ -230,29 +286,40 @@ class _Connection(asyncio.Protocol):
                              + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - 65535)))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self._closing()
         for call in list(self.streams.values()):
             call._finish(StreamError(grpc.StatusCode.UNAVAILABLE,
                                      f"connection to {self.authority} lost"))
 
+    def _closing(self) -> None:
+        """No new streams here from now on; tell the owner once."""
+        if not self.closed:
+            self.closed = True
+            if self.on_lost is not None:
+                self.on_lost()
+
     def start(self, path: str, metadata: Sequence[tuple[str, str]], body: bytes,
-              parse: Callable[[bytes], Any]) -> StreamCall:
+              parse: Callable[[bytes], Any], timeout: float | None = None) -> StreamCall:
         size = len(body) + 5
         if (self.closed or self.transport is None or self._next_id >= 2**31
                 or len(self.streams) >= self._peer_max_streams
                 or size > min(self._send_window, self._peer_initial_window)):
-            raise NotAccepted
+            raise NotAccepted(f"{self.authority}: no connection, window or stream slot")
         stream_id, self._next_id = self._next_id, self._next_id + 2
-        fixed = self._fixed_headers.get(path)
+        fixed = self._fixed_headers.get((path, timeout))
         if fixed is None:
-            fixed = b"".join(hpack_literal(k, v) for k, v in (
-                (":method", "POST"), (":scheme", "http"), (":path", path),
-                (":authority", self.authority), ("content-type", "application/grpc"),
-                ("te", "trailers"), ("user-agent", "kvswitch-frontend")))
-            self._fixed_headers[path] = fixed
+            headers = [(":method", "POST"), (":scheme", "http"), (":path", path),
+                       (":authority", self.authority), ("content-type", "application/grpc"),
+                       ("te", "trailers"), ("user-agent", self.user_agent)]
+            if timeout is not None:
+                headers.append(("grpc-timeout", timeout_header(timeout)))
+            fixed = b"".join(hpack_literal(k, v) for k, v in headers)
+            self._fixed_headers[(path, timeout)] = fixed
         block = fixed + b"".join([hpack_literal(k, v) for k, v in metadata])
         call = StreamCall(self, stream_id, parse)
         self.streams[stream_id] = call
+        if timeout is not None:
+            call._timer = self.loop.call_later(timeout, call._expire)
         message = b"\x00" + U32.pack(len(body)) + body
         self._send_window -= size
         out = [frame(HEADERS, END_HEADERS, stream_id, block)]
@@ -267,6 +334,11 @@ class _Connection(asyncio.Protocol):
     def reset(self, stream_id: int) -> None:
         if not self.closed and self.transport is not None:
             self._send(frame(RST_STREAM, 0, stream_id, U32.pack(0x8)))
+
+    def refill(self, stream_id: int, received: int) -> None:
+        """Give a long-lived stream back the window its received bytes used."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(received)))
 
     def _send(self, data: bytes) -> None:
         # Calls started (or reset) in the same loop iteration leave in one write: one syscall
@@ -330,6 +402,7 @@ class _Connection(asyncio.Protocol):
         if call is None:
             return
         if flags & PADDED:
+            call._received += payload[0] + 1  # padding counts against the window too
             payload = payload[1:len(payload) - payload[0]]
         if payload:
             call._data(payload)
@@ -361,7 +434,7 @@ class _Connection(asyncio.Protocol):
                                          f"stream reset by the server (HTTP/2 error {code})"))
         elif kind == GOAWAY:
             last = U32.unpack_from(payload)[0] & 0x7FFFFFFF
-            self.closed = True  # no new streams here; those the server never saw fail now
+            self._closing()  # no new streams here; those the server never saw fail now
             for sid, call in list(self.streams.items()):
                 if sid > last:
                     call._finish(StreamError(grpc.StatusCode.UNAVAILABLE,
@@ -386,6 +459,7 @@ class _Connection(asyncio.Protocol):
         try:  # always, to keep HPACK state in step
             headers = self._decode(bytes(block))
         except Exception:  # noqa: BLE001 - any HPACK error breaks the connection (RFC 7540 §4.3)
+            self._closing()
             self.close()
             self.connection_lost(None)
             return
@@ -426,23 +500,59 @@ class _Connection(asyncio.Protocol):
 
 
 class H2Channel:
-    """Connections to each address of the target, used in turn (round robin per call)."""
+    """Connections to each address of the target, used in turn (round robin per call).
 
-    def __init__(self, addresses: Sequence[tuple[str, int]]) -> None:
+    `on_lost()` is called when an open connection drops or the server says GOAWAY (for the
+    EPP: the engine died or is shutting down), not when `close()` closes it.
+    """
+
+    def __init__(self, addresses: Sequence[tuple[str, int]], *,
+                 user_agent: str = "kvswitch-frontend",
+                 on_lost: Callable[[], None] | None = None) -> None:
         self._addresses = list(addresses)
+        self._user_agent = user_agent
+        self._on_lost = on_lost
         self._connections: list[_Connection | None] = [None] * len(self._addresses)
         self._connecting: list[asyncio.Task[_Connection] | None] = [None] * len(self._addresses)
         self._turn = 0
 
+    @classmethod
+    def to(cls, target: str, **options: Any) -> H2Channel:
+        """A channel to `target` (see `parse_target`); ValueError when it is not host:port."""
+        addresses = parse_target(target)
+        if addresses is None:
+            raise ValueError(f"not a host:port target: {target!r}")
+        return cls(addresses, **options)
+
     async def start(self, path: str, metadata: Sequence[tuple[str, str]], body: bytes,
-                    parse: Callable[[bytes], Any]) -> StreamCall:
-        """Open a call on the next address; `NotAccepted` if that cannot be done here."""
+                    parse: Callable[[bytes], Any], timeout: float | None = None) -> StreamCall:
+        """Open a call on the next address; `NotAccepted` if that cannot be done here.
+        With a `timeout` (seconds, connecting included) the call fails with DEADLINE_EXCEEDED
+        when it has not ended by then."""
         index = self._turn % len(self._addresses)
         self._turn += 1
         conn = self._connections[index]
         if conn is None or conn.closed:
-            conn = await self._connect(index)
-        return conn.start(path, metadata, body, parse)
+            if timeout is None:
+                conn = await self._connect(index)
+            else:
+                started = asyncio.get_running_loop().time()
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel
+                    async with asyncio.timeout(timeout):
+                        conn = await self._connect(index)
+                except TimeoutError:
+                    raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      "deadline exceeded while connecting") from None
+                timeout = max(0.0, timeout - (asyncio.get_running_loop().time() - started))
+        return conn.start(path, metadata, body, parse, timeout)
+
+    async def unary(self, path: str, body: bytes, parse: Callable[[bytes], Any], *,
+                    timeout: float | None = None,
+                    metadata: Sequence[tuple[str, str]] = ()) -> Any:
+        """One request, one response (parsed); `StreamError` on any failure, UNAVAILABLE
+        when the call could not start."""
+        call = await self.start(path, metadata, body, parse, timeout)
+        return await call.response()
 
     async def _connect(self, index: int) -> _Connection:
         task = self._connecting[index]
@@ -452,7 +562,8 @@ class H2Channel:
         try:
             conn = await asyncio.shield(task)
         except OSError as exc:
-            raise NotAccepted from exc
+            raise NotAccepted(f"cannot connect to {_authority(*self._addresses[index])}: "
+                              f"{exc.strerror or exc}") from exc
         finally:
             if self._connecting[index] is task and task.done():
                 self._connecting[index] = None
@@ -460,9 +571,10 @@ class H2Channel:
 
     async def _open(self, index: int) -> _Connection:
         host, port = self._addresses[index]
-        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: _Connection(authority), host, port)
+        _, conn = await loop.create_connection(
+            lambda: _Connection(_authority(host, port), self._user_agent, self._on_lost),
+            host, port)
         self._connections[index] = conn
         return conn
 
@@ -472,3 +584,6 @@ class H2Channel:
                 conn.close()
         self._connections = [None] * len(self._addresses)
 
+
+def _authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

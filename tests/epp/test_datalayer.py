@@ -211,7 +211,7 @@ async def test_refresher_polls_rarely_while_load_is_pushed(pushed: bool) -> None
     datalayer = Datalayer()
     collector = CountingCollector()
     refresher = Refresher(datalayer, StaticDiscovery([EndpointSpec("a:1", H2C)]), interval=0.0,
-                          collector_factory=lambda spec: collector, push_poll_interval=1e9)
+                          collector_factory=lambda spec, _: collector, push_poll_interval=1e9)
     await refresher.start()
     try:
         if pushed:

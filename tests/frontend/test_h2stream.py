@@ -9,9 +9,9 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvswitch.protocol.h2client import H2Channel, StreamError, parse_target
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
+from kvswitch.protocol.h2client import H2Channel, StreamError, parse_target
 
 PATH = "/vllm.grpc.engine.VllmEngine/Generate"
 

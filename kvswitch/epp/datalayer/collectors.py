@@ -1,9 +1,12 @@
 """Collectors: one refresh of one endpoint's load.
 
 - `GrpcCollector` (h2c pools): `GetLoads` every refresh, `HealthCheck` + `GetServerInfo` at most
-  every `health_interval` seconds (and after any failure), over one grpc.aio channel per endpoint. Loads of several DP ranks are
-  summed; kv usage = sum(num_used_tokens) / sum(max_total_num_tokens) when capacity is known,
-  else the mean of `token_usage`.
+  every `health_interval` seconds (and after any failure), over one HTTP/2 connection per
+  endpoint (`kvswitch.protocol.h2client`, no grpc.aio poller thread). When that connection
+  drops (the engine died or is going away) it calls `on_disconnect()` so the refresher can
+  re-check the endpoint at once. Loads of several DP ranks are summed; kv usage =
+  sum(num_used_tokens) / sum(max_total_num_tokens) when capacity is known, else the mean of
+  `token_usage`.
 - `PrometheusCollector` (http pools): `GET /metrics` over a plain asyncio stream (HTTP/1.1,
   `Connection: close`), vLLM names: vllm:num_requests_running, vllm:num_requests_waiting,
   vllm:kv_cache_usage_perc (older vllm:gpu_cache_usage_perc), vllm:cache_config_info
@@ -15,12 +18,20 @@ A collector raises on any failure; the refresher marks the endpoint failed.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
-import grpc
-
 from kvswitch.epp.datalayer.endpoint import Metrics
-from kvswitch.protocol import vllm_engine_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol import method_path, vllm_engine_pb2
+from kvswitch.protocol.h2client import H2Channel, StreamError
+
+_HEALTH = method_path("HealthCheck")
+_HEALTH_REQUEST = vllm_engine_pb2.HealthCheckRequest().SerializeToString()
+_SERVER_INFO = method_path("GetServerInfo")
+_SERVER_INFO_REQUEST = vllm_engine_pb2.GetServerInfoRequest().SerializeToString()
+_LOADS = method_path("GetLoads")
+_LOADS_REQUEST = vllm_engine_pb2.GetLoadsRequest().SerializeToString()
+USER_AGENT = "kvswitch-epp"
 
 
 class CollectorError(Exception):
@@ -34,23 +45,24 @@ class Collector(Protocol):
 
 
 class GrpcCollector:
-    def __init__(self, address: str, timeout: float = 1.0, health_interval: float = 1.0) -> None:
+    def __init__(self, address: str, timeout: float = 1.0, health_interval: float = 1.0,
+                 on_disconnect: Callable[[], None] | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.health_interval = health_interval
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
+        self._channel = H2Channel.to(address, user_agent=USER_AGENT, on_lost=on_disconnect)
         self._health_due = float("-inf")
         self._block_size = 0
-        self._request = vllm_engine_pb2.GetLoadsRequest()
 
     async def _check_health(self) -> None:
-        health = await self._stub.HealthCheck(
-            vllm_engine_pb2.HealthCheckRequest(), timeout=self.timeout)
+        health = await self._channel.unary(
+            _HEALTH, _HEALTH_REQUEST, vllm_engine_pb2.HealthCheckResponse.FromString,
+            timeout=self.timeout)
         if not health.healthy:
             raise CollectorError(f"{self.address}: unhealthy: {health.message}")
-        info = await self._stub.GetServerInfo(
-            vllm_engine_pb2.GetServerInfoRequest(), timeout=self.timeout)
+        info = await self._channel.unary(
+            _SERVER_INFO, _SERVER_INFO_REQUEST, vllm_engine_pb2.GetServerInfoResponse.FromString,
+            timeout=self.timeout)
         self._block_size = info.block_size
 
     async def collect(self, now: float) -> Metrics:
@@ -58,10 +70,12 @@ class GrpcCollector:
             if now >= self._health_due:
                 await self._check_health()
                 self._health_due = now + self.health_interval
-            loads = await self._stub.GetLoads(self._request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
+            loads = await self._channel.unary(
+                _LOADS, _LOADS_REQUEST, vllm_engine_pb2.GetLoadsResponse.FromString,
+                timeout=self.timeout)
+        except StreamError as exc:
             self._health_due = float("-inf")  # re-check health as soon as it answers again
-            raise CollectorError(f"{self.address}: {exc.code().name}: {exc.details()}") from exc
+            raise CollectorError(f"{self.address}: {exc.code.name}: {exc.details}") from exc
         except CollectorError:
             self._health_due = float("-inf")
             raise
@@ -83,7 +97,7 @@ class GrpcCollector:
                        waiting_tokens=waiting_tokens)
 
     async def close(self) -> None:
-        await self._channel.close()
+        self._channel.close()
 
 
 def parse_prometheus(text: str, now: float) -> Metrics:

@@ -5,7 +5,10 @@ endpoint's metrics, failure marks it not ready. Staleness is judged by `Datalaye
 While the endpoint's load is pushed (KV-event stream live, `Endpoint.live_until`), polling
 drops to once per `push_poll_interval` seconds (1 s): it then only confirms health (GetLoads
 doubles as the liveness probe, HealthCheck + GetServerInfo ride along on their own period).
-Engines without events, or whose stream dropped, are polled every `interval` as before.
+Engines without events, or whose stream dropped, and endpoints not healthy are polled every
+`interval`. When a collector's connection drops (an engine that died closes it), the endpoint is
+polled at once rather than at its next poll: a dead engine leaves the ready set within a
+connection attempt, not up to `push_poll_interval` later.
 """
 
 from __future__ import annotations
@@ -26,14 +29,49 @@ from kvswitch.epp.datalayer.endpoint import H2C, Datalayer, EndpointSpec
 
 log = logging.getLogger(__name__)
 
-CollectorFactory = Callable[[EndpointSpec], Collector]
+CollectorFactory = Callable[[EndpointSpec, Callable[[], None]], Collector]
+"""(endpoint, on_disconnect) -> its collector; the collector calls `on_disconnect()` when its
+connection to the endpoint drops (collectors without a standing connection never do)."""
 
 
-def default_collector(spec: EndpointSpec) -> Collector:
+def default_collector(spec: EndpointSpec, on_disconnect: Callable[[], None]) -> Collector:
     """gRPC GetLoads for h2c endpoints, Prometheus /metrics for http ones."""
     if spec.app_protocol == H2C:
-        return GrpcCollector(spec.address)
+        return GrpcCollector(spec.address, on_disconnect=on_disconnect)
     return PrometheusCollector(spec.address)
+
+
+class _Alarm:
+    """A sleep that `ring()` cuts short; a ring while awake is kept for the next check."""
+
+    def __init__(self) -> None:
+        self.rung = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def ring(self) -> None:
+        self.rung = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def sleep(self, seconds: float) -> None:
+        if self.rung:
+            return
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(seconds, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Refresher:
@@ -81,15 +119,19 @@ class Refresher:
             self._first_set.set()
 
     async def _refresh_loop(self, spec: EndpointSpec) -> None:
-        collector = self.collector_factory(spec)
+        disconnected = _Alarm()
+        collector = self.collector_factory(spec, disconnected.ring)
         clock = self.datalayer.clock
         endpoint = self.datalayer.get(spec.address)
         last_poll = float("-inf")
         try:
             while True:
                 started = clock()
-                pushed = endpoint is not None and endpoint.live_until >= started
-                if not pushed or started - last_poll >= self.push_poll_interval:
+                pushed = (endpoint is not None and endpoint.healthy
+                          and endpoint.live_until >= started)
+                if (not pushed or disconnected.rung
+                        or started - last_poll >= self.push_poll_interval):
+                    disconnected.rung = False
                     last_poll = started
                     await self._poll(collector, spec.address, started)
                 wake = started + self.interval
@@ -97,7 +139,7 @@ class Refresher:
                     # Sleep to the next health poll, or to when pushes would have gone quiet.
                     wake = max(wake, min(last_poll + self.push_poll_interval,
                                          endpoint.live_until))
-                await asyncio.sleep(max(0.0, wake - clock()))
+                await disconnected.sleep(max(0.0, wake - clock()))
         finally:
             await collector.close()
 

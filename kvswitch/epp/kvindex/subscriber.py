@@ -1,10 +1,14 @@
 """Thin asyncio loops that feed a `PrefixIndex` from the engines' `SubscribeKvEvents` streams.
 
+The calls go over `kvswitch.protocol.h2client` (not grpc.aio: no poller thread, no future per
+message; every message already received is decoded and applied in one wake-up).
+
 `KvEventSubscriber` follows one endpoint: it reads `GetServerInfo.block_size` (an engine whose
 block size differs from the index's is never indexed: its blocks could not match), opens the
 stream at `SequenceTracker.resume_from()` (after an engine restart, seen as a new start time
 from GetServerInfo's uptime, from an empty index), converts and applies every batch as the tracker says,
-resubscribes on a gap or a dropped stream (bounded exponential backoff), and keeps the latest
+resubscribes at once on a gap, and after a dropped stream or a failed call with bounded
+exponential backoff (reset once a stream delivers again), and keeps the latest
 `EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback).
 
 `KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set.
@@ -18,12 +22,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-import grpc
-
 from kvswitch.epp.kvindex.events import EventBatch, LoadRecord, batch_from_proto
 from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
-from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol import common_pb2, method_path, vllm_engine_pb2
+from kvswitch.protocol.h2client import H2Channel, StreamError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,11 @@ log = logging.getLogger(__name__)
 RESTART_TOLERANCE = 1.0
 
 LoadCallback = Callable[[str, LoadRecord], None]
+
+_SERVER_INFO = method_path("GetServerInfo")
+_SERVER_INFO_REQUEST = vllm_engine_pb2.GetServerInfoRequest().SerializeToString()
+_KV_EVENTS = method_path("SubscribeKvEvents")
+USER_AGENT = "kvswitch-epp"
 
 
 class KvEventSubscriber:
@@ -57,7 +65,8 @@ class KvEventSubscriber:
         self.engine_started_at: float | None = None
         """Wall time the engine started (GetServerInfo uptime), to notice a restart."""
         self._task: asyncio.Task[None] | None = None
-        self._channel: grpc.aio.Channel | None = None
+        self._delivered = False  # the current stream has delivered a batch
+        self._channel: H2Channel | None = None
 
     async def start(self) -> None:
         if self._task is None:
@@ -71,28 +80,31 @@ class KvEventSubscriber:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._channel is not None:
-            await self._channel.close()
+            self._channel.close()
             self._channel = None
 
     async def _run(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.address)
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
+        self._channel = channel = H2Channel.to(self.address, user_agent=USER_AGENT)
         delay = self.retry_delay
         while True:
+            self._delivered = False
             try:
-                if await self._follow(stub):
+                if await self._follow(channel):
                     delay = self.retry_delay  # a gap: resubscribe at once
                     continue
-            except grpc.aio.AioRpcError as exc:
-                log.debug("kv events %s: %s", self.address, exc.code().name)
+            except StreamError as exc:
+                log.debug("kv events %s: %s", self.address, exc)
             self.connected = False
+            if self._delivered:
+                delay = self.retry_delay  # that stream worked: a fresh drop, not a retry
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_retry_delay)
 
-    async def _follow(self, stub: vllm_engine_pb2_grpc.VllmEngineStub) -> bool:
+    async def _follow(self, channel: H2Channel) -> bool:
         """One stream, until it ends (False) or skips a sequence number (True)."""
-        info = await stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(),
-                                        timeout=self.rpc_timeout)
+        info = await channel.unary(_SERVER_INFO, _SERVER_INFO_REQUEST,
+                                   vllm_engine_pb2.GetServerInfoResponse.FromString,
+                                   timeout=self.rpc_timeout)
         compatible = not info.block_size or info.block_size == self.index.block_size
         if not compatible:
             if self.compatible:
@@ -102,15 +114,19 @@ class KvEventSubscriber:
         self.compatible = compatible
         self._check_restart(time.time() - info.uptime_seconds)
         start = self.tracker.resume_from()
-        call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
-            start_sequence_number=start, load_records_before_first_batch=True))
+        request = common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=start, load_records_before_first_batch=True)
+        call = await channel.start(_KV_EVENTS, (), request.SerializeToString(),
+                                   common_pb2.KvEventBatch.FromString)
         self.tracker.stream_opened(start)
         self.streams_opened += 1
         self.connected = True
         try:
-            async for message in call:
-                if self.handle(batch_from_proto(message)) is Verdict.GAP:
-                    return True
+            while messages := await call.read_batch():
+                self._delivered = True
+                for message in messages:
+                    if self.handle(batch_from_proto(message)) is Verdict.GAP:
+                        return True
         finally:
             call.cancel()
         return False
