@@ -224,3 +224,42 @@ async def test_refresher_polls_rarely_while_load_is_pushed(pushed: bool) -> None
         await refresher.stop()
     # Pushed (and polled once within push_poll_interval): no more polls; else one per turn.
     assert (collector.calls == before) if pushed else (collector.calls > before + 10)
+
+
+async def test_an_engine_that_drops_its_connection_leaves_the_ready_set_at_once() -> None:
+    """Pushed load keeps an endpoint fresh with rare polls; when the engine goes away its
+    collector's connection drops and the endpoint is re-checked (and failed) at once, then comes
+    back as soon as it answers again."""
+    servicer = FakeEngine()
+
+    async def serve(port: int = 0) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        pb_grpc.add_VllmEngineServicer_to_server(servicer, server)
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server, port
+
+    server, port = await serve()
+    address = f"127.0.0.1:{port}"
+    datalayer = Datalayer(staleness=0.1)
+    refresher = Refresher(datalayer, StaticDiscovery([EndpointSpec(address, H2C)]),
+                          interval=0.02, push_poll_interval=60.0)
+    await refresher.start()
+    try:
+        def ready() -> bool:
+            return [e.address for e in datalayer.ready()] == [address]
+
+        await wait_until(ready)
+        datalayer.push(address, running=1, waiting=0, kv_usage=0.1, waiting_tokens=0, ttl=60.0)
+        polls = refresher.polls
+        await asyncio.sleep(0.2)
+        assert refresher.polls <= polls + 1  # pushed: no polling for a minute
+        await server.stop(None)
+        stopped = time.monotonic()
+        await wait_until(lambda: not ready(), timeout=1.0)
+        assert time.monotonic() - stopped < 0.5
+        server, _ = await serve(port)
+        await wait_until(ready)
+    finally:
+        await refresher.stop()
+        await server.stop(None)

@@ -135,7 +135,7 @@ class Refresher:
                     last_poll = started
                     await self._poll(collector, spec.address, started)
                 wake = started + self.interval
-                if pushed and endpoint is not None:
+                if pushed and endpoint is not None and endpoint.healthy:  # (a failed poll retries)
                     # Sleep to the next health poll, or to when pushes would have gone quiet.
                     wake = max(wake, min(last_poll + self.push_poll_interval,
                                          endpoint.live_until))

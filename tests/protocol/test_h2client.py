@@ -1,0 +1,229 @@
+"""The HTTP/2 gRPC client's unary calls, deadlines, failures and flow control, against a real
+grpc.aio server on loopback (and, for exact frames, a fake transport)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+import pytest
+
+from kvswitch.protocol import common_pb2, h2client, method_path
+from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
+from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, timeout_header
+from kvswitch.protocol.http2 import DATA, END_HEADERS, HEADERS, U32, WINDOW_UPDATE, frame
+
+LOADS = method_path("GetLoads")
+INFO = method_path("GetServerInfo")
+EVENTS = method_path("SubscribeKvEvents")
+
+
+class _Engine(rpc.VllmEngineServicer):
+    """GetLoads answers at once (and records the deadline it was given); GetServerInfo never
+    answers; SubscribeKvEvents streams `start_sequence_number` batches then ends, or streams
+    one batch and waits forever when asked for 0."""
+
+    def __init__(self) -> None:
+        self.time_remaining: list[float | None] = []
+        self.user_agents: list[str] = []
+        self.cancelled = asyncio.Event()
+
+    async def GetLoads(self, request, context):  # type: ignore[no-untyped-def]
+        self.time_remaining.append(context.time_remaining())
+        self.user_agents.append(dict(context.invocation_metadata())["user-agent"])
+        return pb.GetLoadsResponse(dp_rank_count=1, loads=[pb.SchedulerLoad(num_running_reqs=3)])
+
+    async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def SubscribeKvEvents(self, request, context):  # type: ignore[no-untyped-def]
+        count = request.start_sequence_number
+        for i in range(max(count, 1)):
+            yield common_pb2.KvEventBatch(sequence_number=i)
+        if not count:
+            await asyncio.sleep(3600)
+
+
+@pytest.fixture()
+async def served() -> AsyncIterator[tuple[_Engine, int]]:
+    engine = _Engine()
+    server = grpc.aio.server()
+    rpc.add_VllmEngineServicer_to_server(engine, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield engine, port
+    finally:
+        await server.stop(0)
+
+
+def _events_request(count: int) -> bytes:
+    return common_pb2.SubscribeKvEventsRequest(start_sequence_number=count).SerializeToString()
+
+
+async def test_unary_returns_the_response_and_sends_the_deadline(
+        served: tuple[_Engine, int]) -> None:
+    engine, port = served
+    channel = H2Channel.to(f"127.0.0.1:{port}", user_agent="kvswitch-epp")
+    try:
+        for _ in range(3):  # one connection, reused
+            loads = await channel.unary(LOADS, b"", pb.GetLoadsResponse.FromString, timeout=5.0)
+            assert loads.loads[0].num_running_reqs == 3
+    finally:
+        channel.close()
+    remaining = engine.time_remaining[0]
+    assert remaining is not None and 4.0 < remaining <= 5.0
+    assert engine.user_agents[0].startswith("kvswitch-epp")
+
+
+async def test_deadline_fails_the_call_and_resets_it(served: tuple[_Engine, int]) -> None:
+    engine, port = served
+    channel = H2Channel.to(f"127.0.0.1:{port}")
+    try:
+        started = time.monotonic()
+        with pytest.raises(StreamError) as info:
+            await channel.unary(INFO, b"", pb.GetServerInfoResponse.FromString, timeout=0.2)
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 1.0
+        await asyncio.wait_for(engine.cancelled.wait(), 5)
+        # The connection still serves other calls.
+        await channel.unary(LOADS, b"", pb.GetLoadsResponse.FromString, timeout=5.0)
+    finally:
+        channel.close()
+
+
+async def test_a_stream_answering_two_messages_is_not_a_unary_response(
+        served: tuple[_Engine, int]) -> None:
+    _, port = served
+    channel = H2Channel.to(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(StreamError) as info:
+            await channel.unary(EVENTS, _events_request(2), common_pb2.KvEventBatch.FromString)
+        assert info.value.code == grpc.StatusCode.INTERNAL
+        call = await channel.start(EVENTS, (), _events_request(3),
+                                   common_pb2.KvEventBatch.FromString)
+        seen = []
+        while batch := await call.read_batch():
+            seen.extend(m.sequence_number for m in batch)
+        assert seen == [0, 1, 2]
+    finally:
+        channel.close()
+
+
+async def test_refused_connection_is_unavailable() -> None:
+    from tests.support.processes import free_port
+
+    channel = H2Channel.to(f"127.0.0.1:{free_port()}")
+    with pytest.raises(StreamError) as info:
+        await channel.unary(LOADS, b"", pb.GetLoadsResponse.FromString, timeout=1.0)
+    assert isinstance(info.value, NotAccepted)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "cannot connect" in info.value.details
+
+
+async def test_lost_connection_fails_every_open_call_at_once_and_tells_the_owner() -> None:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        await reader.read(1 << 16)  # the client's preface and requests; never answered
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    lost: list[float] = []
+    channel = H2Channel.to(f"127.0.0.1:{port}", on_lost=lambda: lost.append(time.monotonic()))
+    try:
+        calls = [await channel.start(EVENTS, (), _events_request(0),
+                                     common_pb2.KvEventBatch.FromString) for _ in range(3)]
+        unary = asyncio.create_task(
+            channel.unary(LOADS, b"", pb.GetLoadsResponse.FromString, timeout=30))
+        while not accepted:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        accepted[0].transport.abort()  # the engine died: its socket is reset
+        dropped = time.monotonic()
+        for call in calls:
+            with pytest.raises(StreamError) as info:
+                await asyncio.wait_for(call.read_batch(), 1.0)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(StreamError) as info:
+            await asyncio.wait_for(unary, 1.0)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert len(lost) == 1 and lost[0] - dropped < 0.5
+    finally:
+        channel.close()
+        server.close()
+        await server.wait_closed()
+    assert len(lost) == 1  # closing the channel on purpose is not a loss
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def _frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    out, offset = [], 0
+    while offset < len(data):
+        length = U32.unpack_from(data, offset)[0] >> 8
+        kind, flags = data[offset + 3], data[offset + 4]
+        stream_id = U32.unpack_from(data, offset + 5)[0]
+        out.append((kind, flags, stream_id, bytes(data[offset + 9:offset + 9 + length])))
+        offset += 9 + length
+    return out
+
+
+def _grpc_message(payload: bytes) -> bytes:
+    return b"\x00" + U32.pack(len(payload)) + payload
+
+
+async def test_a_long_stream_gets_its_window_back_and_a_bad_message_fails_only_its_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpack import Encoder
+
+    monkeypatch.setattr(h2client, "_REFILL_AT", 100)
+    conn, transport = h2client._Connection("x"), _Transport()
+    conn.connection_made(transport)
+    good = conn.start(EVENTS, (), b"", common_pb2.KvEventBatch.FromString)
+    bad = conn.start(EVENTS, (), b"", common_pb2.KvEventBatch.FromString)
+    encoder = Encoder()
+    conn.data_received(frame(HEADERS, END_HEADERS, 1, encoder.encode([(":status", "200")]))
+                       + frame(HEADERS, END_HEADERS, 3, encoder.encode([(":status", "200")])))
+    message = _grpc_message(common_pb2.KvEventBatch(sequence_number=7).SerializeToString())
+    transport.written.clear()
+    conn.data_received(b"".join(frame(DATA, 0, 1, message) for _ in range(40))
+                       + frame(DATA, 0, 3, _grpc_message(b"\xff\xff\xff")))
+    assert [m.sequence_number for m in await good.read_batch()] == [7] * 40
+    updates = [(sid, U32.unpack(payload)[0]) for kind, _, sid, payload
+               in _frames(bytes(transport.written)) if kind == WINDOW_UPDATE]
+    # The stream that used its window gets it back (the connection too); the other not yet.
+    assert dict(updates) == {1: 40 * len(message), 0: 40 * len(message) + 8}
+    with pytest.raises(StreamError) as info:
+        await bad.read_batch()
+    assert info.value.code == grpc.StatusCode.INTERNAL
+    conn._flush()
+    assert any(kind == 3 and sid == 3 for kind, _, sid, _ in _frames(bytes(transport.written)))
+
+
+def test_timeout_header() -> None:
+    assert timeout_header(1.0) == "1000m"
+    assert timeout_header(0.0001) == "1m"
+    assert timeout_header(10**6) == "1000000S"
