@@ -68,7 +68,11 @@ def endpoint_saturated(e: Endpoint, cfg: SaturationConfig, now: float | None = N
 def is_saturated(endpoints: Sequence[Endpoint], cfg: SaturationConfig,
                  now: float | None = None) -> bool:
     """Every endpoint saturated (see `endpoint_saturated`; pass `now` when deciding to shed)."""
-    return all(endpoint_saturated(e, cfg, now) for e in endpoints)
+    # A loop, not all(<generator>): asked on every request, usually answered by the first.
+    for e in endpoints:
+        if not endpoint_saturated(e, cfg, now):
+            return False
+    return True
 
 
 def headroom(endpoints: Sequence[Endpoint], cfg: SaturationConfig) -> int:
