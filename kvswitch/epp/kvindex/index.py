@@ -310,14 +310,14 @@ class PrefixIndex:
             self._expire(self.clock())
         states = self._endpoints
         names = list(states) if endpoints is None else list(endpoints)
-        bits = {states[n].bit: n for n in names if n in states}
         result = dict.fromkeys(names, 0)
+        get = self._holders.get
+        if not hashes or not get(hashes[0], 0):
+            return result  # nobody holds the first block (a new prefix): all 0
+        bits = {states[n].bit: n for n in names if n in states}
         alive = 0
         for bit in bits:
             alive |= 1 << bit
-        get = self._holders.get
-        if not hashes or not alive & get(hashes[0], 0):
-            return result  # nobody holds the first block (a new prefix): all 0
         position = 0
         for position, own in enumerate(hashes):
             held = alive & get(own, 0)
