@@ -12,6 +12,8 @@ Two measurements, each over many iterations with `time.process_time`:
   simulated engine sends them (one `KvBlocksStored` per request: 9 blocks of 16 tokens for a
   128-token prompt + 16 output tokens, a `KvBlocksRemoved` evicting as many older blocks in steady
   state, an `EngineLoad` record), with 1 and 6 requests per batch.
+- engine_batches: how many batches per second one simulated engine publishes at the gateway
+  benchmark's per-engine load (125 req/s, 8 in flight, time scale 10000).
 
 Each case runs `--rounds` times and the round with the least CPU is reported (the machine's
 other work only ever adds). Prints and saves JSON.
@@ -158,6 +160,47 @@ def kv_event_cost(requests_per_batch: int, batches: int, seed: int) -> dict[str,
             "total_us_per_block_event": (convert + apply) / blocks * 1e6}
 
 
+async def engine_batches(seconds: float, rate: float, in_flight: int, seed: int
+                         ) -> dict[str, float]:
+    """KV-event batches per second one simulated engine publishes (what each EPP subscription
+    decodes) under the gateway benchmark's per-engine load: `rate` req/s of 128-token prompts and
+    16 output tokens at time scale 10000, at most `in_flight` at a time, each holding its slot
+    20-60 ms (the rest of the gateway round trip)."""
+    from kvswitch.engine.base import GenerationRequest, SamplingOptions
+    from kvswitch.engine.sim import SimConfig, SimEngine
+
+    engine = SimEngine(SimConfig(profile="llama3-8b-h100", time_scale=10_000.0, mode="random"))
+    await engine.start()
+    rnd = random.Random(seed)
+    slots = asyncio.Semaphore(in_flight)
+    done = 0
+
+    async def one(i: int) -> None:
+        nonlocal done
+        async with slots:
+            prompt = [rnd.randrange(100, 100_000) for _ in range(128)]
+            options = SamplingOptions(max_tokens=16, ignore_eos=True)
+            async for _ in engine.generate(GenerationRequest(f"r{i}", prompt, options)):
+                pass
+            await asyncio.sleep(rnd.uniform(0.02, 0.06))
+            done += 1
+
+    log = engine._events
+    first, start = log.next_sequence_number, time.monotonic()
+    tasks: list[asyncio.Task[None]] = []
+    while time.monotonic() - start < seconds:
+        tasks.append(asyncio.create_task(one(len(tasks))))
+        await asyncio.sleep(rnd.expovariate(rate))
+    wall = time.monotonic() - start
+    batches = log.next_sequence_number - first
+    await asyncio.gather(*tasks)
+    stored = sum(len(b.stored) for b in list(log.history)[-batches:])
+    await engine.stop()
+    return {"offered_req_per_s": rate, "in_flight": in_flight, "req_per_s": done / wall,
+            "batches_per_s": batches / wall, "stored_blocks_per_batch": stored / max(batches, 1),
+            "coalesce_seconds": log.coalesce_seconds}
+
+
 def best_of(rounds: list[dict[str, float]]) -> dict[str, float]:
     """The round with the least CPU (other processes only ever add to it)."""
     key = "cpu_us_per_request" if "cpu_us_per_request" in rounds[0] else "total_us_per_batch"
@@ -173,7 +216,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                                     for _ in range(args.rounds)]))
     kv = [best_of([kv_event_cost(r, args.batches, args.seed) for _ in range(args.rounds)])
           for r in (1, 6)]
-    return {"rounds": args.rounds, "routing": routing, "kv_events": kv}
+    result: dict[str, object] = {"rounds": args.rounds, "routing": routing, "kv_events": kv}
+    if args.engine_seconds:
+        result["engine_batches"] = await engine_batches(args.engine_seconds, 125.0, 8, args.seed)
+    return result
 
 
 def main() -> None:
@@ -183,6 +229,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3, help="repeat each case; report the best")
+    parser.add_argument("--engine-seconds", type=float, default=3.0,
+                        help="how long to drive one simulated engine for engine_batches; 0: skip")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/epp_routing_cpu.json"))
     args = parser.parse_args()
     result = asyncio.run(run(args))
