@@ -201,15 +201,15 @@ class ExtProcStream:
         if message.HasField("protocol_config"):
             self._body_mode = message.protocol_config.request_body_mode
         self._received_at = self._clock()
-        headers = self._headers = header_dict(message.request_headers.headers)
-        self._grpc = headers.get("content-type", "").startswith("application/grpc")
+        request_headers = message.request_headers
+        headers = self._headers = header_dict(request_headers.headers)
+        content_type = headers.get("content-type", "")
+        self._grpc = content_type.startswith("application/grpc")
         if int(headers.get("content-length") or 0) > self._picker.max_body_bytes:
             raise _too_large(self._picker.max_body_bytes)
-        parser = select_parser(
-            self._picker.parsers, headers.get(":path", "/"), headers.get("content-type", "")
-        )
-        self._parser_needs_body = needs_body(parser) and not message.request_headers.end_of_stream
-        self._body_ended = message.request_headers.end_of_stream
+        parser = select_parser(self._picker.parsers, headers.get(":path", "/"), content_type)
+        self._body_ended = request_headers.end_of_stream
+        self._parser_needs_body = needs_body(parser) and not self._body_ended
         self._subset = subset_hint(message, headers)
         if not self._parser_needs_body:
             return self._need_routing(_EMPTY_BODY)
@@ -220,17 +220,18 @@ class ExtProcStream:
     def _on_request_body(self, body: ep.HttpBody) -> list[Action]:
         if self._body_ended:
             raise InvalidRequest("request body after end of stream")
-        self._size += len(body.body)
+        data = body.body  # upb copies a bytes field on every read
+        self._size += len(data)
         self._body_messages += 1
         if self._size > self._picker.max_body_bytes:
             raise _too_large(self._picker.max_body_bytes)
         self._body_ended = body.end_of_stream or body.end_of_stream_without_message
         if self._phase is _Phase.FORWARDING:  # routed on headers: stream it straight through
             if self.full_duplex:
-                return [streamed_body(body.body, self._body_ended)]
+                return [streamed_body(data, self._body_ended)]
             return [BODY_CONTINUE]
-        if body.body:
-            self._chunks.append(body.body)
+        if data:
+            self._chunks.append(data)
         if self._phase is _Phase.BODY and self._body_ended:
             return self._parse_and_route()
         if not self.full_duplex and self._phase is _Phase.BODY:

@@ -95,9 +95,11 @@ def parse_usage(value: str) -> dict[str, int]:
     usage: dict[str, int] = {}
     for item in value.split(";"):
         key, _, number = item.partition("=")
-        number = number.strip()
-        if number.isdigit():
-            usage[key.strip()] = int(number)
+        if not number.isdigit():  # spaces are rare: strip only then
+            number = number.strip()
+            if not number.isdigit():
+                continue
+        usage[key.strip()] = int(number)
     return usage
 
 

@@ -35,6 +35,7 @@ from kvswitch.protocol.http2 import (
     END_STREAM,
     ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR,
+    FRAME_HEADER,
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
@@ -234,15 +235,15 @@ class H2GrpcConnection:
             size = len(buffer)
             self._need = 9
             while size - offset >= 9:
-                length = U32.unpack_from(buffer, offset)[0] >> 8
+                high, low, kind, flags, stream_id = FRAME_HEADER.unpack_from(buffer, offset)
+                length = high << 8 | low
                 if length > _MAX_FRAME:
                     raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
                 end = offset + 9 + length
                 if end > size:
                     self._need = 9 + length
                     break
-                kind, flags = buffer[offset + 3], buffer[offset + 4]
-                stream_id = U32.unpack_from(buffer, offset + 5)[0] & 0x7FFFFFFF
+                stream_id &= 0x7FFFFFFF
                 payload = buffer[offset + 9:end]
                 offset = end
                 self._on_frame(kind, flags, stream_id, payload, events)

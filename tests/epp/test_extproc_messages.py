@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from kvswitch.epp.extproc_messages import destination_reply, streamed_body, streamed_body_chunks
+from kvswitch.epp.extproc_messages import (
+    destination_reply,
+    parse_usage,
+    streamed_body,
+    streamed_body_chunks,
+)
 from tests.epp.test_extproc import destination_headers_reply
 
 
@@ -48,3 +53,10 @@ def test_destination_replies_are_kept_per_destination(grpc: bool) -> None:
                                                                on_body=True))
     assert other.request_body.response.header_mutation.set_headers[0].header.raw_value == (
         b"10.0.0.3:8000")
+
+
+def test_usage_trailer_items_may_be_spaced_and_bad_ones_are_skipped() -> None:
+    assert parse_usage("prompt_tokens=12;completion_tokens=64;cached_tokens=0") == {
+        "prompt_tokens": 12, "completion_tokens": 64, "cached_tokens": 0}
+    assert parse_usage(" prompt_tokens = 12 ;completion_tokens=-1;cached_tokens=x;junk;=") == {
+        "prompt_tokens": 12}
