@@ -314,6 +314,8 @@ class _Connection(asyncio.Protocol):
             if timeout is not None:
                 headers.append(("grpc-timeout", timeout_header(timeout)))
             fixed = b"".join(hpack_literal(k, v) for k, v in headers)
+            if len(self._fixed_headers) >= 64:  # callers with ever-changing deadlines
+                self._fixed_headers.clear()
             self._fixed_headers[(path, timeout)] = fixed
         block = fixed + b"".join([hpack_literal(k, v) for k, v in metadata])
         call = StreamCall(self, stream_id, parse)
