@@ -290,8 +290,9 @@ class PrefixIndex:
             _, _, state, hashes = heapq.heappop(expiries)
             speculative = state.speculative
             # In C: the confirmed (the usual fate) and cleared ones drop out here; those
-            # speculated again since keep their later expiry.
-            due = [own for own in hashes.intersection(speculative) if speculative[own] <= now]
+            # speculated again since keep their later expiry. `keys() &` walks the smaller
+            # side (set.intersection(dict) would walk every speculative entry of the endpoint).
+            due = [own for own in speculative.keys() & hashes if speculative[own] <= now]
             for own in due:
                 del speculative[own]
             self._release(due, state.bit)
