@@ -18,9 +18,11 @@ With `--skip-response-headers` the driver sends what Envoy sends for a gRPC pool
 response_header_mode SKIP (kvswitch's bootstrap): no response headers, 3 messages in, 4 out.
 
 Server figures are taken over `--rounds` interleaved rounds (h2, grpcio, floor, h2, ...) and
-reported as medians, since the machine is shared.
+reported as medians, the in-process ones as the best of `--repeat` runs, since the machine is
+shared (`--rounds 0`: in-process figures only).
 
-    .venv/bin/python benchmarks/epp_request_path.py [--requests 20000] [--rounds 3] [--out FILE.json]
+    .venv/bin/python benchmarks/epp_request_path.py [--prompt-tokens 1024] [--requests 20000]
+        [--rounds 3] [--transports h2,grpcio] [--out FILE.json]
 """
 
 from __future__ import annotations
