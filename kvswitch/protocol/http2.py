@@ -1,7 +1,8 @@
 """HTTP/2 framing shared by kvswitch's own gRPC transports (RFC 9113, RFC 7541).
 
-Used by the EPP's ext_proc server (`kvswitch.epp.h2connection`) and the frontend's Generate
-client (`kvswitch.frontend.h2stream`): frame types, flags and error codes, one frame's bytes,
+Used by the EPP's ext_proc server (`kvswitch.epp.h2connection`) and the gRPC client
+(`kvswitch.protocol.h2client`: the frontend's Generate calls, the EPP's data layer): frame
+types, flags and error codes, one frame's bytes,
 and header encoding as HPACK literals without indexing (no Huffman), which touches no HPACK
 state, so a header block is a plain concatenation that can be built once and reused.
 """

@@ -3,7 +3,7 @@
 - `PrefixIndex` (sans-IO): per endpoint, the full blocks it holds under kvswitch's own chained
   content hash; `match(hashes)` gives each endpoint's leading matched blocks.
 - `SequenceTracker` (sans-IO): sequence numbers of one stream -> apply / skip / resync verdicts.
-- `KvEventSubscriber` / `KvEventSubscriptions`: thin grpc.aio loops that feed the index and keep
+- `KvEventSubscriber` / `KvEventSubscriptions`: thin asyncio loops (over `kvswitch.protocol.h2client`) that feed the index and keep
   each engine's pushed `EngineLoad` record.
 """
 

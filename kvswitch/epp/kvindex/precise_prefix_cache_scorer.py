@@ -26,7 +26,7 @@ confirms them, and are dropped when unconfirmed after speculativeTtl (the reques
 rejected, or its prefill is still queued) or on AllBlocksCleared / a resync. The prompt's
 leading blocks the endpoint already holds (matched_blocks) are not touched: only the rest is
 speculated, so a hot prefix costs O(unique suffix blocks) per request.
-Lifecycle: the router calls `start()` (one grpc.aio stream per endpoint of the datalayer) and
+Lifecycle: the router calls `start()` (one HTTP/2 stream per endpoint of the datalayer) and
 `stop()`; afterwards subscriptions follow the endpoint set as scheduling cycles see it change.
 Push-based load: every `EngineLoad` record on a stream goes into the endpoint's metrics
 (`Datalayer.push`), so load scorers and flow control see the engine's scheduler-step load and
