@@ -14,20 +14,17 @@ to decode and apply. A call made at least `coalesce_seconds` (by its timestamp) 
 previous batch is published at once (a quiet engine's news are not delayed); later calls inside
 that window are merged, in order, into one pending batch that a timer publishes when the window
 ends, with the latest load. Published at once all the same: a clear (it drops the pending
-events it supersedes), and a load that moved a lot since the last batch (`load_shifted`), so
-load scorers never see a queue build-up late; block events may wait (the EPP's speculative
+events it supersedes), and a load that moved a lot since the last batch or went idle
+(`load_shifted`), so load scorers never see a queue build-up late; block events may wait (the EPP's speculative
 index entries cover the routed requests meanwhile). Numbering stays contiguous (a merged batch
 takes one number), so replay is unchanged.
 
-What counts as "a lot" is what the EPP cannot see by itself. It counts the requests it routed
-and has not seen finish, so arrivals and completions (running moving by a few, the engine going
-idle) are no news to it and wait for the window (at most `coalesce_seconds`, as with polling
-GetLoads every 50 ms); a waiting queue is news (the engine is saturated), and so is a running
-count that moved by half (traffic from elsewhere). Publishing on every move of 2 or on idle made
-the window useless exactly under load: at a high time scale each request runs alone for a few
-milliseconds, so every request went idle -> busy -> idle and the engine sent one batch per
-request (~115/s at 125 req/s per engine); now it sends one per window (20/s; both measured by
-benchmarks/epp_routing_cpu.py, engine_batches).
+Why idle and moves of 2 go at once even though the EPP counts its own in-flight requests: the
+default profile's load scorers (queue, KV utilisation) read the engine's figures, and a
+max-score picker sends every request of a stale window to the same engine. Letting those moves
+wait for the window cut the batches (one per request at a high time scale, ~115/s per engine
+at 125 req/s, to 20/s) but cost streamed throughput through the gateway: 91.6% of Envoy round
+robin against 106% (median of 3 interleaved runs each, benchmarks/gateway_throughput.py).
 """
 
 from __future__ import annotations
@@ -45,15 +42,16 @@ COALESCE_SECONDS = 0.05
 
 
 def load_shifted(before: EngineLoadSnapshot | None, after: EngineLoadSnapshot | None) -> bool:
-    """The load moved enough to publish at once (see the module docstring): waiting requests
-    moved by at least max(2, a quarter of before), running ones by at least max(4, half of
-    before), or KV usage by 5% of the cache. Arrivals, completions and going idle wait."""
+    """The load moved enough to publish at once: the engine went idle, running or waiting
+    requests moved by at least max(2, a quarter of before), or KV usage by 5% of the cache.
+    +-1 jitter waits."""
     if before is None or after is None:
         return after is not None
-    if abs(after.waiting - before.waiting) >= max(2, before.waiting // 4):
-        return True
-    if abs(after.running - before.running) >= max(4, before.running // 2):
-        return True
+    if after.running == 0 and after.waiting == 0:
+        return True  # idle: nothing more is coming, hold nothing back
+    for old, new in ((before.running, after.running), (before.waiting, after.waiting)):
+        if abs(new - old) >= max(2, old // 4):
+            return True
     total = max(after.total_blocks, 1)
     return abs(after.used_blocks - before.used_blocks) >= 0.05 * total
 
