@@ -22,9 +22,10 @@ takes one number), so replay is unchanged.
 Why idle and moves of 2 go at once even though the EPP counts its own in-flight requests: the
 default profile's load scorers (queue, KV utilisation) read the engine's figures, and a
 max-score picker sends every request of a stale window to the same engine. Letting those moves
-wait for the window cut the batches (one per request at a high time scale, ~115/s per engine
-at 125 req/s, to 20/s) but cost streamed throughput through the gateway: 91.6% of Envoy round
-robin against 106% (median of 3 interleaved runs each, benchmarks/gateway_throughput.py).
+wait for the window cuts the batches at a high time scale (~115/s per engine at 125 req/s, one
+per request, to 20/s) and the EPP's telemetry CPU with them; the gateway benchmark could not
+tell the two apart in streamed throughput (run-to-run spread of 80-130% of Envoy round robin
+on the 2-core machine), so the fresher load, which the routing benchmarks were run with, stays.
 """
 
 from __future__ import annotations
