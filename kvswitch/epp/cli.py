@@ -49,9 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight streams get to finish on SIGTERM/SIGINT")
     parser.add_argument("--transport", choices=["h2", "grpcio"], default="h2",
                         help="ext_proc server: h2 = kvswitch's lean HTTP/2 gRPC server (Process "
-                             "and grpc.health.v1 Health/Check only; several times less CPU per "
-                             "request); grpcio = grpc.aio (adds Health/Watch and server "
-                             "reflection)")
+                             "and grpc.health.v1 Health Check/Watch; several times less CPU per "
+                             "request); grpcio = grpc.aio (adds server reflection)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="debug logs one line per request")

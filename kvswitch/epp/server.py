@@ -17,7 +17,7 @@ Two transports serve the same streams (`EppServer(transport=...)`, `kvswitch epp
 - `h2` (default): `kvswitch.epp.h2server`, a lean asyncio HTTP/2 gRPC server; `_ProcessCall`
   drives `ExtProcStream` straight from its frames. `router.route()` is stepped eagerly: only a
   request that really waits (flow control queued it) gets a task; messages that arrive
-  meanwhile wait behind it, in order. Health/Check only; no reflection.
+  meanwhile wait behind it, in order. Health Check and Watch; no reflection.
 - `grpcio`: grpc.aio with `ExtProcServicer`, health (Check and Watch) and reflection.
 """
 
@@ -52,6 +52,8 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 PROCESS_PATH = f"/{EXT_PROC_SERVICE}/Process"
 HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+HEALTH_WATCH_PATH = "/grpc.health.v1.Health/Watch"
+_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 TRANSPORTS = ("h2", "grpcio")
 _ROUTER_ERROR = RoutingDecision(status=503, reason="router-error")
 # Room for the ext_proc envelope around a body of max_body_bytes.
@@ -290,11 +292,47 @@ class _HealthCheckCall:
         return None
 
 
+class _HealthWatchCall:
+    """`grpc.health.v1.Health/Watch` (server streaming) on the h2 transport: the service's
+    status once the request is in (SERVICE_UNKNOWN for a service not served, as the protocol
+    says, and the watch goes on), then each change, until the client goes or the server stops."""
+
+    __slots__ = ("_call", "_last", "_service", "_statuses", "_watches")
+
+    def __init__(self, statuses: dict[str, int], watches: set[_HealthWatchCall], call: Call) -> None:
+        self._statuses, self._watches, self._call, self._service = statuses, watches, call, ""
+        self._last: int | None = None
+
+    def on_message(self, message: bytes) -> None:
+        try:
+            self._service = health_pb2.HealthCheckRequest.FromString(message).service
+        except DecodeError:
+            self._call.finish(INTERNAL, "cannot parse a HealthCheckRequest")
+
+    def on_end(self) -> None:
+        self._watches.add(self)
+        self.update()
+
+    def update(self) -> None:
+        """Send the service's status if it changed since the last one sent."""
+        status = self._statuses.get(self._service, _SERVICE_UNKNOWN)
+        if status != self._last:
+            self._last = status
+            self._call.send(health_pb2.HealthCheckResponse(status=status).SerializeToString())
+
+    def end(self) -> None:
+        self._watches.discard(self)
+        self._call.finish()
+
+    def on_reset(self) -> None:
+        self._watches.discard(self)
+
+
 class EppServer:
     """The EPP's gRPC server: `await start()`, then `await stop()` (graceful).
 
-    `transport`: "h2" (default; `kvswitch.epp.h2server`) or "grpcio" (grpc.aio, with
-    reflection and Health/Watch)."""
+    `transport`: "h2" (default; `kvswitch.epp.h2server`, health Check and Watch) or "grpcio"
+    (grpc.aio, with health Check and Watch and reflection)."""
 
     def __init__(self, picker: EndpointPicker, *, host: str = "127.0.0.1", port: int = 9002,
                  transport: str = "h2"):
@@ -311,12 +349,14 @@ class EppServer:
         # body), a body somewhat over the limit still gets a proper 413 rather than a gRPC error.
         limit = 2 * picker.max_body_bytes + _ENVELOPE_BYTES
         self._h2: H2GrpcServer | None = None
+        self._watches: set[_HealthWatchCall] = set()
         self._grpc: grpc.aio.Server | None = None
         self._grpc_health: health_aio.HealthServicer | None = None
         if transport == "h2":
             self._h2 = H2GrpcServer({
                 PROCESS_PATH: lambda call: _ProcessCall(picker, call),
                 HEALTH_CHECK_PATH: lambda call: _HealthCheckCall(self._health, call),
+                HEALTH_WATCH_PATH: lambda call: _HealthWatchCall(self._health, self._watches, call),
             }, host=host, port=port, max_message_bytes=limit)
         else:
             self._grpc, self._grpc_health = _grpcio_server(picker, limit), health_aio.HealthServicer()
@@ -331,6 +371,8 @@ class EppServer:
         if self._shutting_down:
             return
         self._health[service] = status
+        for watch in list(self._watches):
+            watch.update()
         if self._grpc_health is not None:
             await self._grpc_health.set(service, status)
 
@@ -358,6 +400,9 @@ class EppServer:
         self._shutting_down = True
         for service in self._health:
             self._health[service] = _NOT_SERVING
+        for watch in list(self._watches):  # NOT_SERVING, then end: a watch must not hold the drain
+            watch.update()
+            watch.end()
         if self._h2 is not None:
             await self._h2.stop(grace)
         else:

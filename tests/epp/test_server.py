@@ -133,6 +133,32 @@ async def test_health_services_answer(server: EppServer, router: FakeRouter,
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_health_watch_streams_changes_and_ends_at_stop(router: FakeRouter,
+                                                             transport: str) -> None:
+    srv = EppServer(EndpointPicker(parsers=default_parsers(), router=router), port=0,
+                    transport=transport)
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="readiness"))
+            unknown = stub.Watch(health_pb2.HealthCheckRequest(service="nope"))
+            first = await asyncio.wait_for(watch.read(), 5)
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            # An unknown service is not an error for Watch: SERVICE_UNKNOWN, and it goes on.
+            assert (await asyncio.wait_for(unknown.read(), 5)).status == \
+                health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            await srv.stop(grace=1.0)
+            last = await asyncio.wait_for(watch.read(), 5)
+            assert last.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            if transport == "h2":  # ended at once with OK, so it does not hold the drain
+                assert await asyncio.wait_for(watch.read(), 5) is grpc.aio.EOF
+                assert await watch.code() == grpc.StatusCode.OK
+            unknown.cancel()
+    finally:
+        await srv.stop(grace=0.1)
+
+
 async def test_reflection_lists_ext_proc(channel: grpc.aio.Channel, transport: str) -> None:
     if transport == "h2":
         pytest.skip("reflection is served by the grpcio transport only")
