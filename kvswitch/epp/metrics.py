@@ -38,8 +38,9 @@ def _use_created() -> bool:
     return bool(getattr(_prometheus_metrics, "_use_created", True))
 
 
-class CountedCounter(Collector):
-    """A labelled counter kept as label values -> value; `inc` is one dict update."""
+class _Labelled(Collector):
+    """A labelled metric kept as label values -> value in a plain dict, registered in
+    `registry`; subclasses say how values change and how they are exported."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
                  registry: CollectorRegistry) -> None:
@@ -47,8 +48,19 @@ class CountedCounter(Collector):
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self.values: dict[tuple[str, ...], float] = {}
-        self.created: dict[tuple[str, ...], float] = {}
         registry.register(self)
+
+    def value(self, *labels: str) -> float:
+        return self.values.get(labels, 0.0)
+
+
+class CountedCounter(_Labelled):
+    """A labelled counter; `inc` is one dict update."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self.created: dict[tuple[str, ...], float] = {}
+        super().__init__(name, documentation, labelnames, registry)
 
     def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
         values = self.values
@@ -57,9 +69,6 @@ class CountedCounter(Collector):
             self.created[labels] = time.time()
             value = 0.0
         values[labels] = value + amount
-
-    def value(self, *labels: str) -> float:
-        return self.values.get(labels, 0.0)
 
     def describe(self) -> list[Metric]:
         return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
@@ -73,22 +82,11 @@ class CountedCounter(Collector):
         yield family
 
 
-class CountedGauge(Collector):
-    """A labelled gauge kept as label values -> value; `set` is one dict store."""
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
-                 registry: CollectorRegistry) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self.values: dict[tuple[str, ...], float] = {}
-        registry.register(self)
+class CountedGauge(_Labelled):
+    """A labelled gauge; `set` is one dict store."""
 
     def set(self, labels: tuple[str, ...], value: float) -> None:
         self.values[labels] = value
-
-    def value(self, *labels: str) -> float:
-        return self.values.get(labels, 0.0)
 
     def describe(self) -> list[Metric]:
         return [GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)]

@@ -266,6 +266,15 @@ class _ProcessCall:
         self._call.finish()
 
 
+def _health_service(message: bytes, call: Call) -> str:
+    """The service a HealthCheckRequest names; an undecodable one ends `call` (INTERNAL)."""
+    try:
+        return str(health_pb2.HealthCheckRequest.FromString(message).service)
+    except DecodeError:
+        call.finish(INTERNAL, "cannot parse a HealthCheckRequest")
+        return ""
+
+
 class _HealthCheckCall:
     """`grpc.health.v1.Health/Check` (unary) from `EppServer`'s status table."""
 
@@ -275,10 +284,7 @@ class _HealthCheckCall:
         self._statuses, self._call, self._service = statuses, call, ""
 
     def on_message(self, message: bytes) -> None:
-        try:
-            self._service = health_pb2.HealthCheckRequest.FromString(message).service
-        except DecodeError:
-            self._call.finish(INTERNAL, "cannot parse a HealthCheckRequest")
+        self._service = _health_service(message, self._call)
 
     def on_end(self) -> None:
         status = self._statuses.get(self._service)
@@ -304,10 +310,7 @@ class _HealthWatchCall:
         self._last: int | None = None
 
     def on_message(self, message: bytes) -> None:
-        try:
-            self._service = health_pb2.HealthCheckRequest.FromString(message).service
-        except DecodeError:
-            self._call.finish(INTERNAL, "cannot parse a HealthCheckRequest")
+        self._service = _health_service(message, self._call)
 
     def on_end(self) -> None:
         self._watches.add(self)
