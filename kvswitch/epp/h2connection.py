@@ -1,7 +1,7 @@
 """The sans-IO core of the EPP's lean gRPC-over-HTTP/2 server (h2c, prior knowledge).
 
 `H2GrpcConnection`: `receive(bytes) -> [event]`, `send_message()`, `finish()`, `reset()`,
-`goaway()`, `data_to_send() -> bytes`. It parses and writes frames, keeps per-stream state,
+`drain()` / `goaway()`, `data_to_send() -> bytes`. It parses and writes frames, keeps per-stream state,
 does HTTP/2 flow control both ways (inbound: large windows, topped up as data arrives;
 outbound: data waits per stream for WINDOW_UPDATE), and gRPC message framing (5-byte prefix;
 compressed messages are refused: no encoding is negotiated). Malformed input is a connection
@@ -80,6 +80,8 @@ _DATA_MESSAGE = struct.Struct(">HBBBIBI")
 # ":status: 200" is static-table entry 8 (indexed: one byte).
 _RESPONSE_HEADERS = b"\x88" + hpack_literal("content-type", "application/grpc")
 _OK_TRAILERS = hpack_literal("grpc-status", "0")
+_DRAIN_PING = b"kvsdrain"  # the opaque data of the PING that follows a draining GOAWAY
+_LAST_POSSIBLE_STREAM = 0x7FFFFFFF
 
 
 def _trailers(status: int, message: str) -> bytes:
@@ -176,7 +178,8 @@ class H2GrpcConnection:
         self.streams: dict[int, _Stream] = {}
         self.closed = False
         self.highest_stream_id = 0
-        self.goaway_sent = False
+        self.goaway_sent = False  # the final GOAWAY: streams past `highest_stream_id` are refused
+        self.draining = False  # `drain()` was called: the final GOAWAY follows the PING's ACK
         self.peer_goaway = False
         self._out: list[bytes] = []
         self._partial: list[bytes] = []  # an incomplete frame, joined once whole (as above)
@@ -298,6 +301,8 @@ class H2GrpcConnection:
                 raise H2ConnectionError(FRAME_SIZE_ERROR, "PING of the wrong size")
             if not flags & ACK:
                 self._out.append(frame(PING, ACK, 0, payload))
+            elif payload == _DRAIN_PING and self.draining and not self.goaway_sent:
+                self.goaway()  # the peer has seen the first GOAWAY: name the real last stream
         elif kind == GOAWAY:
             if stream_id or len(payload) < 8:
                 raise H2ConnectionError(PROTOCOL_ERROR, "malformed GOAWAY")
@@ -622,6 +627,18 @@ class H2GrpcConnection:
     def _drop(self, stream_id: int) -> bool:
         self._blocked.pop(stream_id, None)
         return self.streams.pop(stream_id, None) is not None
+
+    def drain(self) -> None:
+        """Start a graceful shutdown as grpc-go and nghttp2 do: a GOAWAY naming the highest
+        stream id possible stops the peer opening streams yet refuses none it has sent already,
+        then a PING; its ACK proves the peer saw the GOAWAY, and the final `goaway()` (sent
+        then, or by the driver if no ACK comes) names the real last stream. A single GOAWAY
+        would refuse the streams crossing it on the wire, and Envoy does not retry those."""
+        if self.draining or self.goaway_sent:
+            return
+        self.draining = True
+        self._out.append(frame(GOAWAY, 0, 0, U32.pack(_LAST_POSSIBLE_STREAM) + U32.pack(NO_ERROR)))
+        self._out.append(frame(PING, 0, 0, _DRAIN_PING))
 
     def goaway(self, code: int = NO_ERROR, debug: bytes = b"") -> None:
         """No new streams past the highest seen; open ones may finish (NO_ERROR)."""

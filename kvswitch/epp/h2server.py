@@ -9,8 +9,10 @@ Two layers, h2-style:
   control, gRPC message framing).
 - `H2GrpcServer` here runs it: one `asyncio.Protocol` per connection dispatching events to a
   `StreamHandler` per stream, chosen by `:path` from the server's `handlers` (unknown path:
-  grpc-status 12 UNIMPLEMENTED). Shutdown sends GOAWAY and lets open streams finish up to the
-  grace period, then closes the connections (handlers see `on_reset`).
+  grpc-status 12 UNIMPLEMENTED). Shutdown drains each connection in two GOAWAYs (the first
+  refuses nothing, the final one follows the peer's PING ACK, or a second without one), lets
+  open streams finish up to the grace period, then closes the connections (handlers see
+  `on_reset`).
 
 Scope, on purpose: unary and bidi calls, no compression, no server push, no priorities,
 grpc-timeout ignored (Envoy's message_timeout governs). HPACK decoding is `hpack`; responses are
@@ -44,6 +46,8 @@ __all__ = ["INTERNAL", "NOT_FOUND", "OK", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED",
            "H2GrpcServer", "HandlerFactory", "StreamHandler"]
 
 logger = logging.getLogger(__name__)
+
+_PING_ACK_WAIT = 1.0  # seconds a draining connection waits for its PING ACK at most
 
 
 class StreamHandler(Protocol):
@@ -96,7 +100,7 @@ class _Protocol(asyncio.Protocol):
         self.server.connections.add(self)
         self.conn.initiate()
         if self.server.closing:
-            self.conn.goaway()
+            self.conn.drain()
         self.flush()
 
     def data_received(self, data: bytes) -> None:
@@ -174,7 +178,8 @@ class _Protocol(asyncio.Protocol):
         self.server.connection_gone()
 
     def idle(self) -> bool:
-        return not self.handlers and not self.conn.streams
+        """Drained: the final GOAWAY is out (no stream can still arrive) and no call is open."""
+        return self.conn.goaway_sent and not self.handlers and not self.conn.streams
 
 
 class H2GrpcServer:
@@ -205,19 +210,30 @@ class H2GrpcServer:
         if self._server is not None:
             self._server.close()
         for protocol in list(self.connections):
-            protocol.conn.goaway()
+            protocol.conn.drain()
             protocol.flush()
         self._drained = asyncio.Event()
+        final = asyncio.get_running_loop().call_later(min(_PING_ACK_WAIT, grace),
+                                                      self._final_goaway)
         self.connection_gone()
         try:
             await asyncio.wait_for(self._drained.wait(), grace)
         except TimeoutError:
             pass
+        final.cancel()
         for protocol in list(self.connections):
             if protocol.transport is not None:
                 protocol.transport.close()
             protocol.connection_lost(None)
         self._stopped.set()
+
+    def _final_goaway(self) -> None:
+        """For peers that did not ACK the drain PING in time."""
+        for protocol in list(self.connections):
+            if not protocol.conn.goaway_sent:
+                protocol.conn.goaway()
+                protocol.flush()
+        self.connection_gone()
 
     def connection_gone(self) -> None:
         """Called as calls and connections end; completes a shutdown drain."""

@@ -305,6 +305,27 @@ def test_goaway_refuses_new_streams_and_lets_open_ones_finish() -> None:
         MessageReceived(1, b"last"), InputEnded(1)]
 
 
+def test_drain_takes_the_streams_crossing_its_goaway_until_the_ping_ack() -> None:
+    peer = Peer()
+    peer.open(1)
+    peer.conn.drain()
+    (goaway, _, _, first), (ping, flags, _, opaque) = peer.read()
+    assert (goaway, ping, flags) == (GOAWAY, PING, 0)
+    assert struct.unpack(">II", first[:8]) == (0x7FFFFFFF, NO_ERROR)
+    # Sent before the peer read the GOAWAY: still served.
+    [opened] = peer.open(3)
+    assert isinstance(opened, StreamOpened) and opened.stream_id == 3
+    peer.send(frame(PING, ACK, 0, b"elsewhat"))  # not our PING: nothing changes
+    assert peer.read() == [] and not peer.conn.goaway_sent
+    peer.send(frame(PING, ACK, 0, opaque))
+    [(kind, _, _, final)] = peer.read()
+    assert kind == GOAWAY and struct.unpack(">II", final[:8]) == (3, NO_ERROR)
+    assert peer.open(5) == []
+    assert peer.read() == [(RST_STREAM, 0, 5, struct.pack(">I", REFUSED_STREAM))]
+    peer.conn.drain()  # once is enough
+    assert peer.read() == []
+
+
 # -- malformed input: a connection error, never an exception ---------------------------------------
 
 

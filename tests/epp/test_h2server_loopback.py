@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -18,7 +18,19 @@ from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.passthrough import PassthroughParser
 from kvswitch.epp.request import EndpointPicker, InferenceRequest, RoutingDecision
 from kvswitch.epp.server import PROCESS_PATH, EppServer
-from kvswitch.protocol.http2 import DATA, END_HEADERS, HEADERS, PREFACE, SETTINGS, frame
+from kvswitch.protocol.http2 import (
+    ACK,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    frame,
+)
 from kvswitch.up import write_pool_file
 from tests.epp.test_extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
 from tests.epp.test_server import FakeRouter
@@ -193,6 +205,69 @@ async def test_graceful_stop_lets_an_open_stream_finish(router: FakeRouter) -> N
         await asyncio.wait_for(stopping, 5)
     [(_, outcome)] = router.finished
     assert outcome.ok and router.stopped
+
+
+async def read_frames(reader: asyncio.StreamReader, until: Callable[[list[tuple[int, int, int, bytes]]], bool]
+                      ) -> list[tuple[int, int, int, bytes]]:
+    """Frames as (type, flags, stream, payload) until `until(frames)` holds."""
+    frames: list[tuple[int, int, int, bytes]] = []
+    while not until(frames):
+        header = await asyncio.wait_for(reader.readexactly(9), 5)
+        length = int.from_bytes(header[:3], "big")
+        payload = await asyncio.wait_for(reader.readexactly(length), 5)
+        frames.append((header[3], header[4], struct.unpack(">I", header[5:])[0], payload))
+    return frames
+
+
+async def test_stop_serves_a_stream_sent_across_its_first_goaway(router: FakeRouter) -> None:
+    """The race a single GOAWAY loses: a call the proxy sent before it read the GOAWAY. Here a
+    raw client opens a health check only after the draining GOAWAY and PING arrived, and ACKs
+    the PING after that: the call is answered, then the final GOAWAY names it."""
+    server = await start(router)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(PREFACE + frame(SETTINGS, 0, 0))
+        await read_frames(reader, lambda f: any(k == SETTINGS and not fl for k, fl, _, _ in f))
+        stopping = asyncio.create_task(server.stop(grace=5))
+        frames = await read_frames(reader, lambda f: any(k == PING for k, _, _, _ in f))
+        [goaway] = [p for k, _, _, p in frames if k == GOAWAY]
+        assert struct.unpack(">I", goaway[:4])[0] == 0x7FFFFFFF
+        [opaque] = [p for k, _, _, p in frames if k == PING]
+        block = Encoder().encode([(":method", "POST"), (":scheme", "http"),
+                                  (":path", "/grpc.health.v1.Health/Check"),
+                                  (":authority", "epp"), ("content-type", "application/grpc")])
+        request = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+        writer.write(frame(HEADERS, END_HEADERS, 1, block)
+                     + frame(DATA, END_STREAM, 1, b"\x00" + struct.pack(">I", len(request)) + request))
+        frames = await read_frames(
+            reader, lambda f: any(k == HEADERS and fl & END_STREAM for k, fl, _, _ in f))
+        assert not any(k == RST_STREAM for k, _, _, _ in frames)
+        [reply] = [p for k, _, s, p in frames if k == DATA and s == 1]
+        # Answered, not refused; and truthfully: a stopping EPP is no longer live.
+        assert health_pb2.HealthCheckResponse.FromString(reply[5:]).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not stopping.done()  # the final GOAWAY waits for the ACK
+        writer.write(frame(PING, ACK, 0, opaque))
+        frames = await read_frames(reader, lambda f: any(k == GOAWAY for k, _, _, _ in f))
+        [final] = [p for k, _, _, p in frames if k == GOAWAY]
+        assert struct.unpack(">I", final[:4])[0] == 1
+        await asyncio.wait_for(stopping, 5)
+    finally:
+        writer.close()
+
+
+async def test_stop_does_not_wait_for_a_ping_ack_that_never_comes(router: FakeRouter) -> None:
+    server = await start(router)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(PREFACE + frame(SETTINGS, 0, 0))
+        await read_frames(reader, lambda f: any(k == SETTINGS and not fl for k, fl, _, _ in f))
+        stopping = asyncio.create_task(server.stop(grace=30))
+        frames = await read_frames(reader, lambda f: sum(k == GOAWAY for k, _, _, _ in f) == 2)
+        assert struct.unpack(">I", [p for k, _, _, p in frames if k == GOAWAY][1][:4])[0] == 0
+        await asyncio.wait_for(stopping, 5)  # the 1 s fallback, not the 30 s grace
+    finally:
+        writer.close()
 
 
 async def test_graceful_stop_gives_up_after_grace(router: FakeRouter) -> None:
