@@ -31,6 +31,12 @@ from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Whole requests, from a unary call's milliseconds to a long generation's minutes.
+_REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)
+# Every per-request figure is broken down by these (the issue's "model, objective, fairness id
+# and endpoint"); fairness ids are tenants, so their number sets these series' cardinality.
+REQUEST_LABELS = ("model", "objective", "fairness_id", "endpoint")
 
 
 def _use_created() -> bool:
@@ -99,42 +105,48 @@ class CountedGauge(_Labelled):
 
 
 class CountedHistogram(Collector):
-    """An unlabelled histogram kept as per-bucket counts and a sum; `observe` is a bisect and
-    two additions."""
+    """A histogram kept as per-bucket counts and a sum per label values; `observe` is a dict
+    lookup, a bisect and two additions. Unlabelled unless `labelnames` are given."""
 
     def __init__(self, name: str, documentation: str, buckets: Sequence[float],
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, labelnames: Sequence[str] = ()) -> None:
         self.name = name
         self.documentation = documentation
+        self.labelnames = tuple(labelnames)
         self.bounds = (*buckets, float("inf"))
-        self.counts = [0] * len(self.bounds)
-        self.sum = 0.0
-        self.created = time.time()
+        # label values -> [per-bucket counts, sum, created]; the unlabelled series always exists
+        self.series: dict[tuple[str, ...], list] = {}
+        if not self.labelnames:
+            self.series[()] = [[0] * len(self.bounds), 0.0, time.time()]
         registry.register(self)
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, labels: tuple[str, ...] = ()) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = [[0] * len(self.bounds), 0.0, time.time()]
         # `le` buckets: the first bound >= value.
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+        series[0][bisect.bisect_left(self.bounds, value)] += 1
+        series[1] += value
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
+    def count(self, *labels: str) -> int:
+        series = self.series.get(labels)
+        return 0 if series is None else sum(series[0])
 
     def describe(self) -> list[Metric]:
-        return [HistogramMetricFamily(self.name, self.documentation)]
+        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
 
     def collect(self) -> Iterator[Metric]:
-        counts, total = self.counts.copy(), self.sum
-        buckets = []
-        acc = 0.0
-        for bound, count in zip(self.bounds, counts, strict=True):
-            acc += count
-            buckets.append((floatToGoString(bound), acc))
-        family = HistogramMetricFamily(self.name, self.documentation)
-        family.add_metric([], buckets, total)
-        if _use_created():
-            family.add_sample(self.name + "_created", {}, self.created)
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with_created = _use_created()
+        for labels, (counts, total, created) in list(self.series.items()):
+            buckets, acc = [], 0.0
+            for bound, count in zip(self.bounds, counts.copy(), strict=True):
+                acc += count
+                buckets.append((floatToGoString(bound), acc))
+            family.add_metric(list(labels), buckets, total)
+            if with_created:
+                family.add_sample(self.name + "_created", dict(zip(self.labelnames, labels)),
+                                  created)
         yield family
 
 
@@ -153,17 +165,24 @@ class EppMetrics:
             "kvswitch_epp_requests", "Routing decisions.",
             ["model", "objective", "fairness_id", "endpoint", "status"], r)
         self.finished = CountedCounter(
-            "kvswitch_epp_requests_finished", "Routed requests that ended, by outcome.",
-            ["endpoint", "ok"], r)
+            "kvswitch_epp_requests_finished",
+            "Routed requests that ended, by outcome (ok) and status: the gRPC status name for "
+            "gRPC requests, else the HTTP status; 'unknown' if the stream ended first.",
+            [*REQUEST_LABELS, "ok", "status"], r)
+        self.request_seconds = CountedHistogram(
+            "kvswitch_epp_request_duration_seconds",
+            "Routed requests from the EPP seeing their headers to the end of the response.",
+            _REQUEST_BUCKETS, r, REQUEST_LABELS)
         self.prompt_tokens = CountedCounter(
-            "kvswitch_epp_prompt_tokens", "Prompt tokens of finished requests.",
-            ["model", "endpoint"], r)
+            "kvswitch_epp_prompt_tokens",
+            "Prompt tokens of finished requests (the usage trailer; else, for tokenized input "
+            "answered OK, the prompt's length).", REQUEST_LABELS, r)
         self.completion_tokens = CountedCounter(
             "kvswitch_epp_completion_tokens", "Completion tokens of finished requests.",
-            ["model", "endpoint"], r)
+            REQUEST_LABELS, r)
         self.cached_tokens = CountedCounter(
             "kvswitch_epp_cached_tokens", "Prompt tokens served from the engines' prefix caches.",
-            ["model", "endpoint"], r)
+            REQUEST_LABELS, r)
         self.in_flight = CountedGauge(
             "kvswitch_epp_endpoint_in_flight_requests", "Requests the EPP routed and not finished.",
             ["endpoint"], r)

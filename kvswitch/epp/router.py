@@ -5,7 +5,8 @@ route(request, subset):
   2. the proxy's subset hint; nothing ready in it -> 503 "no eligible endpoint in subset"
   3. flow control (priority from the request's InferenceObjective): may queue, or shed (429/503)
   4. one scheduling cycle -> the pick and fallbacks; the pick's in-flight count goes up
-request_finished(): releases the in-flight count, records usage, lets plugins observe.
+request_finished(): releases the in-flight count, records the outcome (status, duration and
+  token usage by model, objective, fairness id and endpoint), lets plugins observe.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
+
+import grpc
 
 from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
 from kvswitch.epp.flowcontrol import FlowGate, Verdict
@@ -27,6 +30,16 @@ logger = logging.getLogger(__name__)
 NO_READY = RoutingDecision(status=503, reason="no ready endpoint")
 NO_SUBSET = RoutingDecision(status=503, reason="no eligible endpoint in subset")
 FILTERED = RoutingDecision(status=503, reason="no endpoint passed the scheduling filters")
+_GRPC_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def _status(request: InferenceRequest, outcome: RequestOutcome) -> str:
+    """The `status` label: the gRPC status name for gRPC requests, else the HTTP status."""
+    if request.protocol == "grpc" and outcome.grpc_status is not None:
+        return _GRPC_STATUS_NAMES.get(outcome.grpc_status, str(outcome.grpc_status))
+    if outcome.http_status is not None:
+        return str(outcome.http_status)
+    return "unknown"
 
 
 def _in_subset(endpoints: Sequence[Endpoint], subset: Sequence[str]) -> list[Endpoint]:
@@ -136,23 +149,31 @@ class EppRouter:
 
     def request_finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
         endpoint = self._routed.pop(request.request_id, None)
-        m = self.metrics
-        if endpoint is not None:
+        if endpoint is not None:  # once per routed request
             endpoint.in_flight = max(0, endpoint.in_flight - 1)
-            m.in_flight.set((endpoint.address,), endpoint.in_flight)
-        where = outcome.endpoint
-        m.finished.inc((where, "true" if outcome.ok else "false"))
-        if outcome.prompt_tokens or outcome.completion_tokens or outcome.cached_tokens:
-            by_model = (request.body.model or "", where)
-            if outcome.prompt_tokens:
-                m.prompt_tokens.inc(by_model, outcome.prompt_tokens)
-            if outcome.completion_tokens:
-                m.completion_tokens.inc(by_model, outcome.completion_tokens)
-            if outcome.cached_tokens:
-                m.cached_tokens.inc(by_model, outcome.cached_tokens)
+            self.metrics.in_flight.set((endpoint.address,), endpoint.in_flight)
+            self._record(request, outcome)
         self.scheduler.finished(request, outcome)
         # A finished request may have made room for queued ones.
         self.gate.pump()
+
+    def _record(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
+        m = self.metrics
+        labels = (request.body.model or "", request.objective or "", request.fairness_id,
+                  outcome.endpoint)
+        m.finished.inc((*labels, "true" if outcome.ok else "false", _status(request, outcome)))
+        if request.received_at:
+            m.request_seconds.observe(time.monotonic() - request.received_at, labels)
+        prompt_tokens = outcome.prompt_tokens
+        if prompt_tokens is None and outcome.ok and request.body.prompt_token_ids is not None:
+            # No usage trailer (e.g. a real vLLM): a tokenized prompt's length is exact.
+            prompt_tokens = len(request.body.prompt_token_ids)
+        if prompt_tokens:
+            m.prompt_tokens.inc(labels, prompt_tokens)
+        if outcome.completion_tokens:
+            m.completion_tokens.inc(labels, outcome.completion_tokens)
+        if outcome.cached_tokens:
+            m.cached_tokens.inc(labels, outcome.cached_tokens)
 
     def in_flight(self) -> dict[str, int]:
         return {e.address: e.in_flight for e in self.datalayer.all()}

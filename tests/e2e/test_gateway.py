@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import http.client
 import struct
+import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import FAIRNESS_ID, OBJECTIVE
@@ -141,6 +144,33 @@ def test_well_formed_frame_over_http1_is_served(gateway: Gateway) -> None:
     finally:
         connection.close()
     assert response.status == 200
-    flags, length = struct.unpack(">BI", payload[:5])
+    _flags, length = struct.unpack(">BI", payload[:5])
     reply = pb.GenerateResponse.FromString(payload[5:5 + length])
     assert reply.complete.completion_tokens == 2
+
+
+def _epp_samples(gateway: Gateway, name: str, **labels: str) -> list[float]:
+    url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return [sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()]
+
+
+def test_usage_status_and_duration_are_recorded_per_tenant(gateway: Gateway) -> None:
+    tenant = [(FAIRNESS_ID, "tenant-usage"), (OBJECTIVE, "e2e-objective")]
+    ids = prompt(30)
+    complete = generate(gateway.stub, ids, max_tokens=8, metadata=tenant)
+    labels = {"fairness_id": "tenant-usage", "objective": "e2e-objective"}
+    # The EPP records at the response trailers, which may reach it just after the client.
+    deadline = time.monotonic() + 10
+    while not _epp_samples(gateway, "kvswitch_epp_requests_finished_total", **labels):
+        assert time.monotonic() < deadline, "the finished request was never recorded"
+        time.sleep(0.05)
+    assert _epp_samples(gateway, "kvswitch_epp_requests_finished_total", ok="true",
+                        status="OK", **labels) == [1.0]
+    assert _epp_samples(gateway, "kvswitch_epp_prompt_tokens_total", **labels) == [len(ids)]
+    assert _epp_samples(gateway, "kvswitch_epp_completion_tokens_total", **labels) == [
+        complete.completion_tokens]
+    assert _epp_samples(gateway, "kvswitch_epp_request_duration_seconds_count", **labels) == [1.0]

@@ -12,7 +12,10 @@ from kvswitch.epp.metrics import EppMetrics
 
 LABELS = ["model", "objective", "fairness_id", "endpoint", "status"]
 NAMES = ("kvswitch_epp_scheduler_e2e_duration_seconds", "kvswitch_epp_requests_total",
-         "kvswitch_epp_requests_created", "kvswitch_epp_endpoint_in_flight_requests")
+         "kvswitch_epp_requests_created", "kvswitch_epp_endpoint_in_flight_requests",
+         "kvswitch_epp_request_duration_seconds")
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
 
 
 def _without_created_values(text: str) -> str:
@@ -20,16 +23,21 @@ def _without_created_values(text: str) -> str:
     return re.sub(r"(_created(?:\{[^}]*\})?) \S+", r"\1 T", text)
 
 
-def _reference(registry: CollectorRegistry) -> tuple[Histogram, Counter, Gauge]:
+def _reference(registry: CollectorRegistry) -> tuple[Histogram, Counter, Gauge, Histogram]:
     histogram = Histogram(
         "kvswitch_epp_scheduler_e2e_duration_seconds",
         "Time to run one scheduling cycle (filters, scorers, picker), excluding queueing.",
         buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                  0.5, 1.0, 2.5, 5.0, 10.0, 30.0), registry=registry)
     counter = Counter("kvswitch_epp_requests", "Routing decisions.", LABELS, registry=registry)
+    durations = Histogram(
+        "kvswitch_epp_request_duration_seconds",
+        "Routed requests from the EPP seeing their headers to the end of the response.",
+        ["model", "objective", "fairness_id", "endpoint"], buckets=REQUEST_BUCKETS,
+        registry=registry)
     gauge = Gauge("kvswitch_epp_endpoint_in_flight_requests",
                   "Requests the EPP routed and not finished.", ["endpoint"], registry=registry)
-    return histogram, counter, gauge
+    return histogram, counter, gauge, durations
 
 
 def _families(text: str, names: tuple[str, ...]) -> str:
@@ -44,7 +52,7 @@ def test_counted_metrics_expose_what_prometheus_client_would(created: bool) -> N
     try:
         ours = EppMetrics()
         reference = CollectorRegistry()
-        histogram, counter, gauge = _reference(reference)
+        histogram, counter, gauge, durations = _reference(reference)
         for value in (0.00005, 0.0001, 0.0003, 0.002, 0.2, 31.0, 0.0001):
             ours.scheduling_seconds.observe(value)
             histogram.observe(value)
@@ -53,6 +61,11 @@ def test_counted_metrics_expose_what_prometheus_client_would(created: bool) -> N
                                (("", "o", "t", "", "503"), 3)):
             ours.requests.inc(labels, amount)
             counter.labels(*labels).inc(amount)
+        for labels, seconds in ((("m", "", "t", "10.0.0.1:8000"), 0.2),
+                                (("m", "", "t", "10.0.0.1:8000"), 400.0),
+                                (("m", "o", "u", "10.0.0.2:8000"), 0.005)):
+            ours.request_seconds.observe(seconds, labels)
+            durations.labels(*labels).observe(seconds)
         ours.in_flight.set(("10.0.0.1:8000",), 2)
         gauge.labels("10.0.0.1:8000").set(2)
         ours.in_flight.set(("10.0.0.2:8000",), 0)
@@ -64,7 +77,8 @@ def test_counted_metrics_expose_what_prometheus_client_would(created: bool) -> N
     assert _without_created_values(served) == _without_created_values(expected)
     assert ("_created" in served) is created
     assert ours.requests.value("", "o", "t", "", "503") == 3.0
-    assert ours.scheduling_seconds.count == 7
+    assert ours.scheduling_seconds.count() == 7
+    assert ours.request_seconds.count("m", "", "t", "10.0.0.1:8000") == 2
 
 
 def test_unused_counted_metrics_expose_their_help_and_type() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -147,19 +148,51 @@ async def test_saturated_pool_sheds_sheddable_with_429_and_queues_the_rest() -> 
 
 async def test_in_flight_counts_and_usage_metrics() -> None:
     router = make_router()
-    req = request(prompt(8))
+    req = dataclasses.replace(request(prompt(8), fairness_id="tenant-a"), objective="batch",
+                              received_at=time.monotonic() - 0.3)
     decision = await router.route(req, None)
-    assert router.in_flight()[decision.endpoints[0]] == 1
-    router.request_finished(req, RequestOutcome(decision.endpoints[0], ok=True, prompt_tokens=1024,
+    where = decision.endpoints[0]
+    assert router.in_flight()[where] == 1
+    router.request_finished(req, RequestOutcome(where, ok=True, grpc_status=0, prompt_tokens=1024,
                                                 completion_tokens=10, cached_tokens=512))
-    router.request_finished(req, RequestOutcome(decision.endpoints[0], ok=True))  # idempotent
-    assert router.in_flight()[decision.endpoints[0]] == 0
+    router.request_finished(req, RequestOutcome(where, ok=True))  # once per request: ignored
+    assert router.in_flight()[where] == 0
+    m = router.metrics
+    labels = ("", "batch", "tenant-a", where)
+    assert m.prompt_tokens.value(*labels) == 1024
+    assert m.completion_tokens.value(*labels) == 10
+    assert m.cached_tokens.value(*labels) == 512
+    assert m.finished.value(*labels, "true", "OK") == 1
+    assert m.request_seconds.count(*labels) == 1
+    assert 0.3 <= m.request_seconds.series[labels][1] < 5
     router.update_gauges()
-    text = generate_latest(router.metrics.registry).decode()
-    assert f'kvswitch_epp_cached_tokens_total{{endpoint="{decision.endpoints[0]}",model=""}} 512.0' in text
+    text = generate_latest(m.registry).decode()
+    assert (f'kvswitch_epp_cached_tokens_total{{endpoint="{where}",fairness_id="tenant-a",'
+            f'model="",objective="batch"}} 512.0') in text
+    assert (f'kvswitch_epp_request_duration_seconds_bucket{{endpoint="{where}",'
+            f'fairness_id="tenant-a",le="0.5",model="",objective="batch"}} 1.0') in text
     assert "kvswitch_epp_pool_ready_endpoints 4.0" in text
     assert "kvswitch_epp_scheduler_e2e_duration_seconds_count 1.0" in text
     assert 'status="200"' in text
+
+
+async def test_outcome_status_names_and_the_prompt_length_without_a_usage_trailer() -> None:
+    router = make_router()
+    outcomes = [RequestOutcome("", ok=True, grpc_status=0),  # no usage trailer (real vLLM)
+                RequestOutcome("", ok=False, grpc_status=14),
+                RequestOutcome("", ok=False),  # the stream broke before any answer
+                RequestOutcome("", ok=False, http_status=503)]
+    for i, outcome in enumerate(outcomes):
+        req = request(prompt(i, 100))
+        if i == 3:
+            req = dataclasses.replace(req, protocol="http")
+        where = (await router.route(req, None)).endpoints[0]
+        router.request_finished(req, dataclasses.replace(outcome, endpoint=where))
+    finished = router.metrics.finished.values
+    assert sorted((labels[-2], labels[-1]) for labels in finished) == [
+        ("false", "503"), ("false", "UNAVAILABLE"), ("false", "unknown"), ("true", "OK")]
+    # Only the request answered OK counts its tokenized prompt; failures count none.
+    assert sum(router.metrics.prompt_tokens.values.values()) == 100
 
 
 async def test_start_and_stop_with_unreachable_endpoints() -> None:
