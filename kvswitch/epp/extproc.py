@@ -72,7 +72,7 @@ _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 _EMPTY_BODY = ParsedBody()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # internal and made per request: not frozen (cheaper __init__)
 class NeedRouting:
     """Ask the router where `request` goes; feed the answer to `ExtProcStream.routed()`."""
 
@@ -81,7 +81,7 @@ class NeedRouting:
     """The proxy's subset hint (None: no hint, pick from the whole pool)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # internal and made per request: not frozen (cheaper __init__)
 class RequestFinished:
     """A routed request ended: pass to `router.request_finished()`."""
 

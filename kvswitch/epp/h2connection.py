@@ -94,9 +94,11 @@ def _trailers(status: int, message: str) -> bytes:
 
 
 # -- events ----------------------------------------------------------------------------------
+# Made per frame and read once by the driver: not frozen, since a frozen dataclass pays an
+# object.__setattr__ call per field in __init__.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamOpened:
     """A request's headers arrived on a new stream."""
 
@@ -107,7 +109,7 @@ class StreamOpened:
     """Every header field, pseudo-headers included, lowercase names."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MessageReceived:
     """One whole gRPC message (without its 5-byte prefix) on an open stream."""
 
@@ -115,14 +117,14 @@ class MessageReceived:
     message: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InputEnded:
     """The client half-closed the stream: no more messages will come on it."""
 
     stream_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamReset:
     """The stream ended abnormally (RST_STREAM from the peer, or a stream error here)."""
 
@@ -130,7 +132,7 @@ class StreamReset:
     error_code: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ConnectionEnded:
     """A connection error: GOAWAY sent, every open stream is gone, nothing more is read."""
 
