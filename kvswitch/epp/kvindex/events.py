@@ -91,8 +91,8 @@ class EventBatch:
 
 
 def load_from_proto(load: Any) -> LoadRecord:
-    # Positional arguments: a frozen dataclass's __init__ takes them about twice as fast as
-    # keywords (measured 5.4 -> 2.4 us per record).
+    # Positional arguments: a frozen dataclass binds them faster than keywords (~0.5 us less
+    # per record, measured).
     return LoadRecord(
         load.running_requests,
         load.waiting_requests,
