@@ -105,7 +105,8 @@ class ResponseComplete(Protocol):
     def response_complete(self, request: InferenceRequest, outcome: RequestOutcome) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: built per request, and a frozen __init__ calls object.__setattr__ per field.
+@dataclass(slots=True)
 class ProfileResult:
     """What one profile chose."""
 

@@ -30,7 +30,8 @@ STATE_KEY = "prefix-index"
 SHARED_KEY = "prefix-index"
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: built per request, and a frozen __init__ calls object.__setattr__ per field.
+@dataclass(slots=True)
 class PrefixMatch:
     """The prefix facts of one request."""
 
