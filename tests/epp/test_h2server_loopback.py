@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -219,15 +220,25 @@ async def read_frames(reader: asyncio.StreamReader, until: Callable[[list[tuple[
     return frames
 
 
+@contextlib.asynccontextmanager
+async def raw_client(server: EppServer) -> AsyncIterator[tuple[asyncio.StreamReader,
+                                                               asyncio.StreamWriter]]:
+    """A connected HTTP/2 client past the preface and the server's SETTINGS."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(PREFACE + frame(SETTINGS, 0, 0))
+        await read_frames(reader, lambda f: any(k == SETTINGS and not fl for k, fl, _, _ in f))
+        yield reader, writer
+    finally:
+        writer.close()
+
+
 async def test_stop_serves_a_stream_sent_across_its_first_goaway(router: FakeRouter) -> None:
     """The race a single GOAWAY loses: a call the proxy sent before it read the GOAWAY. Here a
     raw client opens a health check only after the draining GOAWAY and PING arrived, and ACKs
     the PING after that: the call is answered, then the final GOAWAY names it."""
     server = await start(router)
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    try:
-        writer.write(PREFACE + frame(SETTINGS, 0, 0))
-        await read_frames(reader, lambda f: any(k == SETTINGS and not fl for k, fl, _, _ in f))
+    async with raw_client(server) as (reader, writer):
         stopping = asyncio.create_task(server.stop(grace=5))
         frames = await read_frames(reader, lambda f: any(k == PING for k, _, _, _ in f))
         [goaway] = [p for k, _, _, p in frames if k == GOAWAY]
@@ -252,22 +263,15 @@ async def test_stop_serves_a_stream_sent_across_its_first_goaway(router: FakeRou
         [final] = [p for k, _, _, p in frames if k == GOAWAY]
         assert struct.unpack(">I", final[:4])[0] == 1
         await asyncio.wait_for(stopping, 5)
-    finally:
-        writer.close()
 
 
 async def test_stop_does_not_wait_for_a_ping_ack_that_never_comes(router: FakeRouter) -> None:
     server = await start(router)
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    try:
-        writer.write(PREFACE + frame(SETTINGS, 0, 0))
-        await read_frames(reader, lambda f: any(k == SETTINGS and not fl for k, fl, _, _ in f))
+    async with raw_client(server) as (reader, _):
         stopping = asyncio.create_task(server.stop(grace=30))
         frames = await read_frames(reader, lambda f: sum(k == GOAWAY for k, _, _, _ in f) == 2)
         assert struct.unpack(">I", [p for k, _, _, p in frames if k == GOAWAY][1][:4])[0] == 0
         await asyncio.wait_for(stopping, 5)  # the 1 s fallback, not the 30 s grace
-    finally:
-        writer.close()
 
 
 async def test_graceful_stop_gives_up_after_grace(router: FakeRouter) -> None:
