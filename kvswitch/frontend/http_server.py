@@ -10,6 +10,7 @@ answer straight to its transport.
 - Bodies: Content-Length or chunked (httptools decodes chunks); over `max_body_bytes` → 413,
   malformed HTTP → 400, both answered in turn and followed by closing the connection.
 - HEAD gets the headers of the app's answer (to the same request), without its body.
+- Every response carries a `date` header (as uvicorn and Envoy send).
 - Streams: chunked transfer encoding, one `transport.write` per event (the status line and
   headers go with the first event, the terminating chunk with the last); `pause_writing`
   holds the stream until the client reads again.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import email.utils
 import http
 import logging
 import socket
@@ -87,8 +89,28 @@ class App(Protocol):
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
 
+class _DateHeader:
+    """The `date` header line (RFC 9110 §6.6.1: a server with a clock sends it), formatted once
+    per second rather than per response."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._line = b""
+
+    def __call__(self) -> bytes:
+        now = time.time()
+        if int(now) != self._second:
+            self._second = int(now)
+            self._line = b"date: %s\r\n" % email.utils.formatdate(now, usegmt=True).encode()
+        return self._line
+
+
+_date_header = _DateHeader()
+
+
 def _status_line(status: int) -> bytes:
-    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))
+    """The status line and the headers every response carries."""
+    return b"HTTP/1.1 %d %s\r\n%s" % (status, _REASONS.get(status, b""), _date_header())
 
 
 @dataclass(slots=True)

@@ -4,7 +4,10 @@ pipelining, chunked uploads, refusals (413, 400), streams, backpressure, disconn
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import re
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -108,7 +111,9 @@ async def test_keep_alive_serves_requests_one_after_another(served) -> None:
     reader, writer = await connect()
     for i in range(3):
         writer.write(_post("/echo?q=1", b"body %d" % i))
-        assert await _response(reader) == (200, {"content-type": "text/plain",
+        status, headers, body = await _response(reader)
+        headers.pop("date")
+        assert (status, headers, body) == (200, {"content-type": "text/plain",
                                                  "content-length": "17"}, b"POST /echo body %d" % i)
     assert [r.path for r in app.seen] == ["/echo"] * 3
     writer.close()
@@ -265,6 +270,20 @@ async def test_head_gets_headers_without_the_body(served) -> None:
     _, _, connect = served
     reader, writer = await connect()
     writer.write(b"HEAD /echo HTTP/1.1\r\nhost: x\r\n\r\n" + _post("/echo", b"next"))
-    assert await reader.readuntil(b"\r\n\r\n") == (
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 11\r\n\r\n")  # "HEAD /echo "
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert re.fullmatch(
+        rb"HTTP/1.1 200 OK\r\ndate: [^\r]+\r\ncontent-type: text/plain\r\ncontent-length: 11\r\n\r\n",
+        head)  # the length of "HEAD /echo ", and no body
     assert (await _response(reader))[2] == b"POST /echo next"
+
+
+async def test_every_response_carries_the_current_date(served) -> None:
+    _, _, connect = served
+    reader, writer = await connect()
+    for request in (_post("/echo", b""), _post("/stream", b"{}")):
+        writer.write(request)
+        _, headers, _ = await _response(reader)
+        sent = email.utils.parsedate_to_datetime(headers["date"])
+        assert sent.tzinfo is not None
+        assert abs(sent.timestamp() - time.time()) < 5
+    writer.close()
