@@ -47,7 +47,7 @@ from kvswitch.epp.extproc_messages import (
     header_dict,
     immediate_error,
     inference_request,
-    parse_usage,
+    response_status,
     streamed_body,
     streamed_body_chunks,
     subset_hint,
@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 _EMPTY_BODY = ParsedBody()
+_NO_USAGE: dict[str, int] = {}
 
 
 @dataclass(slots=True)  # internal and made per request: not frozen (cheaper __init__)
@@ -101,8 +102,34 @@ class _Phase(Enum):
     DONE = "done"
 
 
+# Module globals: `_Phase.BODY` is a class attribute lookup through EnumType (~0.1 us each,
+# about ten per request).
+_HEADERS, _BODY, _ROUTING, _FORWARDING, _DONE = _Phase
+
+
 class ExtProcStream:
     """One ext_proc stream, i.e. one HTTP request through Envoy."""
+
+    # Immutable starting values live on the class: one is made per request, and an instance
+    # only stores what changes (≈ 0.5 us less per stream than setting them all in __init__).
+    _phase = _HEADERS
+    _grpc = False
+    _parser_needs_body = False
+    _size = 0
+    _body_messages = 0
+    _body_ended = False
+    _request_trailers = False
+    _received_at = 0.0
+    _path = "/"
+    _parser: Parser | None = None
+    _subset: tuple[str, ...] | None = None
+    request: InferenceRequest | None = None
+    endpoints: tuple[str, ...] = ()
+    _routed = False
+    _finished = False
+    _http_status: int | None = None
+    _grpc_status: int | None = None
+    _usage: dict[str, int] | None = None
 
     def __init__(
         self,
@@ -113,36 +140,20 @@ class ExtProcStream:
     ) -> None:
         self._picker = picker
         self._body_mode = default_body_mode
+        self._full_duplex = default_body_mode == _FULL_DUPLEX
         self._clock = clock
-        self._phase = _Phase.HEADERS
         self._headers: dict[str, str] = {}
-        self._grpc = False
-        self._parser_needs_body = False
         self._chunks: list[bytes] = []
-        self._size = 0
-        self._body_messages = 0
-        self._body_ended = False
-        self._request_trailers = False
-        self._received_at = 0.0
-        self._parser: Parser | None = None
-        self._subset: tuple[str, ...] | None = None
-        self.request: InferenceRequest | None = None
-        self.endpoints: tuple[str, ...] = ()
-        self._routed = False
-        self._finished = False
-        self._http_status: int | None = None
-        self._grpc_status: int | None = None
-        self._usage: dict[str, int] = {}
 
     @property
     def full_duplex(self) -> bool:
-        return bool(self._body_mode == _FULL_DUPLEX)
+        return self._full_duplex
 
     # -- input ------------------------------------------------------------------------------
 
     def receive(self, message: ep.ProcessingRequest) -> list[Action]:
         """Feed one message from Envoy; never raises."""
-        if self._phase is _Phase.DONE:  # after a local reply Envoy has nothing more to ask
+        if self._phase is _DONE:  # after a local reply Envoy has nothing more to ask
             return []
         try:
             kind = message.WhichOneof("request")
@@ -167,7 +178,7 @@ class ExtProcStream:
 
     def routed(self, decision: RoutingDecision) -> list[Action]:
         """The router's answer to the last `NeedRouting`; never raises."""
-        if self._phase is not _Phase.ROUTING or self.request is None:
+        if self._phase is not _ROUTING or self.request is None:
             return []
         if decision.status != 200 or not decision.endpoints:
             status = decision.status if decision.status != 200 else 503
@@ -175,13 +186,13 @@ class ExtProcStream:
             return self._reply_error(status, reason, reason)
         self._routed = True
         self.endpoints = decision.endpoints
-        self._phase = _Phase.FORWARDING
+        self._phase = _FORWARDING
         destination = ",".join(decision.endpoints)
-        if not self.full_duplex and self._parser_needs_body:
+        if not self._full_duplex and self._parser_needs_body:
             # Buffered: the headers were answered already; the body reply carries the pick.
             return [destination_reply(destination, grpc=self._grpc, on_body=True)]
         out: list[Action] = [destination_reply(destination, grpc=self._grpc, on_body=False)]
-        if self.full_duplex:
+        if self._full_duplex:
             out.extend(self._echo_body())
         elif self._chunks:
             out.append(BODY_CONTINUE)
@@ -190,32 +201,35 @@ class ExtProcStream:
     def close(self) -> list[Action]:
         """The gRPC stream ended (end of request, client cancel, upstream reset)."""
         out = self._finish() if self._routed and not self._finished else []
-        self._phase = _Phase.DONE
+        self._phase = _DONE
         return out
 
     # -- request side ------------------------------------------------------------------------
 
     def _on_request_headers(self, message: ep.ProcessingRequest) -> list[Action]:
-        if self._phase is not _Phase.HEADERS:
+        if self._phase is not _HEADERS:
             raise InvalidRequest("request headers received twice")
         if message.HasField("protocol_config"):
             self._body_mode = message.protocol_config.request_body_mode
+            self._full_duplex = self._body_mode == _FULL_DUPLEX
         self._received_at = self._clock()
         request_headers = message.request_headers
         headers = self._headers = header_dict(request_headers.headers)
         content_type = headers.get("content-type", "")
         self._grpc = content_type.startswith("application/grpc")
-        if int(headers.get("content-length") or 0) > self._picker.max_body_bytes:
+        length = headers.get("content-length")
+        if length and int(length) > self._picker.max_body_bytes:
             raise _too_large(self._picker.max_body_bytes)
-        parser = select_parser(self._picker.parsers, headers.get(":path", "/"), content_type)
+        path = self._path = headers.get(":path", "/").split("?", 1)[0]
+        parser = select_parser(self._picker.parsers, path, content_type)
         self._body_ended = request_headers.end_of_stream
         self._parser_needs_body = needs_body(parser) and not self._body_ended
         self._subset = subset_hint(message, headers)
         if not self._parser_needs_body:
             return self._need_routing(_EMPTY_BODY)
         self._parser = parser
-        self._phase = _Phase.BODY
-        return [] if self.full_duplex else [HEADERS_CONTINUE]
+        self._phase = _BODY
+        return [] if self._full_duplex else [HEADERS_CONTINUE]
 
     def _on_request_body(self, body: ep.HttpBody) -> list[Action]:
         if self._body_ended:
@@ -226,24 +240,24 @@ class ExtProcStream:
         if self._size > self._picker.max_body_bytes:
             raise _too_large(self._picker.max_body_bytes)
         self._body_ended = body.end_of_stream or body.end_of_stream_without_message
-        if self._phase is _Phase.FORWARDING:  # routed on headers: stream it straight through
-            if self.full_duplex:
+        if self._phase is _FORWARDING:  # routed on headers: stream it straight through
+            if self._full_duplex:
                 return [streamed_body(data, self._body_ended)]
             return [BODY_CONTINUE]
         if data:
             self._chunks.append(data)
-        if self._phase is _Phase.BODY and self._body_ended:
+        if self._phase is _BODY and self._body_ended:
             return self._parse_and_route()
-        if not self.full_duplex and self._phase is _Phase.BODY:
+        if not self._full_duplex and self._phase is _BODY:
             return [BODY_CONTINUE]  # STREAMED mode answers every chunk
         return []
 
     def _on_request_trailers(self) -> list[Action]:
         self._request_trailers = True
-        if self._phase is _Phase.BODY and not self._body_ended:
+        if self._phase is _BODY and not self._body_ended:
             self._body_ended = True
             return self._parse_and_route()
-        if self._phase is _Phase.FORWARDING:
+        if self._phase is _FORWARDING:
             return [TRAILERS_CONTINUE]
         return []  # answered with the body echo once routed
 
@@ -251,7 +265,7 @@ class ExtProcStream:
         body = b"".join(self._chunks)
         self._chunks = [body] if body else []
         assert self._parser is not None
-        parsed = self._parser.parse(self._headers[":path"].split("?", 1)[0], self._headers, body)
+        parsed = self._parser.parse(self._path, self._headers, body)
         return self._need_routing(parsed)
 
     def _need_routing(self, parsed: ParsedBody) -> list[Action]:
@@ -259,12 +273,12 @@ class ExtProcStream:
         request_id = headers.get(h.REQUEST_ID) or parsed.request_id or uuid.uuid4().hex
         self.request = inference_request(
             headers, parsed, request_id, grpc=self._grpc, size=self._size,
-            received_at=self._received_at,
+            received_at=self._received_at, path=self._path,
         )
         if self._subset is not None and not self._subset:
             reason = "subset hint lists no endpoints"
             return self._reply_error(503, reason, reason)
-        self._phase = _Phase.ROUTING
+        self._phase = _ROUTING
         return [NeedRouting(self.request, self._subset)]
 
     def _echo_body(self) -> list[Action]:
@@ -282,10 +296,9 @@ class ExtProcStream:
     # -- response side -----------------------------------------------------------------------
 
     def _on_response_headers(self, headers_msg: ep.HttpHeaders) -> list[Action]:
-        headers = header_dict(headers_msg.headers)
-        status = headers.get(":status")
+        status, self._grpc_status, self._usage = response_status(
+            headers_msg.headers, self._grpc_status, self._usage)
         self._http_status = int(status) if status and status.isdigit() else None
-        self._read_grpc_status(headers)
         if headers_msg.end_of_stream:
             return [RESPONSE_HEADERS_CONTINUE, *self._finish()]
         return [RESPONSE_HEADERS_CONTINUE]
@@ -293,23 +306,16 @@ class ExtProcStream:
     def _on_response_body(self, body: ep.HttpBody) -> list[Action]:
         # Not configured (response_body NONE); answered correctly anyway.
         out: list[Action]
-        if self.full_duplex:
+        if self._full_duplex:
             out = [streamed_body(body.body, body.end_of_stream, response=True)]
         else:
             out = [RESPONSE_BODY_CONTINUE]
         return out
 
     def _on_response_trailers(self, trailers: ep.HttpTrailers) -> list[Action]:
-        self._read_grpc_status(header_dict(trailers.trailers))
+        _, self._grpc_status, self._usage = response_status(
+            trailers.trailers, self._grpc_status, self._usage)
         return [RESPONSE_TRAILERS_CONTINUE, *self._finish()]
-
-    def _read_grpc_status(self, headers: dict[str, str]) -> None:
-        code = headers.get("grpc-status")
-        if code is not None and code.isdigit():
-            self._grpc_status = int(code)
-        usage = headers.get(h.USAGE_TRAILER)
-        if usage:
-            self._usage = parse_usage(usage)
 
     def _finish(self) -> list[Action]:
         if not self._routed or self._finished or self.request is None:
@@ -321,21 +327,22 @@ class ExtProcStream:
             ok = self._grpc_status == 0 and (status is None or status < 400)
         else:
             ok = status is not None and status < 400 and self._grpc_status in (None, 0)
+        usage = self._usage or _NO_USAGE
         outcome = RequestOutcome(
             endpoint=self.endpoints[0],
             ok=ok,
             grpc_status=self._grpc_status,
             http_status=self._http_status,
-            prompt_tokens=self._usage.get("prompt_tokens"),
-            completion_tokens=self._usage.get("completion_tokens"),
-            cached_tokens=self._usage.get("cached_tokens"),
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            cached_tokens=usage.get("cached_tokens"),
         )
         return [RequestFinished(self.request, outcome)]
 
     # -- errors ------------------------------------------------------------------------------
 
     def _fail(self, exc: KvswitchError) -> list[Action]:
-        if self._phase is _Phase.DONE:
+        if self._phase is _DONE:
             return []
         if self._http_status is not None:
             # The response has started; a local reply is no longer possible.
@@ -351,7 +358,7 @@ class ExtProcStream:
             logger.warning("request dropped (%d): %s", status, message)
         else:
             logger.debug("request rejected (%d): %s", status, message)
-        self._phase = _Phase.DONE
+        self._phase = _DONE
         reply = immediate_error(status, message, reason, grpc=self._grpc, param=param)
         # A request routed on its headers and failed later still reports its end.
         return [reply, *self._finish()]

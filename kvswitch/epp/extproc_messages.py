@@ -24,7 +24,7 @@ __all__ = [
     "BODY_CONTINUE", "HEADERS_CONTINUE", "RESPONSE_BODY_CONTINUE", "RESPONSE_HEADERS_CONTINUE",
     "RESPONSE_TRAILERS_CONTINUE", "TRAILERS_CONTINUE", "SerializedResponse", "destination_reply",
     "header_dict",
-    "immediate_error", "inference_request", "parse_usage", "streamed_body",
+    "immediate_error", "inference_request", "parse_usage", "response_status", "streamed_body",
     "streamed_body_chunks", "subset_hint",
 ]
 
@@ -38,9 +38,34 @@ def header_dict(header_map: HeaderMap) -> dict[str, str]:
     return {x.key: x.raw_value.decode("latin-1") or x.value for x in header_map.headers}
 
 
+def response_status(
+    header_map: HeaderMap, grpc_status: int | None, usage: dict[str, int] | None
+) -> tuple[str | None, int | None, dict[str, int] | None]:
+    """(`:status`, grpc-status, parsed usage trailer) from response headers or trailers; the
+    given grpc-status and usage stand where the map lacks them. Only these three fields are
+    read: no dict of every header is built (≈ 1 us less per request than `header_dict`)."""
+    status = None
+    for header in header_map.headers:
+        key = header.key
+        if key == "grpc-status":
+            code = header.raw_value.decode("latin-1") or header.value
+            if code.isdigit():
+                grpc_status = int(code)
+        elif key == h.USAGE_TRAILER:
+            value = header.raw_value.decode("latin-1") or header.value
+            if value:
+                usage = parse_usage(value)
+        elif key == ":status":
+            status = header.raw_value.decode("latin-1") or header.value
+    return status, grpc_status, usage
+
+
 def subset_hint(message: ep.ProcessingRequest, headers: dict[str, str]) -> tuple[str, ...] | None:
     """The proxy's subset hint: `envoy.lb.subset_hint` filter metadata, else the header."""
-    namespace = message.metadata_context.filter_metadata.get(h.SUBSET_HINT_NAMESPACE)
+    # Envoy sends metadata_context only when configured to: asking first skips building the
+    # map's wrappers (≈ 0.3 us) on every request without it.
+    namespace = (message.metadata_context.filter_metadata.get(h.SUBSET_HINT_NAMESPACE)
+                 if message.HasField("metadata_context") else None)
     if namespace is not None and h.DESTINATION_SUBSET in namespace.fields:
         value = namespace.fields[h.DESTINATION_SUBSET]
         if value.WhichOneof("kind") == "list_value":
@@ -69,21 +94,23 @@ def _slo(headers: dict[str, str], name: str) -> float | None:
 
 def inference_request(
     headers: dict[str, str], parsed: ParsedBody, request_id: str, *, grpc: bool, size: int,
-    received_at: float,
+    received_at: float, path: str | None = None,
 ) -> InferenceRequest:
-    for alias, name in h.ALIASES.items():  # the current names win over the old ones
-        if alias in headers and name not in headers:
-            headers[name] = headers[alias]
+    """`path`: `:path` without its query, if the caller has it already."""
+    if not headers.keys().isdisjoint(h.ALIASES):  # one C call when (as usual) none is there
+        for alias, name in h.ALIASES.items():  # the current names win over the old ones
+            if alias in headers and name not in headers:
+                headers[name] = headers[alias]
     headers.pop(h.DESTINATION_ENDPOINT, None)  # client-supplied: never trusted, never passed on
     return InferenceRequest(
         request_id=request_id,
         protocol="grpc" if grpc else "http",
-        path=headers.get(":path", "/").split("?", 1)[0],
+        path=path if path is not None else headers.get(":path", "/").split("?", 1)[0],
         body=parsed,
         objective=headers.get(h.OBJECTIVE) or None,
         fairness_id=headers.get(h.FAIRNESS_ID) or h.DEFAULT_FAIRNESS_ID,
-        slo_ttft_ms=_slo(headers, h.SLO_TTFT_MS),
-        slo_tpot_ms=_slo(headers, h.SLO_TPOT_MS),
+        slo_ttft_ms=_slo(headers, h.SLO_TTFT_MS) if h.SLO_TTFT_MS in headers else None,
+        slo_tpot_ms=_slo(headers, h.SLO_TPOT_MS) if h.SLO_TPOT_MS in headers else None,
         headers=headers,
         body_size=size,
         received_at=received_at,

@@ -8,10 +8,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvswitch.epp.extproc_messages import (
     destination_reply,
     parse_usage,
+    response_status,
     streamed_body,
     streamed_body_chunks,
 )
-from tests.epp.test_extproc import destination_headers_reply
+from tests.epp.test_extproc import destination_headers_reply, header_map
 
 
 def streamed(data: bytes, end: bool, *, response: bool = False) -> ep.ProcessingResponse:
@@ -60,3 +61,15 @@ def test_usage_trailer_items_may_be_spaced_and_bad_ones_are_skipped() -> None:
         "prompt_tokens": 12, "completion_tokens": 64, "cached_tokens": 0}
     assert parse_usage(" prompt_tokens = 12 ;completion_tokens=-1;cached_tokens=x;junk;=") == {
         "prompt_tokens": 12}
+
+
+def test_response_status_reads_status_grpc_status_and_usage_only() -> None:
+    trailers = header_map([("grpc-status", "0"), ("grpc-message", "ok"),
+                           ("x-kvswitch-usage", "prompt_tokens=3;completion_tokens=4")])
+    assert response_status(trailers, None, None) == (
+        None, 0, {"prompt_tokens": 3, "completion_tokens": 4})
+    headers = header_map([(":status", "200"), ("content-type", "application/grpc")])
+    usage = {"prompt_tokens": 1}
+    assert response_status(headers, 5, usage) == ("200", 5, usage)  # absent: kept as given
+    assert response_status(header_map([("grpc-status", "x"), ("x-kvswitch-usage", "")]), 2,
+                           None) == (None, 2, None)  # unreadable: kept as given
