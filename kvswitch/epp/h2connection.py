@@ -251,7 +251,10 @@ class H2GrpcConnection:
                 stream_id &= 0x7FFFFFFF
                 payload = buffer[offset + 9:end]
                 offset = end
-                self._on_frame(kind, flags, stream_id, payload, events)
+                if kind == DATA and self._header_block is None and self._settings_seen:
+                    self._on_data(flags, stream_id, payload, events)  # most frames: one call less
+                else:
+                    self._on_frame(kind, flags, stream_id, payload, events)
                 if self.closed:
                     return events
             if offset < size:
@@ -393,9 +396,16 @@ class H2GrpcConnection:
             self._stream_error(stream, FLOW_CONTROL_ERROR, events)
             return
         if payload:
-            self._messages(stream, payload, events)
-            if stream.id not in self.streams:
-                return
+            size = len(payload)
+            if (not stream.partial and size >= 5 and not payload[0]
+                    and U32.unpack_from(payload, 1)[0] == size - 5
+                    and size - 5 <= self.max_message_bytes):
+                # The usual frame: exactly one whole uncompressed message.
+                events.append(MessageReceived(stream_id, payload[5:]))
+            else:
+                self._messages(stream, payload, events)
+                if stream.id not in self.streams:
+                    return
         if flags & END_STREAM:
             self._remote_ended(stream, events)
             return

@@ -107,7 +107,12 @@ class _Protocol(asyncio.Protocol):
         self.receiving = True
         for event in self.conn.receive(data):
             try:
-                self._dispatch(event)
+                if type(event) is MessageReceived:  # most events: handled without a call
+                    handler = self.handlers.get(event.stream_id)
+                    if handler is not None:
+                        handler.on_message(event.message)
+                else:
+                    self._dispatch(event)
             except Exception:  # a handler bug costs its stream, not the connection's others
                 logger.exception("stream handler failed")
                 stream_id = getattr(event, "stream_id", 0)

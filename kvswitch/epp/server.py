@@ -185,8 +185,15 @@ class _ProcessCall:
     def on_message(self, message: bytes) -> None:
         if self._backlog is not None:
             self._backlog.append(message)
-        else:
-            self._receive(message)
+            return
+        try:
+            request = ep.ProcessingRequest.FromString(message)
+        except DecodeError:
+            self._gone = True
+            self._call.finish(INTERNAL, "cannot parse a ProcessingRequest")
+            _report_finished(self._router, self._stream.close())
+            return
+        self._perform(self._stream.receive(request))
 
     def on_end(self) -> None:
         if self._task is not None:
@@ -201,21 +208,12 @@ class _ProcessCall:
         else:
             _report_finished(self._router, self._stream.close())
 
-    def _receive(self, message: bytes) -> None:
-        try:
-            request = ep.ProcessingRequest.FromString(message)
-        except DecodeError:
-            self._gone = True
-            self._call.finish(INTERNAL, "cannot parse a ProcessingRequest")
-            _report_finished(self._router, self._stream.close())
-            return
-        self._perform(self._stream.receive(request))
-
     def _perform(self, actions: list[Action]) -> None:
+        send = self._call.send
         for i, action in enumerate(actions):
             kind = type(action)
             if kind is bytes:
-                self._call.send(action)  # type: ignore[arg-type]
+                send(action)  # type: ignore[arg-type]
             elif kind is NeedRouting:
                 if not self._route(action, actions[i + 1:]):  # type: ignore[arg-type]
                     return

@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
-from kvswitch.protocol.frames import FrameDecoder, decode_all, encode
+from kvswitch.protocol.frames import FrameDecoder, decode_all, encode, single_message
 
 
 def test_encode_writes_flag_and_big_endian_length() -> None:
@@ -84,3 +84,13 @@ def test_decompression_bomb_is_too_large() -> None:
     assert len(bomb) < 2_000
     with pytest.raises(PayloadTooLarge, match="decompressed"):
         decode_all(encode(bomb, compressed=True), encoding="gzip", max_message_bytes=10_000)
+
+
+def test_single_message_takes_exactly_one_plain_message_within_the_limit() -> None:
+    assert single_message(encode(b"abc")) == b"abc"
+    assert single_message(encode(b"")) == b""
+    assert single_message(encode(b"abc") + encode(b"d")) is None  # two: decode_all's case
+    assert single_message(encode(b"abc")[:-1]) is None  # truncated
+    assert single_message(encode(b"abc", compressed=True)) is None
+    assert single_message(encode(b"abcd"), max_message_bytes=3) is None
+    assert single_message(b"\0\0") is None

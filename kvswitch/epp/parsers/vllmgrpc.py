@@ -18,12 +18,13 @@ from google.protobuf.message import DecodeError
 from kvswitch.epp.request import ParsedBody
 from kvswitch.errors import InvalidRequest
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, vllm_engine_pb2
-from kvswitch.protocol.frames import decode_all
+from kvswitch.protocol.frames import decode_all, single_message
 
 __all__ = ["TYPE", "VllmGrpcParser", "create"]
 
 TYPE = "vllmgrpc-parser"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+_IDENTITY = (None, "", "identity")
 
 
 class VllmGrpcParser:
@@ -35,16 +36,20 @@ class VllmGrpcParser:
         return path == GENERATE_PATH or path == EMBED_PATH
 
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> ParsedBody:
-        messages = decode_all(
-            body, encoding=headers.get("grpc-encoding"), max_message_bytes=self.max_message_bytes
-        )
-        if len(messages) != 1:
-            raise InvalidRequest(
-                f"{path} takes exactly one request message, the body holds {len(messages)}"
+        message = single_message(body, self.max_message_bytes)
+        if message is None or headers.get("grpc-encoding") not in _IDENTITY:
+            messages = decode_all(
+                body, encoding=headers.get("grpc-encoding"),
+                max_message_bytes=self.max_message_bytes,
             )
+            if len(messages) != 1:
+                raise InvalidRequest(
+                    f"{path} takes exactly one request message, the body holds {len(messages)}"
+                )
+            message = messages[0]
         if path == EMBED_PATH:
-            return _parse_embed(messages[0])
-        return _parse_generate(messages[0])
+            return _parse_embed(message)
+        return _parse_generate(message)
 
 
 def _parse_generate(message: bytes) -> ParsedBody:
