@@ -44,19 +44,19 @@ def response_status(
     """(`:status`, grpc-status, parsed usage trailer) from response headers or trailers; the
     given grpc-status and usage stand where the map lacks them. Only these three fields are
     read: no dict of every header is built (≈ 1 us less per request than `header_dict`)."""
-    status = None
+    status = code = value = None  # the last of each wins, as in `header_dict`
     for header in header_map.headers:
         key = header.key
         if key == "grpc-status":
             code = header.raw_value.decode("latin-1") or header.value
-            if code.isdigit():
-                grpc_status = int(code)
         elif key == h.USAGE_TRAILER:
             value = header.raw_value.decode("latin-1") or header.value
-            if value:
-                usage = parse_usage(value)
         elif key == ":status":
             status = header.raw_value.decode("latin-1") or header.value
+    if code is not None and code.isdigit():
+        grpc_status = int(code)
+    if value:
+        usage = parse_usage(value)
     return status, grpc_status, usage
 
 
