@@ -43,3 +43,46 @@ def test_pushed_load_records_reach_the_endpoint_metrics() -> None:
     scorer.subscriptions.on_load("a:1", record)  # type: ignore[misc]
     m = datalayer.get("a:1").metrics  # type: ignore[union-attr]
     assert (m.running, m.waiting, m.waiting_tokens, m.kv_usage) == (2, 5, 3000, 0.25)
+
+
+async def test_scheduling_cycles_follow_pool_changes() -> None:
+    import asyncio
+
+    datalayer = Datalayer()
+    datalayer.set_endpoints([EndpointSpec("a:1")])
+    scorer = create("p", {"blockSize": 16, "tokenizer": "none"}, PluginHandle(datalayer))
+    synced: list[set[str]] = []
+    release = asyncio.Event()
+    release.set()
+
+    async def set_endpoints(pool: frozenset[str]) -> None:
+        synced.append(set(pool))
+        await release.wait()
+
+    scorer.subscriptions.set_endpoints = set_endpoints  # type: ignore[method-assign]
+    request = InferenceRequest("r", "grpc", "/x", ParsedBody(prompt_token_ids=tuple(range(32))))
+
+    async def cycle() -> None:
+        scorer.produce(request, {}, datalayer.ready())
+        await asyncio.sleep(0)
+
+    await cycle()
+    await cycle()
+    assert synced == [{"a:1"}]
+    datalayer.set_endpoints([EndpointSpec("a:1"), EndpointSpec("b:1")])
+    await cycle()
+    datalayer.set_endpoints([EndpointSpec("a:1"), EndpointSpec("b:1")])  # no change
+    await cycle()
+    assert synced == [{"a:1"}, {"a:1", "b:1"}]
+    # A change while a sync is still running is taken up by a cycle after it finished.
+    release.clear()
+    datalayer.set_endpoints([EndpointSpec("b:1")])
+    await cycle()
+    datalayer.set_endpoints([EndpointSpec("c:1")])
+    await cycle()
+    await cycle()
+    assert synced == [{"a:1"}, {"a:1", "b:1"}, {"b:1"}]
+    release.set()
+    await cycle()
+    await cycle()
+    assert synced == [{"a:1"}, {"a:1", "b:1"}, {"b:1"}, {"c:1"}]

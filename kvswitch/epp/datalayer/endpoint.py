@@ -94,6 +94,9 @@ class Datalayer:
         self.clock = clock
         self._endpoints: dict[str, Endpoint] = {}
         self._listeners: list[Callable[[str], None]] = []
+        self.version = 0
+        """Goes up whenever the endpoint set changes, so followers of the set (the precise
+        scorer's subscriptions) compare one int per request instead of the set."""
 
     def set_endpoints(self, specs: Iterable[EndpointSpec]) -> tuple[list[Endpoint], list[str]]:
         """Replace the endpoint set; returns (added endpoints, removed addresses)."""
@@ -109,6 +112,8 @@ class Datalayer:
                 endpoint = Endpoint(spec)
                 self._endpoints[address] = endpoint
                 added.append(endpoint)
+        if added or removed:
+            self.version += 1
         return added, removed
 
     def on_removed(self, listener: Callable[[str], None]) -> None:
@@ -153,5 +158,7 @@ class Datalayer:
     def ready(self) -> list[Endpoint]:
         """Endpoints eligible for scheduling now."""
         now = self.clock()
-        staleness = self.staleness
-        return [e for e in self._endpoints.values() if e.healthy and e.fresh(now, staleness)]
+        oldest = now - self.staleness
+        # `Endpoint.fresh` inlined: one call less per endpoint and request.
+        return [e for e in self._endpoints.values()
+                if e.healthy and (e.live_until >= now or e.metrics.updated_at >= oldest)]
