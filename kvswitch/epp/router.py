@@ -66,6 +66,7 @@ class EppRouter:
         self.lag_interval = lag_interval
         self._lag_max = 0.0
         self._routed: dict[str, Endpoint] = {}
+        self._decisions: dict[tuple[Endpoint, ...], RoutingDecision] = {}
         self._gauges: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
 
@@ -118,18 +119,11 @@ class EppRouter:
         if isinstance(candidates, RoutingDecision):
             return self._count(request, candidates)
         priority = self.objectives.get(request.objective, 0) if request.objective else 0
-        queued_at = time.perf_counter()
-        admission = await self.gate.admit(request.fairness_id, priority, candidates)
-        if admission.verdict is not Verdict.DISPATCH:
-            return self._count(request, RoutingDecision(status=admission.status,
-                                                        reason=admission.reason))
-        started = time.perf_counter()
-        if started - queued_at > 0.0005:
-            # It waited: the pool changed meanwhile.
-            self.metrics.queue_wait_seconds.observe(started - queued_at)
-            candidates = self._candidates(subset)
+        if not self.gate.dispatches_now(priority, candidates):
+            candidates = await self._admit(request, priority, candidates, subset)
             if isinstance(candidates, RoutingDecision):
                 return self._count(request, candidates)
+        started = time.perf_counter()
         result = self.scheduler.schedule(request, candidates)
         self.metrics.scheduling_seconds.observe(time.perf_counter() - started)
         if not result.endpoints:
@@ -138,8 +132,37 @@ class EppRouter:
         pick.in_flight += 1
         self.metrics.in_flight.set((pick.address,), pick.in_flight)
         self._routed[request.request_id] = pick
-        decision = RoutingDecision(endpoints=tuple([e.address for e in result.endpoints]))
-        return self._count(request, decision)
+        decision = self._decisions.get(result.endpoints)
+        if decision is None:
+            decision = self._decision(result.endpoints)
+        self.metrics.requests.inc((request.body.model or "", request.objective or "",
+                                   request.fairness_id, pick.address, "200"))
+        return decision
+
+    async def _admit(self, request: InferenceRequest, priority: int,
+                     candidates: list[Endpoint],
+                     subset: Sequence[str] | None) -> list[Endpoint] | RoutingDecision:
+        """Flow control when the request may queue or be shed: the candidates to schedule
+        among once admitted (read again if it waited), or the rejection."""
+        queued_at = time.perf_counter()
+        admission = await self.gate.admit(request.fairness_id, priority, candidates)
+        if admission.verdict is not Verdict.DISPATCH:
+            return RoutingDecision(status=admission.status, reason=admission.reason)
+        waited = time.perf_counter() - queued_at
+        if waited > 0.0005:
+            # It waited: the pool changed meanwhile.
+            self.metrics.queue_wait_seconds.observe(waited)
+            return self._candidates(subset)
+        return candidates
+
+    def _decision(self, endpoints: tuple[Endpoint, ...]) -> RoutingDecision:
+        """The decision naming `endpoints`, kept per pick-and-fallbacks tuple: building a
+        frozen RoutingDecision per request cost ~1 us."""
+        if len(self._decisions) >= 4096:
+            self._decisions.clear()  # bounded: large pools have many orderings
+        decision = RoutingDecision(endpoints=tuple([e.address for e in endpoints]))
+        self._decisions[endpoints] = decision
+        return decision
 
     def _count(self, request: InferenceRequest, decision: RoutingDecision) -> RoutingDecision:
         endpoint = decision.endpoints[0] if decision.endpoints else ""

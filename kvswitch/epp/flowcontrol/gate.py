@@ -55,6 +55,14 @@ class FlowGate:
     def saturated(self) -> bool:
         return is_saturated(self.endpoints(), self.saturation)
 
+    def dispatches_now(self, priority: int, candidates: Sequence[Endpoint]) -> bool:
+        """What `admit` answers at once in the common case: nothing queued and the pool not
+        saturated. Callers skip `admit`'s awaitable then (~1 us per request)."""
+        if self._waiters:
+            return False
+        now = self.clock() if priority < 0 else None
+        return not is_saturated(candidates, self.saturation, now)
+
     async def admit(self, fairness_id: str, priority: int,
                     candidates: Sequence[Endpoint]) -> Admission:
         """DISPATCH, or a REJECTED admission (429/503) with its reason."""
