@@ -131,3 +131,21 @@ async def test_gate_sheds_sheddable_on_stale_metrics_but_dispatches_the_rest() -
                     clock=lambda: now[0])
     assert await gate.admit("t", -1, [stale]) == SHED
     assert await gate.admit("t", 0, [stale]) == DISPATCH
+
+
+async def test_dispatches_now_only_when_admit_would_dispatch_at_once() -> None:
+    endpoints = [ep(waiting=5)]
+    now = [10.5]
+    gate = FlowGate(lambda: endpoints, SaturationConfig(queue_depth_threshold=5),
+                    clock=lambda: now[0])
+    assert not gate.dispatches_now(0, endpoints)  # saturated
+    waiter = asyncio.ensure_future(gate.admit("t", 0, endpoints))
+    await asyncio.sleep(0)
+    endpoints.append(ep(waiting=0))
+    assert not gate.dispatches_now(0, endpoints)  # headroom, but someone queues first
+    gate.pump()
+    assert (await waiter) == DISPATCH
+    assert gate.dispatches_now(0, endpoints)
+    endpoints[1].metrics = Metrics(updated_at=10.0)
+    assert gate.dispatches_now(0, endpoints)  # stale metrics matter only for shedding
+    assert not gate.dispatches_now(-1, endpoints)
