@@ -28,6 +28,8 @@ def test_max_score_picks_the_best_and_returns_fallbacks_in_score_order() -> None
     picker = max_score_picker.create("m", {"maxNumOfEndpoints": 3}, HANDLE)
     assert names(picker.pick(REQ, {}, EPS, [0.1, 0.9, 0.5, 0.7])) == [
         "1:8000", "3:8000", "2:8000"]
+    # Fewer endpoints than maxNumOfEndpoints: all of them, best first.
+    assert names(picker.pick(REQ, {}, EPS[:2], [0.2, 0.6])) == ["1:8000", "0:8000"]
     single = max_score_picker.create("m", {}, HANDLE)
     assert single.pick(REQ, {}, EPS, [0.1, 0.9, 0.5, 0.7]) == (EPS[1],)
     assert single.pick(REQ, {}, [], []) == ()

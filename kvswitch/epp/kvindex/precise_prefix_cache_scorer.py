@@ -136,8 +136,8 @@ class PrecisePrefixCacheScorer:
         self._follow_pool()
         tokens = self._token_ids(request)
         hashes = self.index.block_hashes(tokens) if tokens else []
-        matched = self.index.match(hashes, [e.address for e in endpoints]) if hashes else {}
-        state[STATE_KEY] = PrefixMatch(tuple(hashes), matched)
+        matched = self.index.match(hashes, map(_address, endpoints)) if hashes else {}
+        state[STATE_KEY] = PrefixMatch(hashes, matched)
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:

@@ -33,13 +33,17 @@ class MaxScorePicker:
             ties = [i for i, s in enumerate(scores) if s == best]
             return (endpoints[ties[0] if len(ties) == 1 else self._rng.choice(ties)],)
         n = self.max_endpoints
-        order = sorted(range(len(endpoints)), key=scores.__getitem__, reverse=True)
-        edge = [scores[i] for i in order[: n + 1]]
-        if len(set(edge)) < len(edge):
-            # A tie among the chosen or at the cut (rare once loads differ): order equal
-            # scores by a random key instead of by position.
-            rnd = self._rng.random
-            order = sorted(range(len(endpoints)), key=lambda i: (scores[i], rnd()), reverse=True)
+        # Sorting the floats themselves and finding each winner by value costs ~1 us less
+        # than sorting positions by key. With the top n + 1 distinct, each of the top n
+        # occurs once, so `index` finds the one endpoint holding it.
+        top = sorted(scores, reverse=True)[: n + 1]
+        if len(set(top)) == len(top):
+            index = scores.index
+            return tuple([endpoints[index(s)] for s in top[:n]])
+        # A tie among the chosen or at the cut (rare once loads differ): order equal scores by
+        # a random key instead of by position.
+        rnd = self._rng.random
+        order = sorted(range(len(endpoints)), key=lambda i: (scores[i], rnd()), reverse=True)
         return tuple([endpoints[i] for i in order[:n]])
 
 

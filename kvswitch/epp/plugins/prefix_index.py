@@ -35,8 +35,8 @@ SHARED_KEY = "prefix-index"
 class PrefixMatch:
     """The prefix facts of one request."""
 
-    hashes: tuple[int, ...]
-    """Chained hashes of the prompt's full blocks (capped at max_blocks)."""
+    hashes: Sequence[int]
+    """Chained hashes of the prompt's full blocks (capped at max_blocks); read-only."""
     matched: dict[str, int]
     """endpoint address -> leading blocks it holds; absent means 0."""
 
