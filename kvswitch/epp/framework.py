@@ -160,10 +160,10 @@ class SchedulerProfile:
                 return ProfileResult(self.name, ())
         totals = [0.0] * len(endpoints)
         for scorer, weight in self.scorers:
-            scores = scorer.score(request, state, endpoints)
-            # The chained comparison passes scores already in [0, 1] without a call.
-            totals = [total + weight * (s if 0.0 <= s <= 1.0 else _clamp(s))
-                      for total, s in zip(totals, scores)]
+            # Added in place (a list comprehension per scorer cost ~0.3 us more at 4
+            # endpoints); the chained comparison passes scores already in [0, 1] without a call.
+            for i, s in enumerate(scorer.score(request, state, endpoints)):
+                totals[i] += weight * (s if 0.0 <= s <= 1.0 else _clamp(s))
         return ProfileResult(self.name, self.picker.pick(request, state, endpoints, totals))
 
 
