@@ -115,14 +115,16 @@ class EppRouter:
 
     async def route(self, request: InferenceRequest,
                     subset: Sequence[str] | None) -> RoutingDecision:
-        candidates = self._candidates(subset)
-        if isinstance(candidates, RoutingDecision):
-            return self._count(request, candidates)
+        ready = self.datalayer.ready()  # (what `_candidates` does, inline: one call less)
+        candidates = ready if subset is None else _in_subset(ready, subset)
+        if not candidates:
+            return self._count(request, NO_SUBSET if ready else NO_READY)
         priority = self.objectives.get(request.objective, 0) if request.objective else 0
         if not self.gate.dispatches_now(priority, candidates):
-            candidates = await self._admit(request, priority, candidates, subset)
-            if isinstance(candidates, RoutingDecision):
-                return self._count(request, candidates)
+            admitted = await self._admit(request, priority, candidates, subset)
+            if isinstance(admitted, RoutingDecision):
+                return self._count(request, admitted)
+            candidates = admitted
         started = time.perf_counter()
         result = self.scheduler.schedule(request, candidates)
         self.metrics.scheduling_seconds.observe(time.perf_counter() - started)

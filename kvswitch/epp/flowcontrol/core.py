@@ -68,9 +68,13 @@ def endpoint_saturated(e: Endpoint, cfg: SaturationConfig, now: float | None = N
 def is_saturated(endpoints: Sequence[Endpoint], cfg: SaturationConfig,
                  now: float | None = None) -> bool:
     """Every endpoint saturated (see `endpoint_saturated`; pass `now` when deciding to shed)."""
-    # A loop, not all(<generator>): asked on every request, usually answered by the first.
+    # A loop, not all(<generator>), with `endpoint_saturated` inlined: asked on every
+    # request, usually answered by the first endpoint.
+    queue_depth, kv_usage = cfg.queue_depth_threshold, cfg.kv_cache_util_threshold
     for e in endpoints:
-        if not endpoint_saturated(e, cfg, now):
+        m = e.metrics
+        if (m.waiting < queue_depth and m.kv_usage < kv_usage
+                and (now is None or e.fresh(now, cfg.metrics_staleness))):
             return False
     return True
 

@@ -84,13 +84,11 @@ class PrecisePrefixCacheScorer:
         return frozenset(map(_address, self._handle.datalayer.all()))
 
     def _follow_pool(self) -> None:
-        """Start/stop subscriptions when the pool changed (one int compare when it did not:
-        building the pool's frozenset per request cost ~1-2 us)."""
+        """Start/stop subscriptions when the pool changed. `produce` calls it only when the
+        datalayer's version moved (building the pool's frozenset per request cost ~1-2 us)."""
         if self._handle is None:
             return
         version = self._handle.datalayer.version
-        if version == self._checked_version:
-            return
         pool = self._pool()
         if pool == self._following:
             self._checked_version = version
@@ -133,8 +131,12 @@ class PrecisePrefixCacheScorer:
 
     def produce(self, request: InferenceRequest, state: CycleState,
                 endpoints: Sequence[Endpoint]) -> None:
-        self._follow_pool()
-        tokens = self._token_ids(request)
+        handle = self._handle
+        if handle is not None and handle.datalayer.version != self._checked_version:
+            self._follow_pool()
+        tokens: Sequence[int] | None = request.body.prompt_token_ids  # usual: no call
+        if tokens is None:
+            tokens = self._token_ids(request)
         hashes = self.index.block_hashes(tokens) if tokens else []
         matched = self.index.match(hashes, map(_address, endpoints)) if hashes else {}
         state[STATE_KEY] = PrefixMatch(hashes, matched)
