@@ -178,15 +178,17 @@ class EppRouter:
             endpoint.in_flight = max(0, endpoint.in_flight - 1)
             self.metrics.in_flight.set((endpoint.address,), endpoint.in_flight)
             self._record(request, outcome)
-        self.scheduler.finished(request, outcome)
+        if self.scheduler.response_complete:  # (none in the default profile)
+            self.scheduler.finished(request, outcome)
         # A finished request may have made room for queued ones.
         self.gate.pump()
 
     def _record(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
         m = self.metrics
-        labels = (request.body.model or "", request.objective or "", request.fairness_id,
-                  outcome.endpoint)
-        m.finished.inc((*labels, "true" if outcome.ok else "false", _status(request, outcome)))
+        model, objective = request.body.model or "", request.objective or ""
+        labels = (model, objective, request.fairness_id, outcome.endpoint)
+        m.finished.inc((model, objective, request.fairness_id, outcome.endpoint,
+                        "true" if outcome.ok else "false", _status(request, outcome)))
         if request.received_at:
             m.request_seconds.observe(time.monotonic() - request.received_at, labels)
         prompt_tokens = outcome.prompt_tokens
