@@ -237,6 +237,10 @@ def best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
+    if args.only == "kv_events":  # for iterating on the event path alone
+        return {"rounds": args.rounds, "kv_events": [
+            best_of([kv_event_cost(r, args.batches, args.seed) for _ in range(args.rounds)])
+            for r in (1, 6)]}
     routing = []
     for endpoints in (4, 16):
         for prompt_tokens in (128, 1024):
@@ -262,6 +266,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="repeat each case; report the best")
     parser.add_argument("--engine-seconds", type=float, default=3.0,
                         help="how long to drive one simulated engine for engine_batches; 0: skip")
+    parser.add_argument("--only", choices=["kv_events"], help="run only these cases")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/epp_routing_cpu.json"))
     args = parser.parse_args()
     result = asyncio.run(run(args))

@@ -38,9 +38,12 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
+
+# `by_engine.pop` default for a hash never stored: CPython's hash() never returns -1.
+_ABSENT = -1
 
 
 def root_hash(namespace: tuple[str, str] = ("", "")) -> int:
@@ -61,9 +64,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class ApplyStats:
-    """What one `apply` did, for metrics and tests."""
+class ApplyStats(NamedTuple):
+    """What one `apply` did, for metrics and tests (a NamedTuple: built once per batch, ~3x
+    cheaper than a frozen dataclass)."""
 
     stored: int = 0
     """Blocks placed in the index."""
@@ -177,9 +180,9 @@ class PrefixIndex:
         speculative = len(state.speculative)
         for event in events:
             if isinstance(event, BlocksStored):
-                placed, skipped = self._store(state, event)
+                placed = self._store(state, *event)
                 stored += placed
-                unplaced += skipped
+                unplaced += len(event.blocks) - placed
             elif isinstance(event, BlocksRemoved):
                 removed += self._remove(state, event.engine_hashes)
             elif isinstance(event, CacheCleared):
@@ -189,20 +192,24 @@ class PrefixIndex:
         confirmed = speculative - len(state.speculative)
         return ApplyStats(stored, unplaced, removed, cleared, confirmed)
 
-    def _store(self, state: _EndpointBlocks, event: BlocksStored) -> tuple[int, int]:
+    def _store(self, state: _EndpointBlocks, blocks: Sequence[tuple[int, tuple[int, ...]]],
+               parent_engine_hash: int | None, block_size: int,
+               namespace: tuple[str, str]) -> int:
+        """Place one BlocksStored chain (the event's fields, unpacked); the blocks placed."""
         size = self.block_size
         parent: int | None
         by_engine = state.by_engine
-        if event.parent_engine_hash is None:
-            parent = root_hash(event.namespace)
+        if parent_engine_hash is None:
+            parent = root_hash(namespace)
         else:
-            parent = by_engine.get(event.parent_engine_hash)
-        if event.block_size and event.block_size != size:
+            parent = by_engine.get(parent_engine_hash)
+        if block_size and block_size != size:
             parent = None  # another block size can never match our queries
         placed = 0
         bit = 1 << state.bit
         own_copies, speculative, holders = state.own_copies, state.speculative, self._holders
-        for engine_hash, token_ids in event.blocks:
+        # `in` tests and subscripts, not get/pop calls: fewer calls per block (~25% less apply).
+        for engine_hash, token_ids in blocks:
             if parent is not None and len(token_ids) == size:
                 parent = hash((parent, token_ids))
             else:
@@ -217,27 +224,32 @@ class PrefixIndex:
             if parent is None:
                 continue
             placed += 1
-            count = own_copies.get(parent, 0)
-            own_copies[parent] = count + 1
-            if not count and speculative.pop(parent, None) is None:
-                holders[parent] = holders.get(parent, 0) | bit  # (a confirmed block's bit is set)
-        return placed, len(event.blocks) - placed
+            if parent in own_copies:
+                own_copies[parent] += 1
+            else:
+                own_copies[parent] = 1
+                if parent in speculative:
+                    del speculative[parent]  # confirmed: its bit is set already
+                else:
+                    holders[parent] = holders.get(parent, 0) | bit
+        return placed
 
     def _remove(self, state: _EndpointBlocks, engine_hashes: Iterable[int]) -> int:
         by_engine, extra, own_copies = state.by_engine, state.extra_copies, state.own_copies
-        released: list[int] = []
+        holders, mask = self._holders, ~(1 << state.bit)
         removed = 0
         for engine_hash in engine_hashes:
-            if engine_hash not in by_engine:
+            own = by_engine.pop(engine_hash, _ABSENT)
+            if own == _ABSENT:
                 continue  # stored before we subscribed: nothing to undo
-            copies = extra.get(engine_hash)
-            if copies is not None:
+            if extra and engine_hash in extra:
+                by_engine[engine_hash] = own  # another physical copy still holds it
+                copies = extra[engine_hash]
                 if copies > 1:
                     extra[engine_hash] = copies - 1
                 else:
                     del extra[engine_hash]
                 continue
-            own = by_engine.pop(engine_hash)
             if own is None:
                 continue
             removed += 1
@@ -246,8 +258,11 @@ class PrefixIndex:
                 own_copies[own] = left
                 continue
             del own_copies[own]
-            released.append(own)
-        self._release(released, state.bit)
+            held = holders[own] & mask
+            if held:
+                holders[own] = held
+            else:
+                del holders[own]
         return removed
 
     # -- speculative entries ---------------------------------------------------------------------
