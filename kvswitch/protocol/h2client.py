@@ -6,7 +6,10 @@ completion-queue poller thread handing each received message to the event loop, 
 and one future per read) measured ≈ 25–38 µs of CPU per streamed token, more than the whole of
 SMG's transcoding. Here a connection is an `asyncio.Protocol` that parses frames straight out of
 `data_received`; every gRPC message already received for a stream is handed over in one
-`read_batch()`, so a slow reader gets several engine messages at once.
+`read_batch()`, so a slow reader gets several engine messages at once. A call started with
+`on_message` instead hands each message to that callback straight from `data_received` (no
+future, no task wake-up per read: what a long-lived telemetry stream wants) and its owner
+awaits `ended()`.
 
 Scope, on purpose: h2c (prior knowledge), unary request -> streamed responses (`unary()` waits
 for exactly one), no compression. Large flow-control windows are granted up front and refilled
@@ -50,7 +53,7 @@ from kvswitch.protocol.http2 import (
     hpack_literal,
 )
 
-__all__ = ["H2Channel", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target",
+__all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target",
            "timeout_header"]
 
 _REFILL_AT = 2**30
@@ -108,19 +111,23 @@ class StreamCall:
         "_headers_seen",
         "_id",
         "_messages",
+        "_on_message",
         "_parse",
         "_received",
         "_timer",
         "_waiter",
     )
 
-    def __init__(self, conn: _Connection, stream_id: int, parse: Callable[[bytes], Any]) -> None:
+    def __init__(self, conn: _Connection, stream_id: int, parse: Callable[[bytes], Any],
+                 on_message: MessageCallback | None = None) -> None:
         self._conn, self._id, self._parse = conn, stream_id, parse
+        self._on_message = on_message
         self._buffer = b""
         self._messages: list[Any] = []
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
-        self._error: StreamError | None = None
+        self._error: Exception | None = None
+        """A `StreamError`, or what `on_message` raised."""
         self._headers_seen = False
         self._received = 0  # DATA bytes since this stream's window was last refilled
         self._timer: asyncio.TimerHandle | None = None
@@ -136,6 +143,14 @@ class StreamCall:
             await self._wait()
         messages, self._messages = self._messages, []
         return messages
+
+    async def ended(self) -> None:
+        """Wait until the call ends: returns when it ended OK, raises `StreamError` when it
+        ended otherwise, or what `on_message` raised (which ended it)."""
+        while not self._ended:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
 
     async def response(self) -> Any:
         """A unary call's one response, once the call ended OK; raises `StreamError` when it
@@ -181,6 +196,7 @@ class StreamCall:
         buffer = self._buffer + data if self._buffer else data
         offset, size = 0, len(buffer)
         parse, messages = self._parse, self._messages
+        error: StreamError | None = None
         try:
             while size - offset >= 5:
                 length = U32.unpack_from(buffer, offset + 1)[0]
@@ -192,11 +208,34 @@ class StreamCall:
                 messages.append(parse(buffer[offset + 5:end]))
                 offset = end
         except Exception as exc:  # noqa: BLE001 - a bad message fails its call, not the others
-            self._finish(StreamError(grpc.StatusCode.INTERNAL, f"bad response message: {exc}"))
-            self._conn.reset(self._id)
-            return
+            error = StreamError(grpc.StatusCode.INTERNAL, f"bad response message: {exc}")
         self._buffer = buffer[offset:] if offset < size else b""
-        self._wake()
+        if self._on_message is not None and messages:
+            self._dispatch()  # those before a bad message still count
+        if error is not None:
+            self._fail(error)
+        else:
+            self._wake()
+
+    def _dispatch(self) -> None:
+        """Hand the messages received to `on_message`, in order, until it says stop."""
+        on_message = self._on_message
+        assert on_message is not None
+        messages, self._messages = self._messages, []
+        for message in messages:
+            try:
+                go_on = on_message(message)
+            except Exception as exc:  # noqa: BLE001 - the owner's error ends its call; ended() raises it
+                self._fail(exc)
+                return
+            if not go_on:
+                self.cancel()
+                return
+
+    def _fail(self, error: Exception) -> None:
+        if not self._ended:
+            self._finish(error)
+            self._conn.reset(self._id)
 
     def _headers(self, headers: Iterable[tuple[str, str]], end_stream: bool) -> None:
         values = dict(headers)
@@ -217,7 +256,7 @@ class StreamCall:
             details = _unquote(values.get("grpc-message", ""))
             self._finish(StreamError(_CODES.get(int(code), grpc.StatusCode.UNKNOWN), details))
 
-    def _finish(self, error: StreamError | None) -> None:
+    def _finish(self, error: Exception | None) -> None:
         if not self._ended:
             self._ended, self._error = True, error
             self._conn.streams.pop(self._id, None)
@@ -229,6 +268,10 @@ class StreamCall:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+MessageCallback = Callable[[Any], bool]
+"""Takes one parsed message as it arrives; returns False to end the call (it is cancelled)."""
 
 
 def _http_status_code(status: str) -> grpc.StatusCode:
@@ -299,7 +342,8 @@ class _Connection(asyncio.Protocol):
                 self.on_lost()
 
     def start(self, path: str, metadata: Sequence[tuple[str, str]], body: bytes,
-              parse: Callable[[bytes], Any], timeout: float | None = None) -> StreamCall:
+              parse: Callable[[bytes], Any], timeout: float | None = None,
+              on_message: MessageCallback | None = None) -> StreamCall:
         size = len(body) + 5
         if (self.closed or self.transport is None or self._next_id >= 2**31
                 or len(self.streams) >= self._peer_max_streams
@@ -318,7 +362,7 @@ class _Connection(asyncio.Protocol):
                 self._fixed_headers.clear()
             self._fixed_headers[(path, timeout)] = fixed
         block = fixed + b"".join([hpack_literal(k, v) for k, v in metadata])
-        call = StreamCall(self, stream_id, parse)
+        call = StreamCall(self, stream_id, parse, on_message)
         self.streams[stream_id] = call
         if timeout is not None:
             call._timer = self.loop.call_later(timeout, call._expire)
@@ -527,10 +571,12 @@ class H2Channel:
         return cls(addresses, **options)
 
     async def start(self, path: str, metadata: Sequence[tuple[str, str]], body: bytes,
-                    parse: Callable[[bytes], Any], timeout: float | None = None) -> StreamCall:
+                    parse: Callable[[bytes], Any], timeout: float | None = None,
+                    on_message: MessageCallback | None = None) -> StreamCall:
         """Open a call on the next address; `NotAccepted` if that cannot be done here.
         With a `timeout` (seconds, connecting included) the call fails with DEADLINE_EXCEEDED
-        when it has not ended by then."""
+        when it has not ended by then. With `on_message`, each message goes to it as it
+        arrives (see `MessageCallback`) and `read_batch()` returns nothing: await `ended()`."""
         index = self._turn % len(self._addresses)
         self._turn += 1
         conn = self._connections[index]
@@ -546,7 +592,7 @@ class H2Channel:
                     raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                       "deadline exceeded while connecting") from None
                 timeout = max(0.0, timeout - (asyncio.get_running_loop().time() - started))
-        return conn.start(path, metadata, body, parse, timeout)
+        return conn.start(path, metadata, body, parse, timeout, on_message)
 
     async def unary(self, path: str, body: bytes, parse: Callable[[bytes], Any], *,
                     timeout: float | None = None,

@@ -15,7 +15,16 @@ from kvswitch.protocol import common_pb2, h2client, method_path
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, timeout_header
-from kvswitch.protocol.http2 import DATA, END_HEADERS, HEADERS, U32, WINDOW_UPDATE, frame
+from kvswitch.protocol.http2 import (
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    RST_STREAM,
+    U32,
+    WINDOW_UPDATE,
+    frame,
+)
 
 LOADS = method_path("GetLoads")
 INFO = method_path("GetServerInfo")
@@ -227,3 +236,101 @@ def test_timeout_header() -> None:
     assert timeout_header(1.0) == "1000m"
     assert timeout_header(0.0001) == "1m"
     assert timeout_header(10**6) == "1000000S"
+
+
+
+def _streaming(*handlers: h2client.MessageCallback
+               ) -> tuple[h2client._Connection, _Transport, list[h2client.StreamCall]]:
+    """A connection on a fake transport with one `on_message` call per handler, answered."""
+    from hpack import Encoder
+
+    conn, transport = h2client._Connection("x"), _Transport()
+    conn.connection_made(transport)
+    calls = [conn.start(EVENTS, (), b"", common_pb2.KvEventBatch.FromString, on_message=h)
+             for h in handlers]
+    encoder = Encoder()
+    conn.data_received(b"".join(frame(HEADERS, END_HEADERS, call._id,
+                                      encoder.encode([(":status", "200")])) for call in calls))
+    conn._flush()
+    transport.written.clear()  # the preface and requests: `_resets` reads what comes next
+    return conn, transport, calls
+
+
+def _batches(stream_id: int, *numbers: int) -> bytes:
+    return b"".join(frame(DATA, 0, stream_id, _grpc_message(
+        common_pb2.KvEventBatch(sequence_number=n).SerializeToString())) for n in numbers)
+
+
+def _recorder(seen: list[int]) -> h2client.MessageCallback:
+    def on_message(message: common_pb2.KvEventBatch) -> bool:
+        seen.append(message.sequence_number)
+        return True
+    return on_message
+
+
+def _resets(transport: _Transport) -> list[int]:
+    return [sid for kind, _, sid, _ in _frames(bytes(transport.written)) if kind == RST_STREAM]
+
+
+async def test_on_message_gets_each_message_inside_data_received_and_ended_waits() -> None:
+    from hpack import Encoder
+
+    seen: list[int] = []
+    conn, _, (call,) = _streaming(_recorder(seen))
+    conn.data_received(_batches(1, 1, 2))
+    assert seen == [1, 2]  # nothing to await: no task woken per read
+    ending = asyncio.create_task(call.ended())
+    await asyncio.sleep(0)
+    assert not ending.done()
+    trailers = Encoder().encode([(":status", "200"), ("grpc-status", "0")])
+    conn.data_received(_batches(1, 3) + frame(HEADERS, END_HEADERS | END_STREAM, 1, trailers))
+    await asyncio.wait_for(ending, 1.0)  # ended OK: returns
+    assert seen == [1, 2, 3]
+    assert await call.read_batch() == []
+
+
+async def test_on_message_returning_false_cancels_only_its_call() -> None:
+    stopped: list[int] = []
+    other: list[int] = []
+
+    def stop_at_2(message: common_pb2.KvEventBatch) -> bool:
+        stopped.append(message.sequence_number)
+        return message.sequence_number != 2
+
+    conn, transport, (call, _) = _streaming(
+        stop_at_2, _recorder(other))
+    conn.data_received(_batches(1, 1, 2, 3) + _batches(3, 1, 2, 3))
+    assert stopped == [1, 2] and other == [1, 2, 3]  # nothing after the stop is handed over
+    with pytest.raises(StreamError) as info:
+        await call.ended()
+    assert info.value.code == grpc.StatusCode.CANCELLED
+    conn.data_received(_batches(1, 4) + _batches(3, 4))  # in flight when we reset: dropped
+    assert stopped == [1, 2] and other == [1, 2, 3, 4]
+    conn._flush()
+    assert _resets(transport) == [1]
+
+
+async def test_a_failing_on_message_ends_its_call_with_that_error() -> None:
+    def fail_at_2(message: common_pb2.KvEventBatch) -> bool:
+        if message.sequence_number == 2:
+            raise RuntimeError("handler bug")
+        return True
+
+    conn, transport, (call,) = _streaming(fail_at_2)
+    conn.data_received(_batches(1, 1, 2, 3))
+    with pytest.raises(RuntimeError, match="handler bug"):
+        await call.ended()
+    conn._flush()
+    assert _resets(transport) == [1]
+
+
+async def test_with_on_message_a_bad_message_fails_the_call_after_those_before_it() -> None:
+    seen: list[int] = []
+    conn, transport, (call,) = _streaming(_recorder(seen))
+    conn.data_received(_batches(1, 1, 2) + frame(DATA, 0, 1, _grpc_message(b"\xff\xff\xff")))
+    assert seen == [1, 2]
+    with pytest.raises(StreamError) as info:
+        await call.ended()
+    assert info.value.code == grpc.StatusCode.INTERNAL
+    conn._flush()
+    assert _resets(transport) == [1]

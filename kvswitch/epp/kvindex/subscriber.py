@@ -1,7 +1,8 @@
 """Thin asyncio loops that feed a `PrefixIndex` from the engines' `SubscribeKvEvents` streams.
 
 The calls go over `kvswitch.protocol.h2client` (not grpc.aio: no poller thread, no future per
-message; every message already received is decoded and applied in one wake-up).
+message). Each batch is decoded and applied straight from the connection's `data_received`
+(the call's `on_message`), not in a task woken once per read.
 
 `KvEventSubscriber` follows one endpoint: it reads `GetServerInfo.block_size` (an engine whose
 block size differs from the index's is never indexed: its blocks could not match), opens the
@@ -66,6 +67,7 @@ class KvEventSubscriber:
         """Wall time the engine started (GetServerInfo uptime), to notice a restart."""
         self._task: asyncio.Task[None] | None = None
         self._delivered = False  # the current stream has delivered a batch
+        self._gap = False  # the current stream skipped a batch: resubscribe at once
         self._channel: H2Channel | None = None
 
     async def start(self) -> None:
@@ -116,20 +118,28 @@ class KvEventSubscriber:
         start = self.tracker.resume_from()
         request = common_pb2.SubscribeKvEventsRequest(
             start_sequence_number=start, load_records_before_first_batch=True)
+        self._gap = False
+        self.tracker.stream_opened(start)  # before the call: it may deliver as it starts
         call = await channel.start(_KV_EVENTS, (), request.SerializeToString(),
-                                   common_pb2.KvEventBatch.FromString)
-        self.tracker.stream_opened(start)
+                                   common_pb2.KvEventBatch.FromString, on_message=self._receive)
         self.streams_opened += 1
         self.connected = True
         try:
-            while messages := await call.read_batch():
-                self._delivered = True
-                for message in messages:
-                    if self.handle(batch_from_proto(message)) is Verdict.GAP:
-                        return True
+            await call.ended()
+        except StreamError:
+            if not self._gap:
+                raise  # (a gap ends the call as cancelled)
         finally:
             call.cancel()
-        return False
+        return self._gap
+
+    def _receive(self, message: common_pb2.KvEventBatch) -> bool:
+        """One batch, as it arrives; False (end the stream) on a gap."""
+        self._delivered = True
+        if self.handle(batch_from_proto(message)) is Verdict.GAP:
+            self._gap = True
+            return False
+        return True
 
     def _check_restart(self, started_at: float) -> None:
         """A new engine life numbers its batches afresh: start over, from an empty index."""

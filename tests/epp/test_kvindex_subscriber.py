@@ -1,0 +1,116 @@
+"""The KV-event subscriber's stream handling against a scripted grpc.aio engine on loopback:
+batches applied as they arrive, a gap resubscribes at once, a failing handler is not hidden."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc.aio
+import pytest
+
+from kvswitch.epp.kvindex import KvEventSubscriber, LoadRecord, PrefixIndex
+from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+
+def tokens(n: int) -> list[int]:
+    return list(range(n * 16, (n + 1) * 16))
+
+
+def stored_batch(n: int) -> common_pb2.KvEventBatch:
+    """Batch `n` stores one root block of `tokens(n)` (engine hash 100 + n) and a load record."""
+    block = common_pb2.KvBlock(block_hash=100 + n, block_size=16, token_ids=tokens(n))
+    event = common_pb2.KvCacheEvent(stored=common_pb2.KvBlocksStored(blocks=[block]))
+    return common_pb2.KvEventBatch(sequence_number=n, events=[event],
+                                   load=common_pb2.EngineLoad(running_requests=n, sample=n))
+
+
+class _Engine(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """Each SubscribeKvEvents call streams the next script's batch numbers, then stays open."""
+
+    def __init__(self, scripts: list[list[int]]) -> None:
+        self.scripts = scripts
+        self.starts: list[int] = []
+
+    async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
+        return vllm_engine_pb2.GetServerInfoResponse(block_size=16, uptime_seconds=10.0)
+
+    async def SubscribeKvEvents(self, request, context):  # type: ignore[no-untyped-def]
+        self.starts.append(request.start_sequence_number)
+        script = self.scripts[len(self.starts) - 1] if len(self.starts) <= len(self.scripts) else []
+        for n in script:
+            yield stored_batch(n)
+        await asyncio.sleep(3600)
+
+
+Serve = Callable[[list[list[int]]], Awaitable[tuple[_Engine, str]]]
+
+
+@pytest.fixture()
+async def serve() -> AsyncIterator[Serve]:
+    servers: list[grpc.aio.Server] = []
+
+    async def start(scripts: list[list[int]]) -> tuple[_Engine, str]:
+        engine = _Engine(scripts)
+        server = grpc.aio.server()
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(engine, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return engine, f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        await server.stop(0)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+async def test_a_gap_resubscribes_at_once_from_the_missing_batch(serve: Serve) -> None:
+    engine, address = await serve([[0, 1, 3, 4], [2, 3, 4, 5]])
+    index = PrefixIndex(16)
+    loads: list[LoadRecord] = []
+    subscriber = KvEventSubscriber(address, index, on_load=lambda _, load: loads.append(load),
+                                   retry_delay=30.0)  # a backoff would show as a timeout
+    await subscriber.start()
+    try:
+        await until(lambda: subscriber.tracker.last == 5)
+        assert engine.starts == [0, 2]
+        assert subscriber.tracker.gaps == 1 and subscriber.streams_opened == 2
+        assert subscriber.connected and not subscriber.tracker.partial
+        for n in range(6):
+            assert index.match_tokens(tokens(n))[address] == 16
+        assert subscriber.load is not None and subscriber.load.sample == 5
+        # The first stream stopped at batch 3 (its load record counts; batch 4 never came).
+        assert [load.sample for load in loads] == [0, 1, 3, 2, 3, 4, 5]
+    finally:
+        await subscriber.stop()
+
+
+async def test_a_failing_handler_stops_the_subscriber_with_its_error(serve: Serve) -> None:
+    engine, address = await serve([[0, 1, 2]])
+    index = PrefixIndex(16)
+
+    def on_load(_: str, load: LoadRecord) -> None:
+        if load.sample == 1:
+            raise RuntimeError("load consumer bug")
+
+    subscriber = KvEventSubscriber(address, index, on_load=on_load)
+    await subscriber.start()
+    task = subscriber._task
+    assert task is not None
+    try:
+        with pytest.raises(RuntimeError, match="load consumer bug"):
+            await asyncio.wait_for(asyncio.shield(task), 5.0)
+        assert subscriber.tracker.last == 0  # not swallowed as a stream error and retried
+        assert engine.starts == [0]
+    finally:
+        with contextlib.suppress(RuntimeError):  # stop() awaits the failed task
+            await subscriber.stop()
