@@ -251,3 +251,53 @@ def test_long_prompts_many_endpoints() -> None:
 def test_block_hashes_function_matches_method() -> None:
     assert block_hashes(PROMPT, B) == PrefixIndex(B).block_hashes(PROMPT)
     assert block_hashes(PROMPT[:3], B) == []
+
+
+
+def test_random_events_agree_with_a_plain_model() -> None:
+    """Stores (from any block, so some are unplaced; some again: extra copies), removals and
+    clears over 3 endpoints sharing prompts: matches and block counts equal a plain model
+    (per endpoint: engine hash -> copies, and -> own hash or None when unplaced)."""
+    rnd = random.Random(7)
+    prompts = [[rnd.randrange(50) for _ in range(B * 6)] for _ in range(4)]
+    prompts += [p[:B * 3] + [rnd.randrange(50) for _ in range(B * 3)] for p in prompts[:2]]
+    owns = [block_hashes(p, B) for p in prompts]
+    engines = [[hash(("engine", i, k)) for k in range(6)] for i in range(len(prompts))]
+    index = PrefixIndex(B)
+    copies: dict[str, dict[int, int]] = {e: {} for e in "abc"}
+    placed_as: dict[str, dict[int, int | None]] = {e: {} for e in "abc"}
+    for _ in range(3000):
+        endpoint, p = rnd.choice("abc"), rnd.randrange(len(prompts))
+        count, own_of = copies[endpoint], placed_as[endpoint]
+        roll = rnd.random()
+        if roll < 0.6:
+            start, end = sorted(rnd.sample(range(7), 2))
+            parent = engines[p][start - 1] if start else None
+            blocks = tuple(StoredBlock(engines[p][k], tuple(prompts[p][k * B:(k + 1) * B]))
+                           for k in range(start, end))
+            index.apply(endpoint, [BlocksStored(blocks, parent, B)])
+            placed = parent is None or own_of.get(parent) is not None
+            for k in range(start, end):
+                h = engines[p][k]
+                count[h] = count.get(h, 0) + 1
+                if own_of.get(h) is None:
+                    own_of[h] = owns[p][k] if placed else None
+        elif roll < 0.95:
+            gone = rnd.sample(engines[p], 3)
+            index.apply(endpoint, [BlocksRemoved(tuple(gone))])
+            for h in gone:
+                if h in count:
+                    count[h] -= 1
+                    if not count[h]:
+                        del count[h], own_of[h]
+        else:
+            index.apply(endpoint, [CacheCleared()])
+            count.clear()
+            own_of.clear()
+        held = {e: {o for o in placed_as[e].values() if o is not None} for e in "abc"}
+        for e in "abc":
+            assert index.num_blocks(e) == len(held[e])
+        for hashes in owns:
+            expected = {e: next((i for i, h in enumerate(hashes) if h not in held[e]),
+                                len(hashes)) for e in "abc"}
+            assert index.match(hashes, "abc") == expected

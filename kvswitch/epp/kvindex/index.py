@@ -231,12 +231,16 @@ class PrefixIndex:
                 if parent in speculative:
                     del speculative[parent]  # confirmed: its bit is set already
                 else:
-                    holders[parent] = holders.get(parent, 0) | bit
+                    # One dict call when no other endpoint holds the block (the usual case).
+                    held = holders.setdefault(parent, bit)
+                    if held != bit:
+                        holders[parent] = held | bit
         return placed
 
     def _remove(self, state: _EndpointBlocks, engine_hashes: Iterable[int]) -> int:
         by_engine, extra, own_copies = state.by_engine, state.extra_copies, state.own_copies
         holders, mask = self._holders, ~(1 << state.bit)
+        pop_copies, pop_holders = own_copies.pop, holders.pop
         removed = 0
         for engine_hash in engine_hashes:
             own = by_engine.pop(engine_hash, _ABSENT)
@@ -253,16 +257,13 @@ class PrefixIndex:
             if own is None:
                 continue
             removed += 1
-            left = own_copies[own] - 1
-            if left:
-                own_copies[own] = left
+            copies = pop_copies(own)
+            if copies > 1:
+                own_copies[own] = copies - 1
                 continue
-            del own_copies[own]
-            held = holders[own] & mask
+            held = pop_holders(own) & mask  # (another endpoint's bits go back)
             if held:
                 holders[own] = held
-            else:
-                del holders[own]
         return removed
 
     # -- speculative entries ---------------------------------------------------------------------
