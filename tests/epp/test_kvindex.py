@@ -233,6 +233,28 @@ def test_batch_from_proto_keeps_order_and_filters_tiers() -> None:
     assert got.load.waiting_uncached_tokens == 0 and got.load.cache_hit_rate is None
 
 
+
+def test_batch_from_proto_keeps_only_device_local_group_0_events() -> None:
+    msg = common_pb2.KvEventBatch(sequence_number=1)
+    for n, fields in enumerate([
+            {"tier": common_pb2.KV_CACHE_TIER_DEVICE, "group_idx": 0},  # explicit: kept
+            {"tier": common_pb2.KV_CACHE_TIER_HOST},
+            {"group_idx": 1},
+            {"locality": common_pb2.KV_CACHE_LOCALITY_REMOTE}]):
+        stored = msg.events.add().stored
+        for name, value in fields.items():
+            setattr(stored, name, value)
+        stored.blocks.add(block_hash=n, token_ids=[n], block_size=1)
+        removed = msg.events.add().removed
+        for name, value in fields.items():
+            if name != "locality":  # (KvBlocksRemoved has one too, not filtered on)
+                setattr(removed, name, value)
+        removed.block_hashes.append(n)
+    events = batch_from_proto(msg).events
+    assert events[:2] == (BlocksStored(((0, (0,)),), None, 1), BlocksRemoved((0,)))
+    assert events[2:] == (BlocksRemoved((3,)),)  # the remote-locality removal: kept as before
+
+
 def test_long_prompts_many_endpoints() -> None:
     # 16 endpoints, each holding the 6000-token system prompt of its own group.
     rng = random.Random(0)
