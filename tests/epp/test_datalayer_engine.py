@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,13 +11,7 @@ import pytest
 from kvswitch.epp.datalayer import H2C, Datalayer, EndpointSpec, Refresher, StaticDiscovery
 from kvswitch.epp.kvindex import KvEventSubscriber, LoadRecord, PrefixIndex
 from tests.support.processes import Process, free_port, kvswitch_argv, wait_for_port
-
-
-async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+from tests.support.waiting import until
 
 
 @pytest.mark.timeout(90)
@@ -46,7 +38,7 @@ async def test_a_killed_engine_is_not_ready_at_once_and_comes_back(tmp_path: Pat
         def ready() -> bool:
             return [e.address for e in datalayer.ready()] == [address]
 
-        await until(lambda: ready() and subscriber.load is not None)
+        await until(lambda: ready() and subscriber.load is not None, timeout=10.0)
         engine.signal(signal.SIGKILL)
         killed = time.monotonic()
         await until(lambda: not ready(), timeout=2.0)
@@ -56,8 +48,8 @@ async def test_a_killed_engine_is_not_ready_at_once_and_comes_back(tmp_path: Pat
 
         engine = Process(argv, tmp_path / "engine2.log")
         wait_for_port(port, 30, engine.proc)
-        await until(ready)
-        await until(lambda: subscriber.connected and subscriber.streams_opened >= 2)
+        await until(ready, timeout=10.0)
+        await until(lambda: subscriber.connected and subscriber.streams_opened >= 2, timeout=10.0)
     finally:
         await subscriber.stop()
         await refresher.stop()

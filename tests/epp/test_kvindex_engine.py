@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -12,6 +10,7 @@ import pytest
 from kvswitch.epp.kvindex import KvEventSubscriber, PrefixIndex
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from tests.support.processes import free_port, kvswitch_argv, running
+from tests.support.waiting import until
 
 PROMPT = tuple(range(1000, 1070))  # 70 tokens: 4 full blocks of 16
 
@@ -37,13 +36,6 @@ async def flush(address: str) -> None:
         reply = await stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=5), timeout=10)
         assert reply.success, reply.message
 
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.mark.timeout(60)

@@ -12,6 +12,7 @@ import pytest
 
 from kvswitch.epp.kvindex import KvEventSubscriber, LoadRecord, PrefixIndex
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from tests.support.waiting import until
 
 
 def tokens(n: int) -> list[int]:
@@ -64,13 +65,6 @@ async def serve() -> AsyncIterator[Serve]:
     for server in servers:
         await server.stop(0)
 
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 async def test_a_gap_resubscribes_at_once_from_the_missing_batch(serve: Serve) -> None:
