@@ -18,6 +18,7 @@ __all__ = [
     "RateLimited",
     "Unavailable",
     "DeadlineExceeded",
+    "RequestTimeout",
     "Cancelled",
     "Unimplemented",
     "InternalError",
@@ -70,6 +71,13 @@ class Unavailable(KvswitchError):
 class DeadlineExceeded(KvswitchError):
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504
+
+
+class RequestTimeout(KvswitchError):
+    # The client stopped sending a request half-way (HTTP 408); the gateway's own deadline is
+    # DeadlineExceeded.
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 408
 
 
 class Cancelled(KvswitchError):
@@ -129,6 +137,7 @@ _OPENAI_TYPES: dict[int, str] = {
     401: "AuthenticationError",
     403: "PermissionDeniedError",
     404: "NotFoundError",
+    408: "TimeoutError",
     409: "ConflictError",
     413: "BadRequestError",
     422: "UnprocessableEntityError",

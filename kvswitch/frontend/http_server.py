@@ -35,7 +35,7 @@ from typing import Protocol, cast
 
 import httptools
 
-from kvswitch.errors import InvalidRequest, KvswitchError, PayloadTooLarge
+from kvswitch.errors import InvalidRequest, KvswitchError, PayloadTooLarge, RequestTimeout
 
 __all__ = ["App", "HttpRequest", "Reply", "Server", "StreamReply"]
 
@@ -145,6 +145,8 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._refused = False
+        self._receiving = False
+        """Part of a request has arrived, not all of it."""
 
     # --- asyncio.Protocol -------------------------------------------------------------------
 
@@ -171,6 +173,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._broken:
             return
+        self.idle_since = time.monotonic()  # a slow upload is not an idle connection
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -183,7 +186,7 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", {}, [], 0
         self._refused = False
-        self.idle_since = time.monotonic()  # a slow upload is not an idle connection
+        self._receiving = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -211,6 +214,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._receiving = False
         if self._refused:
             return
         path = self._url.partition(b"?")[0].decode("latin-1")
@@ -336,8 +340,18 @@ class _Connection(asyncio.Protocol):
             self._drain = None
 
     def close_if_idle(self, now: float, idle_timeout: float) -> None:
+        """Close a connection nothing happened on for `idle_timeout`. A client that stopped
+        half-way through a request gets a 408 first (as nginx's client_body_timeout does); an
+        idle keep-alive connection is closed silently."""
         if (self._task is None and not self._queue and self._transport is not None
                 and now - self.idle_since >= idle_timeout):
+            if self._receiving and not self._broken and idle_timeout > 0:
+                self._broken = True
+                logger.info("closing a connection: no data for %.0f s in the middle of a "
+                            "request", now - self.idle_since)
+                self._write_reply(self._app.refuse(RequestTimeout(
+                    f"the request was not completed within {idle_timeout:g} s of inactivity")),
+                    keep_alive=False)
             self._transport.close()
 
     def abort(self) -> None:

@@ -287,3 +287,25 @@ async def test_every_response_carries_the_current_date(served) -> None:
         assert sent.tzinfo is not None
         assert abs(sent.timestamp() - time.time()) < 5
     writer.close()
+
+
+async def test_a_request_stalled_half_way_gets_408_then_close() -> None:
+    server = Server(FakeApp(), max_body_bytes=1000, keep_alive_timeout=0.3)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    task = asyncio.create_task(server.serve(sock))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        writer.write(_post("/echo", b"ab") + _post("/echo", b"0123456789")[:-4])
+        status, _, body = await asyncio.wait_for(_response(reader), 5)
+        assert (status, body) == (200, b"POST /echo ab")  # the complete one is served
+        status, headers, body = await asyncio.wait_for(_response(reader), 5)
+        assert status == 408 and headers["connection"] == "close"
+        assert b"inactivity" in body
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        idle_reader, _ = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # idle: closed silently
+    finally:
+        server.stop()
+        await asyncio.wait_for(task, 5)
