@@ -4,12 +4,13 @@ Upstream-like names where the meaning matches (scheduler e2e duration, request t
 counters, pool ready endpoints, flow-control queue size). Pass a fresh `CollectorRegistry` per
 router in tests; `default_metrics()` registers one set in the global registry.
 
-The metrics updated on every request (request and token counters, in-flight gauge, scheduling
-histogram) are counted in plain dicts and exported by a custom collector at scrape time: a
+The metrics updated on every request (request and token counters, scheduling histogram) are
+counted in plain dicts and exported by a custom collector at scrape time: a
 prometheus_client child costs a `.labels()` lookup and a lock per update, several times per
 request. They serve the same names, types, labels and values as prometheus_client's own
 Counter/Gauge/Histogram would (a test compares the two expositions). The event loop is their
 only writer; a scrape thread reads copies taken in one C call each (atomic under the GIL).
+The in-flight gauge is not updated at all: it reads the endpoints' counts at scrape time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from kvswitch.epp.datalayer import Endpoint
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -88,19 +91,33 @@ class CountedCounter(_Labelled):
         yield family
 
 
-class CountedGauge(_Labelled):
-    """A labelled gauge; `set` is one dict store."""
+class InFlightGauge(Collector):
+    """The per-endpoint in-flight gauge, read at scrape time from the endpoints' own
+    `in_flight` counts (the router keeps them): nothing to update per request. An endpoint's
+    series appears once it has been shown here, when first picked, and stays (with the count of
+    the last endpoint object shown at that address) after it leaves the pool, as a gauge set
+    on every change would."""
 
-    def set(self, labels: tuple[str, ...], value: float) -> None:
-        self.values[labels] = value
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.endpoints: dict[str, Endpoint] = {}
+        registry.register(self)
+
+    def show(self, endpoint: Endpoint) -> None:
+        self.endpoints[endpoint.address] = endpoint
+
+    def value(self, address: str) -> float:
+        endpoint = self.endpoints.get(address)
+        return 0.0 if endpoint is None else float(endpoint.in_flight)
 
     def describe(self) -> list[Metric]:
-        return [GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+        return [GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])]
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, value in self.values.copy().items():
-            family.add_metric(labels, float(value))
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])
+        for address, endpoint in self.endpoints.copy().items():
+            family.add_metric((address,), float(endpoint.in_flight))
         yield family
 
 
@@ -183,9 +200,9 @@ class EppMetrics:
         self.cached_tokens = CountedCounter(
             "kvswitch_epp_cached_tokens", "Prompt tokens served from the engines' prefix caches.",
             REQUEST_LABELS, r)
-        self.in_flight = CountedGauge(
+        self.in_flight = InFlightGauge(
             "kvswitch_epp_endpoint_in_flight_requests", "Requests the EPP routed and not finished.",
-            ["endpoint"], r)
+            r)
         self.endpoint_ready = Gauge(
             "kvswitch_epp_endpoint_ready", "1 when the endpoint is eligible for scheduling.",
             ["endpoint"], registry=r)

@@ -132,7 +132,6 @@ class EppRouter:
             return self._count(request, FILTERED)
         pick = result.endpoints[0]
         pick.in_flight += 1
-        self.metrics.in_flight.set((pick.address,), pick.in_flight)
         self._routed[request.request_id] = pick
         decision = self._decisions.get(result.endpoints)
         if decision is None:
@@ -164,6 +163,10 @@ class EppRouter:
             self._decisions.clear()  # bounded: large pools have many orderings
         decision = RoutingDecision(endpoints=tuple([e.address for e in endpoints]))
         self._decisions[endpoints] = decision
+        # Every endpoint object picked comes here once, with the first tuple it heads: the
+        # in-flight gauge reads its count from then on (setting the gauge on every route and
+        # finish cost ~0.5 us per request).
+        self.metrics.in_flight.show(endpoints[0])
         return decision
 
     def _count(self, request: InferenceRequest, decision: RoutingDecision) -> RoutingDecision:
@@ -176,7 +179,6 @@ class EppRouter:
         endpoint = self._routed.pop(request.request_id, None)
         if endpoint is not None:  # once per routed request
             endpoint.in_flight = max(0, endpoint.in_flight - 1)
-            self.metrics.in_flight.set((endpoint.address,), endpoint.in_flight)
             self._record(request, outcome)
         if self.scheduler.response_complete:  # (none in the default profile)
             self.scheduler.finished(request, outcome)

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import disable_created_metrics, enable_created_metrics
 
+from kvswitch.epp.datalayer import Endpoint, EndpointSpec
 from kvswitch.epp.metrics import EppMetrics
 
 LABELS = ["model", "objective", "fairness_id", "endpoint", "status"]
@@ -66,10 +67,11 @@ def test_counted_metrics_expose_what_prometheus_client_would(created: bool) -> N
                                 (("m", "o", "u", "10.0.0.2:8000"), 0.005)):
             ours.request_seconds.observe(seconds, labels)
             durations.labels(*labels).observe(seconds)
-        ours.in_flight.set(("10.0.0.1:8000",), 2)
-        gauge.labels("10.0.0.1:8000").set(2)
-        ours.in_flight.set(("10.0.0.2:8000",), 0)
-        gauge.labels("10.0.0.2:8000").set(0)
+        for address, count in (("10.0.0.1:8000", 2), ("10.0.0.2:8000", 0)):
+            endpoint = Endpoint(EndpointSpec(address))
+            endpoint.in_flight = count
+            ours.in_flight.show(endpoint)
+            gauge.labels(address).set(count)
         expected = _families(generate_latest(reference).decode(), NAMES)
         served = _families(generate_latest(ours.registry).decode(), NAMES)
     finally:
@@ -93,3 +95,14 @@ def test_the_default_registry_takes_the_counted_metrics_once() -> None:
     EppMetrics(registry)
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         EppMetrics(registry)
+
+
+def test_the_in_flight_gauge_reads_the_endpoints_counts_at_scrape_time() -> None:
+    metrics = EppMetrics()
+    endpoint = Endpoint(EndpointSpec("10.0.0.1:8000"))
+    metrics.in_flight.show(endpoint)
+    endpoint.in_flight = 3
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvswitch_epp_endpoint_in_flight_requests{endpoint="10.0.0.1:8000"} 3.0' in text
+    assert metrics.in_flight.value("10.0.0.1:8000") == 3.0
+    assert metrics.in_flight.value("10.0.0.2:8000") == 0.0

@@ -176,6 +176,32 @@ async def test_in_flight_counts_and_usage_metrics() -> None:
     assert 'status="200"' in text
 
 
+def _in_flight_series(router: EppRouter) -> dict[str, float]:
+    name = "kvswitch_epp_endpoint_in_flight_requests"
+    return {sample.labels["endpoint"]: sample.value
+            for family in router.metrics.registry.collect() if family.name == name
+            for sample in family.samples}
+
+
+async def test_in_flight_gauge_serves_picked_endpoints_until_they_finish_and_after_removal(
+        ) -> None:
+    router = make_router()
+    assert _in_flight_series(router) == {}
+    first = await router.route(req_a := request(prompt(30)), None)
+    second = await router.route(req_b := request(prompt(30)), None)  # same prefix: same pick
+    where = first.endpoints[0]
+    assert second.endpoints[0] == where
+    assert _in_flight_series(router) == {where: 2.0}  # fallbacks get no series until picked
+    router.request_finished(req_a, RequestOutcome(where, ok=True))
+    assert _in_flight_series(router) == {where: 1.0}
+    # The endpoint leaves the pool with a request in flight: its series stays, and follows it.
+    specs = router.refresher.discovery.endpoints  # type: ignore[union-attr]
+    router.datalayer.set_endpoints([s for s in specs if s.address != where])
+    assert _in_flight_series(router) == {where: 1.0}
+    router.request_finished(req_b, RequestOutcome(where, ok=True))
+    assert _in_flight_series(router) == {where: 0.0}
+
+
 async def test_outcome_status_names_and_the_prompt_length_without_a_usage_trailer() -> None:
     router = make_router()
     outcomes = [RequestOutcome("", ok=True, grpc_status=0),  # no usage trailer (real vLLM)
