@@ -6,7 +6,7 @@ import asyncio
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 from kvswitch.engine.sim import SimEngine
-from kvswitch.engine.sim.events import KvEventLog, load_shifted, net_events
+from kvswitch.engine.sim.events import KvEventLog, net_events, went_idle
 from kvswitch.engine.sim.kv_cache import KvBlockStored
 
 from .conftest import collect, make_engine, request
@@ -133,22 +133,21 @@ def snapshot(running: int, waiting: int, used: int = 0) -> EngineLoadSnapshot:
     return EngineLoadSnapshot(running, waiting, 0, used, 100, 16, 256, 0.0, 0.0)
 
 
-def test_load_shifted_ignores_jitter_and_takes_real_moves() -> None:
-    assert load_shifted(None, snapshot(1, 0))
-    assert not load_shifted(snapshot(16, 0), snapshot(15, 1))
-    assert load_shifted(snapshot(16, 0), snapshot(16, 2))  # a queue builds up
-    assert load_shifted(snapshot(16, 0), snapshot(10, 0))
-    assert not load_shifted(snapshot(40, 0), snapshot(32, 0))  # within a quarter
-    assert load_shifted(snapshot(4, 0, used=10), snapshot(4, 0, used=15))
+def test_went_idle_means_nothing_running_or_waiting() -> None:
+    assert went_idle(snapshot(0, 0))
+    assert not went_idle(snapshot(1, 0))
+    assert not went_idle(snapshot(0, 1))
+    assert not went_idle(None)
 
 
-async def test_a_load_that_moved_a_lot_is_published_at_once() -> None:
+async def test_load_moves_wait_for_the_window_and_idle_goes_at_once() -> None:
     log = KvEventLog(coalesce_seconds=10.0)
     log.publish(100.0, load=snapshot(16, 0))
     assert log.publish(100.01, load=snapshot(15, 1)) is None
-    shifted = log.publish(100.02, load=snapshot(16, 5))
-    assert shifted is not None and shifted.load == snapshot(16, 5)
-    assert log.publish(100.03, load=snapshot(0, 0)) is not None  # idle: nothing held back
+    assert log.publish(100.02, load=snapshot(16, 12)) is None  # a queue builds up: it waits
+    idle = log.publish(100.03, load=snapshot(0, 0))  # idle: nothing held back
+    assert idle is not None and idle.load == snapshot(0, 0)
+    assert [b.sequence_number for b in log.history] == [0, 1]
 
 
 def test_the_engine_flag_sets_the_coalescing_window() -> None:
