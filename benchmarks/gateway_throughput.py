@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = parser.parse_args(argv)
 
-    state = Path(tempfile.mkdtemp(prefix="kvswitch-bench-"))
+    state = Path(tempfile.mkdtemp(prefix="kvswitch-bench-"))  # kept: every process's log
+    print(f"logs and configs: {state}", flush=True)
     transports = args.epp_transports.split(",")
     with Supervisor(state) as supervisor:
         gateway = launch_gateway(supervisor, GatewaySpec(
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
               "epp_idle_cpu_ms_per_s": {k: v * 1e3 for k, v in idle.items()},
               "cells": [asdict(c) for c in cells], "medians": [asdict(c) for c in medians],
-              "targets": _verdicts(medians)}
+              "targets": _verdicts(medians), "logs": str(state)}
     print()
     print(_table(medians))
     for line in report["targets"]:
