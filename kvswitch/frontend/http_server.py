@@ -35,7 +35,13 @@ from typing import Protocol, cast
 
 import httptools
 
-from kvswitch.errors import InvalidRequest, KvswitchError, PayloadTooLarge, RequestTimeout
+from kvswitch.errors import (
+    InvalidRequest,
+    KvswitchError,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unavailable,
+)
 
 __all__ = ["App", "HttpRequest", "Reply", "Server", "StreamReply"]
 
@@ -340,18 +346,23 @@ class _Connection(asyncio.Protocol):
             self._drain = None
 
     def close_if_idle(self, now: float, idle_timeout: float) -> None:
-        """Close a connection nothing happened on for `idle_timeout`. A client that stopped
-        half-way through a request gets a 408 first (as nginx's client_body_timeout does); an
-        idle keep-alive connection is closed silently."""
+        """Close a connection nothing happened on for `idle_timeout` (0: the server stops). A
+        client that stopped half-way through a request gets a 408 first (as nginx's
+        client_body_timeout does), or a 503 when the server stops; an idle keep-alive
+        connection is closed silently."""
         if (self._task is None and not self._queue and self._transport is not None
                 and now - self.idle_since >= idle_timeout):
-            if self._receiving and not self._broken and idle_timeout > 0:
+            if self._receiving and not self._broken:
                 self._broken = True
-                logger.info("closing a connection: no data for %.0f s in the middle of a "
-                            "request", now - self.idle_since)
-                self._write_reply(self._app.refuse(RequestTimeout(
-                    f"the request was not completed within {idle_timeout:g} s of inactivity")),
-                    keep_alive=False)
+                error: KvswitchError
+                if idle_timeout > 0:
+                    logger.info("closing a connection: no data for %.0f s in the middle of a "
+                                "request", now - self.idle_since)
+                    error = RequestTimeout(f"the request was not completed within "
+                                           f"{idle_timeout:g} s of inactivity")
+                else:
+                    error = Unavailable("the server is shutting down")
+                self._write_reply(self._app.refuse(error), keep_alive=False)
             self._transport.close()
 
     def abort(self) -> None:

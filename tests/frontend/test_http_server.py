@@ -309,3 +309,14 @@ async def test_a_request_stalled_half_way_gets_408_then_close() -> None:
     finally:
         server.stop()
         await asyncio.wait_for(task, 5)
+
+
+async def test_stop_answers_a_half_received_request_with_503(served) -> None:
+    _, server, connect = served
+    reader, writer = await connect()
+    writer.write(_post("/echo", b"0123456789")[:-4])
+    await asyncio.sleep(0.05)
+    server.stop()
+    status, headers, body = await asyncio.wait_for(_response(reader), 5)
+    assert status == 503 and headers["connection"] == "close"
+    assert b"shutting down" in body
