@@ -126,6 +126,22 @@ def test_clear_only_touches_one_endpoint() -> None:
     assert index.match(index.block_hashes(PROMPT)) == {"a": 0, "c": 1}
 
 
+def test_match_tables_follow_endpoints_joining_and_leaving() -> None:
+    """`match` keeps a bit table per tuple of names: a bit reused by a new endpoint must never
+    count for the endpoint that left, asked for by the same names."""
+    index = PrefixIndex(B)
+    hashes = index.block_hashes(PROMPT)
+    index.apply("a", [chain(PROMPT[:8])])
+    index.apply("b", [chain(PROMPT)])
+    assert index.match(hashes, ["a", "b", "c"]) == {"a": 2, "b": 5, "c": 0}
+    index.remove_endpoint("b")
+    index.apply("c", [chain(PROMPT[:4])])  # takes b's bit
+    assert index.match(hashes, ["a", "b", "c"]) == {"a": 2, "b": 0, "c": 1}
+    assert index.match(hashes, ["c", "a"]) == {"c": 1, "a": 2}
+    index.apply("b", [chain(PROMPT[:12])])  # back, with a new bit
+    assert index.match(hashes, ["a", "b", "c"]) == {"a": 2, "b": 3, "c": 1}
+
+
 def test_block_size_mismatch_is_never_indexed() -> None:
     index = PrefixIndex(B)
     event = BlocksStored((StoredBlock(1, tuple(PROMPT[:8])),), None, 8)

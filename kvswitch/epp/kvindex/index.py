@@ -107,6 +107,9 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
+        # `match`'s bit tables per tuple of endpoint names; bits change only when an endpoint
+        # joins or leaves, which empties it.
+        self._tables: dict[tuple[str, ...], tuple[int, dict[int, str]]] = {}
         # (expiry, tie-break, endpoint state, hashes) per speculation, earliest expiry first.
         self._expiries: list[tuple[float, int, _EndpointBlocks, set[int]]] = []
         self._speculations = 0
@@ -122,6 +125,7 @@ class PrefixIndex:
         if state is None:
             bit = self._free_bits.pop() if self._free_bits else self._take_bit()
             state = self._endpoints[endpoint] = _EndpointBlocks(bit)
+            self._tables.clear()
         return state
 
     def _take_bit(self) -> int:
@@ -158,6 +162,7 @@ class PrefixIndex:
         state = self._endpoints.pop(endpoint, None)
         if state is not None:
             self._free_bits.append(state.bit)
+            self._tables.clear()
 
     def num_blocks(self, endpoint: str) -> int:
         """Distinct blocks (by content) the endpoint reported stored (speculative: not)."""
@@ -325,34 +330,41 @@ class PrefixIndex:
         or named endpoint)."""
         if self._expiries:
             self._expire(self.clock())
-        states = self._endpoints
-        names = list(states) if endpoints is None else list(endpoints)
+        names = tuple(self._endpoints) if endpoints is None else tuple(endpoints)
         result = dict.fromkeys(names, 0)
         get = self._holders.get
         if not hashes or not get(hashes[0], 0):
             return result  # nobody holds the first block (a new prefix): all 0
-        bits = {states[n].bit: n for n in names if n in states}
-        alive = 0
-        for bit in bits:
-            alive |= 1 << bit
+        alive, by_bit = self._tables.get(names) or self._table(names)
         position = 0
         for position, own in enumerate(hashes):
             held = alive & get(own, 0)
             if held != alive:
-                self._record(alive & ~held, bits, position, result)
+                self._record(alive & ~held, by_bit, position, result)
                 alive = held
                 if not alive:
                     return result
-        self._record(alive, bits, len(hashes), result)
+        self._record(alive, by_bit, len(hashes), result)
         return result
 
     @staticmethod
-    def _record(dropped: int, bits: Mapping[int, str], length: int,
+    def _record(dropped: int, by_bit: Mapping[int, str], length: int,
                 result: dict[str, int]) -> None:
+        """These endpoints (bits) hold exactly the first `length` blocks."""
         while dropped:
             low = dropped & -dropped
-            result[bits[low.bit_length() - 1]] = length
+            result[by_bit[low]] = length
             dropped ^= low
+
+    def _table(self, names: tuple[str, ...]) -> tuple[int, dict[int, str]]:
+        """(mask of the named endpoints' bits, bit -> name) for `match`, kept per name tuple:
+        requests name the same endpoints over and over."""
+        states = self._endpoints
+        by_bit = {1 << states[n].bit: n for n in names if n in states}
+        if len(self._tables) >= 64:
+            self._tables.clear()  # only a churning pool gets here: start over
+        table = self._tables[names] = (sum(by_bit), by_bit)
+        return table
 
     def match_tokens(self, token_ids: Sequence[int],
                      endpoints: Iterable[str] | None = None) -> dict[str, int]:
