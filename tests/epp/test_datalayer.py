@@ -183,6 +183,7 @@ def test_pushed_load_updates_metrics_and_stays_fresh_while_records_flow() -> Non
     m = datalayer.get("a:1").metrics  # type: ignore[union-attr]
     assert (m.running, m.waiting, m.kv_usage, m.waiting_tokens) == (4, 7, 0.5, 900)
     assert (m.max_tokens, m.block_size) == (4096, 16)  # capacity facts come from polling
+    assert m.updated_at == 100.0
     now[0] = 102.0  # quiet engine: no new record, but the stream is live (heartbeats)
     assert [e.address for e in datalayer.ready()] == ["a:1"]
     now[0] = 102.6  # records stopped: stale like any unrefreshed endpoint
@@ -190,6 +191,22 @@ def test_pushed_load_updates_metrics_and_stays_fresh_while_records_flow() -> Non
     datalayer.mark_failed("a:1")
     datalayer.push("a:1", running=0, waiting=0, kv_usage=0.0, waiting_tokens=None, ttl=2.5)
     assert datalayer.ready() == []  # pushes never override a failed health check
+
+
+def test_pushed_load_clamps_kv_usage_and_keeps_unknown_waiting_tokens() -> None:
+    from kvswitch.epp.datalayer import Metrics
+
+    datalayer = Datalayer(clock=lambda: 5.0)
+    datalayer.set_endpoints([EndpointSpec("a:1")])
+    datalayer.update("a:1", Metrics(waiting_tokens=300))
+    for pushed, kept in [(1.5, 1.0), (-0.2, 0.0), (0.0, 0.0), (1.0, 1.0), (0.25, 0.25)]:
+        datalayer.push("a:1", running=1, waiting=2, kv_usage=pushed, waiting_tokens=None,
+                       ttl=1.0)
+        m = datalayer.get("a:1").metrics  # type: ignore[union-attr]
+        assert (m.kv_usage, m.waiting_tokens, m.updated_at) == (kept, 300, 5.0)
+    datalayer.push("a:1", running=1, waiting=2, kv_usage=float("nan"), waiting_tokens=7, ttl=1.0)
+    m = datalayer.get("a:1").metrics  # type: ignore[union-attr]
+    assert m.kv_usage != m.kv_usage and m.waiting_tokens == 7  # NaN passes through, as before
 
 
 class CountingCollector:
