@@ -196,3 +196,63 @@ def test_default_profile_keeps_a_prefix_together_before_any_kv_event() -> None:
                              ParsedBody(prompt_token_ids=shared + (i,) * 16)),
             endpoints).endpoints[0].address for i in range(3)]
         assert len(set(picks)) == 1, (group, picks)
+
+
+def test_random_speculation_and_events_agree_with_a_plain_model() -> None:
+    """Speculations (some with a held leading run), stores of whole or partial prompts (which
+    confirm), removals, clears and a clock moving past expiries over 3 endpoints sharing
+    prefixes: every match equals a plain model (held = real, or speculative and unexpired)."""
+    import random
+
+    from kvswitch.epp.kvindex import block_hashes
+
+    rnd = random.Random(11)
+    prompts = [[rnd.randrange(40) for _ in range(B * 6)] for _ in range(3)]
+    prompts += [p[:B * 2] + [rnd.randrange(40) for _ in range(B * 4)] for p in prompts]
+    owns = [block_hashes(p, B) for p in prompts]
+    engines = [[hash(("engine", i, k)) for k in range(6)] for i in range(len(prompts))]
+    index, clock = new_index("a", "b", "c")
+    real: dict[str, dict[int, int]] = {e: {} for e in "abc"}  # engine hash -> own hash
+    copies: dict[str, dict[int, int]] = {e: {} for e in "abc"}  # engine hash -> copies
+    spec: dict[str, dict[int, float]] = {e: {} for e in "abc"}  # own hash -> expiry
+    for _ in range(3000):
+        endpoint, p = rnd.choice("abc"), rnd.randrange(len(prompts))
+        roll = rnd.random()
+        if roll < 0.35:
+            held = index.match(owns[p], [endpoint])[endpoint] if rnd.random() < 0.5 else 0
+            ttl = rnd.choice([0.5, 1.0, 3.0])
+            index.speculate(endpoint, owns[p], ttl, held=held)
+            for own in owns[p][held:]:
+                if own not in real[endpoint].values():
+                    spec[endpoint][own] = clock.now + ttl
+        elif roll < 0.6:
+            end = rnd.randrange(1, 7)  # from the root: always placed
+            index.apply(endpoint, [BlocksStored(tuple(
+                StoredBlock(engines[p][k], tuple(prompts[p][k * B:(k + 1) * B]))
+                for k in range(end)), None, B)])
+            for k in range(end):
+                h = engines[p][k]
+                real[endpoint][h] = owns[p][k]
+                copies[endpoint][h] = copies[endpoint].get(h, 0) + 1
+                spec[endpoint].pop(owns[p][k], None)
+        elif roll < 0.8:
+            gone = rnd.sample(engines[p], 2)
+            index.apply(endpoint, [BlocksRemoved(tuple(gone))])
+            for h in gone:
+                if h in copies[endpoint]:
+                    copies[endpoint][h] -= 1
+                    if not copies[endpoint][h]:
+                        del copies[endpoint][h], real[endpoint][h]
+        elif roll < 0.83:
+            index.apply(endpoint, [CacheCleared()])
+            real[endpoint].clear()
+            copies[endpoint].clear()
+            spec[endpoint].clear()
+        else:
+            clock.now += rnd.choice([0.1, 0.4, 1.0])
+        held_by = {e: set(real[e].values()) | {o for o, t in spec[e].items() if t > clock.now}
+                   for e in "abc"}
+        for hashes in owns:
+            expected = {e: next((i for i, h in enumerate(hashes) if h not in held_by[e]),
+                                len(hashes)) for e in "abc"}
+            assert index.match(hashes, "abc") == expected

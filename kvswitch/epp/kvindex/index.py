@@ -29,8 +29,8 @@ never both:
 - AllBlocksCleared, a resync (`clear`) or the endpoint leaving drop it at once; BlockRemoved
   can only name real blocks (a speculative one has no engine hash yet).
 Both kinds set the endpoint's bit in the one holder table, so `match` costs the same.
-Cost per request: O(blocks not already held) in C set operations; Python steps only for blocks
-another endpoint holds too, and at expiry for blocks never confirmed.
+Cost per request: O(blocks not already held), a few dict operations each, and at expiry
+O(blocks of the speculation) in C.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class PrefixIndex:
         # joins or leaves, which empties it.
         self._tables: dict[tuple[str, ...], tuple[int, dict[int, str]]] = {}
         # (expiry, tie-break, endpoint state, hashes) per speculation, earliest expiry first.
-        self._expiries: list[tuple[float, int, _EndpointBlocks, set[int]]] = []
+        self._expiries: list[tuple[float, int, _EndpointBlocks, list[int]]] = []
         self._speculations = 0
 
     # -- endpoints -----------------------------------------------------------------------------
@@ -283,8 +283,8 @@ class PrefixIndex:
         state = self._endpoints.get(endpoint)
         if state is None or ttl <= 0 or held >= len(hashes):
             return
-        # Set algebra runs in C; a Python step only for a block another endpoint also holds.
-        pending = set(hashes[held:] if held else hashes).difference(state.own_copies)
+        own_copies = state.own_copies
+        pending = [own for own in (hashes[held:] if held else hashes) if own not in own_copies]
         if not pending:
             return
         now = self.clock()
@@ -292,12 +292,14 @@ class PrefixIndex:
         expiry = now + ttl
         speculative, holders = state.speculative, self._holders
         bit = 1 << state.bit
-        fresh = pending.difference(speculative)
-        unheld = fresh.difference(holders)
-        holders.update(dict.fromkeys(unheld, bit))
-        for own in fresh.difference(unheld):
-            holders[own] |= bit
-        speculative.update(dict.fromkeys(pending, expiry))
+        # A plain loop: for the few blocks a request adds it beats building sets and dicts.
+        for own in pending:
+            if own not in speculative:
+                # One dict call when no other endpoint holds the block (the usual case).
+                mask = holders.setdefault(own, bit)
+                if mask != bit:
+                    holders[own] = mask | bit
+            speculative[own] = expiry
         self._speculations += 1
         heapq.heappush(self._expiries, (expiry, self._speculations, state, pending))
 
@@ -311,8 +313,8 @@ class PrefixIndex:
             _, _, state, hashes = heapq.heappop(expiries)
             speculative = state.speculative
             # In C: the confirmed (the usual fate) and cleared ones drop out here; those
-            # speculated again since keep their later expiry. `keys() &` walks the smaller
-            # side (set.intersection(dict) would walk every speculative entry of the endpoint).
+            # speculated again since keep their later expiry. `keys() &` walks the list
+            # (set.intersection(dict) would walk every speculative entry of the endpoint).
             due = [own for own in speculative.keys() & hashes if speculative[own] <= now]
             for own in due:
                 del speculative[own]
