@@ -315,7 +315,10 @@ class PrefixIndex:
             # In C: the confirmed (the usual fate) and cleared ones drop out here; those
             # speculated again since keep their later expiry. `keys() &` walks the list
             # (set.intersection(dict) would walk every speculative entry of the endpoint).
-            due = [own for own in speculative.keys() & hashes if speculative[own] <= now]
+            left = speculative.keys() & hashes
+            if not left:
+                continue  # all confirmed: nothing to drop
+            due = [own for own in left if speculative[own] <= now]
             for own in due:
                 del speculative[own]
             self._release(due, state.bit)
