@@ -142,6 +142,18 @@ def test_match_tables_follow_endpoints_joining_and_leaving() -> None:
     assert index.match(hashes, ["a", "b", "c"]) == {"a": 2, "b": 3, "c": 1}
 
 
+def test_match_held_leaves_out_the_endpoints_holding_nothing() -> None:
+    index = PrefixIndex(B)
+    index.apply("a", [chain(PROMPT[:8])])
+    index.apply("b", [chain(PROMPT)])
+    index.add_endpoint("c")
+    hashes = index.block_hashes(PROMPT)
+    assert index.match_held(hashes, iter(["c", "b", "zzz", "a"])) == {"a": 2, "b": 5}
+    assert index.match_held(hashes, ("c", "zzz")) == {}
+    assert index.match_held(index.block_hashes([7] * 8), ("a", "b")) == {}  # a new prefix
+    assert index.match_held([], ("a",)) == {}
+
+
 def test_block_size_mismatch_is_never_indexed() -> None:
     index = PrefixIndex(B)
     event = BlocksStored((StoredBlock(1, tuple(PROMPT[:8])),), None, 8)
@@ -339,3 +351,4 @@ def test_random_events_agree_with_a_plain_model() -> None:
             expected = {e: next((i for i, h in enumerate(hashes) if h not in held[e]),
                                 len(hashes)) for e in "abc"}
             assert index.match(hashes, "abc") == expected
+            assert index.match_held(hashes, "abc") == {e: n for e, n in expected.items() if n}

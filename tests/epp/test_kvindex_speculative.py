@@ -256,3 +256,4 @@ def test_random_speculation_and_events_agree_with_a_plain_model() -> None:
             expected = {e: next((i for i, h in enumerate(hashes) if h not in held_by[e]),
                                 len(hashes)) for e in "abc"}
             assert index.match(hashes, "abc") == expected
+            assert index.match_held(hashes, "abc") == {e: n for e, n in expected.items() if n}

@@ -13,7 +13,8 @@ where `hash` is CPython's tuple hash (64-bit, xxHash-based; ints hash determinis
 Query: `match(block_hashes)` walks a request's own hashes once against one global table
 own hash -> bitmask of endpoints holding it, so a query costs O(blocks) dict lookups however
 many endpoints there are; an endpoint's match is its number of *leading* blocks held (the
-engine's prefix-cache lookup also stops at its first miss).
+engine's prefix-cache lookup also stops at its first miss). `match_held` leaves out the zeros
+(the scorer's per-request form).
 
 Speculative entries (llm-d's speculative indexing) close the gap between a pick and the
 engine's BlockStored events, which come only after the request's prefill step:
@@ -333,14 +334,26 @@ class PrefixIndex:
               endpoints: Iterable[str] | None = None) -> dict[str, int]:
         """Leading blocks of `hashes` each endpoint holds, really or speculatively (every known
         or named endpoint)."""
-        if self._expiries:
-            self._expire(self.clock())
         names = tuple(self._endpoints) if endpoints is None else tuple(endpoints)
         result = dict.fromkeys(names, 0)
+        result.update(self.match_held(hashes, names))
+        return result
+
+    def match_held(self, hashes: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
+        """`match` of the named endpoints without its zeros: only those holding the first block
+        (absent means 0). Per request, a miss then builds nothing per endpoint."""
+        if self._expiries:
+            self._expire(self.clock())
+        result: dict[str, int] = {}
         get = self._holders.get
-        if not hashes or not get(hashes[0], 0):
-            return result  # nobody holds the first block (a new prefix): all 0
-        alive, by_bit = self._tables.get(names) or self._table(names)
+        first = get(hashes[0], 0) if hashes else 0
+        if not first:
+            return result  # nobody holds the first block (a new prefix)
+        names = endpoints if isinstance(endpoints, tuple) else tuple(endpoints)
+        named, by_bit = self._tables.get(names) or self._table(names)
+        alive = first & named
+        if not alive:
+            return result
         position = 0
         for position, own in enumerate(hashes):
             held = alive & get(own, 0)

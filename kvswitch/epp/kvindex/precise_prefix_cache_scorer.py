@@ -138,16 +138,17 @@ class PrecisePrefixCacheScorer:
         if tokens is None:
             tokens = self._token_ids(request)
         hashes = self.index.block_hashes(tokens) if tokens else []
-        matched = self.index.match(hashes, map(_address, endpoints)) if hashes else {}
+        matched = self.index.match_held(hashes, map(_address, endpoints)) if hashes else {}
         state[STATE_KEY] = PrefixMatch(hashes, matched)
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
         match: PrefixMatch | None = state.get(STATE_KEY)
-        if match is None or not match.hashes:
-            return [0.0] * len(endpoints)
+        if match is None or not match.matched:
+            return [0.0] * len(endpoints)  # (a new prefix: no endpoint holds its first block)
         total = len(match.hashes)
-        return [match.matched.get(e.address, 0) / total for e in endpoints]
+        matched = match.matched
+        return [matched.get(e.address, 0) / total for e in endpoints]
 
     def pre_request(self, request: InferenceRequest, state: CycleState,
                     result: ProfileResult) -> None:
