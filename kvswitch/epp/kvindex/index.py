@@ -43,9 +43,6 @@ from typing import NamedTuple
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
 
-# `by_engine.pop` default for a hash never stored: CPython's hash() never returns -1.
-_ABSENT = -1
-
 
 def root_hash(namespace: tuple[str, str] = ("", "")) -> int:
     """The parent of a chain's first block. Strings hash per process: fine, the index is too."""
@@ -246,12 +243,11 @@ class PrefixIndex:
     def _remove(self, state: _EndpointBlocks, engine_hashes: Iterable[int]) -> int:
         by_engine, extra, own_copies = state.by_engine, state.extra_copies, state.own_copies
         holders, mask = self._holders, ~(1 << state.bit)
-        pop_copies, pop_holders = own_copies.pop, holders.pop
+        pop_engine, pop_copies, pop_holders = by_engine.pop, own_copies.pop, holders.pop
         removed = 0
         for engine_hash in engine_hashes:
-            own = by_engine.pop(engine_hash, _ABSENT)
-            if own == _ABSENT:
-                continue  # stored before we subscribed: nothing to undo
+            # None: stored unplaced, or before we subscribed (nothing to undo; never in extra).
+            own = pop_engine(engine_hash, None)
             if extra and engine_hash in extra:
                 by_engine[engine_hash] = own  # another physical copy still holds it
                 copies = extra[engine_hash]
