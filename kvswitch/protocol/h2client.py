@@ -606,6 +606,9 @@ class H2Channel:
         task = self._connecting[index]
         if task is None:
             task = asyncio.create_task(self._open(index))
+            # Its callers may all be cancelled before it ends (a deadline, shutdown): its error
+            # must still count as seen, or asyncio logs "exception was never retrieved".
+            task.add_done_callback(_consume_error)
             self._connecting[index] = task
         try:
             conn = await asyncio.shield(task)
@@ -627,10 +630,19 @@ class H2Channel:
         return conn
 
     def close(self) -> None:
+        for task in self._connecting:
+            if task is not None:
+                task.cancel()  # else it would open a connection nobody closes
+        self._connecting = [None] * len(self._addresses)
         for conn in self._connections:
             if conn is not None:
                 conn.close()
         self._connections = [None] * len(self._addresses)
+
+
+def _consume_error(task: asyncio.Task[_Connection]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _authority(host: str, port: int) -> str:

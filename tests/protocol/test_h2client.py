@@ -4,6 +4,7 @@ grpc.aio server on loopback (and, for exact frames, a fake transport)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator
 
@@ -136,6 +137,55 @@ async def test_refused_connection_is_unavailable() -> None:
     assert isinstance(info.value, NotAccepted)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "cannot connect" in info.value.details
+
+
+async def test_a_connect_its_caller_gave_up_on_leaves_no_unretrieved_error() -> None:
+    from tests.support.processes import free_port
+
+    reports: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reports.append(context))
+    try:
+        channel = H2Channel.to(f"127.0.0.1:{free_port()}")  # nothing listens: refused
+        caller = asyncio.create_task(
+            channel.unary(LOADS, b"", pb.GetLoadsResponse.FromString, timeout=1.0))
+        await asyncio.sleep(0)  # the caller has started the connect ...
+        caller.cancel()  # ... and is cancelled before it fails
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.05)  # the connect has failed by now
+        channel.close()
+        del channel, caller
+        gc.collect()  # an unretrieved task error is reported when the task is collected
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert reports == []
+
+
+async def test_closing_while_connecting_leaves_no_connection_open() -> None:
+    accepted: list[asyncio.StreamReader] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(reader)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    channel = H2Channel.to(f"127.0.0.1:{port}")
+    caller = asyncio.create_task(
+        channel.unary(LOADS, b"", pb.GetLoadsResponse.FromString, timeout=5.0))
+    try:
+        await asyncio.sleep(0)  # the connect is under way
+        channel.close()
+        with pytest.raises((asyncio.CancelledError, StreamError)):
+            await asyncio.wait_for(caller, 1.0)
+        await asyncio.sleep(0.1)
+        for reader in accepted:  # any connection that got through was closed again
+            assert await asyncio.wait_for(reader.read(), 1.0) is not None
+            assert reader.at_eof()
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_lost_connection_fails_every_open_call_at_once_and_tells_the_owner() -> None:
