@@ -1,5 +1,6 @@
 """The KV-event subscriber's stream handling against a scripted grpc.aio engine on loopback:
-batches applied as they arrive, a gap resubscribes at once, a failing handler is not hidden."""
+batches applied as they arrive, a gap resubscribes at once, a failing handler is logged and
+recovered from."""
 
 from __future__ import annotations
 
@@ -88,23 +89,32 @@ async def test_a_gap_resubscribes_at_once_from_the_missing_batch(serve: Serve) -
         await subscriber.stop()
 
 
-async def test_a_failing_handler_stops_the_subscriber_with_its_error(serve: Serve) -> None:
-    engine, address = await serve([[0, 1, 2]])
+async def test_a_failing_handler_is_logged_clears_the_index_and_resubscribes(
+        serve: Serve, caplog: pytest.LogCaptureFixture) -> None:
+    # The second stream does not replay batch 0: its block must be gone with the cleared index.
+    engine, address = await serve([[0, 1, 2], [1, 2, 3]])
     index = PrefixIndex(16)
+    failures = [RuntimeError("load consumer bug")]
 
     def on_load(_: str, load: LoadRecord) -> None:
-        if load.sample == 1:
-            raise RuntimeError("load consumer bug")
+        if load.sample == 2 and failures:
+            raise failures.pop()
 
-    subscriber = KvEventSubscriber(address, index, on_load=on_load)
+    subscriber = KvEventSubscriber(address, index, on_load=on_load, retry_delay=0.05)
     await subscriber.start()
-    task = subscriber._task
-    assert task is not None
     try:
-        with pytest.raises(RuntimeError, match="load consumer bug"):
-            await asyncio.wait_for(asyncio.shield(task), 5.0)
-        assert subscriber.tracker.last == 0  # not swallowed as a stream error and retried
-        assert engine.starts == [0]
+        await until(lambda: subscriber.tracker.last == 3)
+        # Not swallowed: logged with its traceback ...
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "applying a batch failed" in errors[0].getMessage()
+        assert errors[0].exc_info is not None
+        assert "load consumer bug" in str(errors[0].exc_info[1])
+        # ... and recovered from: the index was cleared and a fresh subscription (from
+        # sequence 0) rebuilt it.
+        assert engine.starts == [0, 0]
+        assert index.match_tokens(tokens(0)).get(address, 0) == 0
+        for n in range(1, 4):
+            assert index.match_tokens(tokens(n))[address] == 16
+        assert subscriber.connected and not subscriber._task.done()  # type: ignore[union-attr]
     finally:
-        with contextlib.suppress(RuntimeError):  # stop() awaits the failed task
-            await subscriber.stop()
+        await subscriber.stop()

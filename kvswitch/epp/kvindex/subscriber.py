@@ -9,7 +9,9 @@ block size differs from the index's is never indexed: its blocks could not match
 stream at `SequenceTracker.resume_from()` (after an engine restart, seen as a new start time
 from GetServerInfo's uptime, from an empty index), converts and applies every batch as the tracker says,
 resubscribes at once on a gap, and after a dropped stream or a failed call with bounded
-exponential backoff (reset once a stream delivers again), and keeps the latest
+exponential backoff (reset once a stream delivers again); an error applying a batch (a bug) is
+logged with its traceback, clears the endpoint's index and resubscribes from scratch, backing
+off the same way. It keeps the latest
 `EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback).
 
 `KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set.
@@ -90,14 +92,23 @@ class KvEventSubscriber:
         delay = self.retry_delay
         while True:
             self._delivered = False
+            failed = False
             try:
                 if await self._follow(channel):
                     delay = self.retry_delay  # a gap: resubscribe at once
                     continue
             except StreamError as exc:
                 log.debug("kv events %s: %s", self.address, exc)
+            except Exception:
+                # A bug applying a batch: say so, drop what may now be wrong and start over
+                # (backing off, since a bug tends to repeat) rather than leave a stale index.
+                failed = True
+                log.exception("kv events %s: applying a batch failed; its index is cleared "
+                              "and the stream reopened in %.1f s", self.address, delay)
+                self.tracker.forget()
+                self.index.clear(self.address)
             self.connected = False
-            if self._delivered:
+            if self._delivered and not failed:
                 delay = self.retry_delay  # that stream worked: a fresh drop, not a retry
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_retry_delay)
