@@ -20,6 +20,10 @@ With `--epp-transports h2,grpcio` the first transport is the `kvswitch` target (
 cell N times, interleaved (all targets of round 1, then round 2, ...), and the table, JSON
 `medians` and verdicts use per-cell medians (the machine is shared; single runs are noisy).
 
+To compare two source trees (e.g. `git archive` copies), alternate single-round runs of each and
+start each from its own tree's directory with PYTHONPATH set to it: the processes are started
+with `python -m kvswitch` in the current directory, which Python puts ahead of PYTHONPATH.
+
 Targets: streamed tokens/s through kvswitch >= 95% of Envoy round robin; EPP CPU <= 0.2 ms
 per request.
 """
