@@ -2,6 +2,8 @@
 
 A request is scheduled in one cycle:
 
+    preparers.prepare(request, state)                   # (router, after admission) may await,
+                                                        # e.g. tokenizing a long text off-loop
     producers.produce(request, state, endpoints)        # expensive per-request data, once
     handler.pick_profiles(...) -> profiles to run       # until it returns none
         profile: filters -> scorers -> picker
@@ -20,7 +22,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -76,6 +78,20 @@ class DataProducer(Protocol):
 
     def produce(self, request: InferenceRequest, state: CycleState,
                 endpoints: Sequence[Endpoint]) -> None: ...
+
+
+@runtime_checkable
+class RequestPreparer(Protocol):
+    """Prepares per-request data that may take a while, before the (synchronous) cycle runs:
+    upstream's PrepareData step. The router calls it once a request is admitted; most requests
+    need nothing, so it returns None then and the request is scheduled without a suspension."""
+
+    name: str
+
+    def prepare(self, request: InferenceRequest,
+                state: CycleState) -> Coroutine[Any, Any, None] | None:
+        """None, or a coroutine (awaited) that leaves its results in `state`."""
+        ...
 
 
 @runtime_checkable
@@ -175,6 +191,7 @@ class Scheduler:
         self.handler = handler
         self.profiles = dict(profiles)
         self.plugins = tuple(plugins)
+        self.preparers = [p for p in plugins if isinstance(p, RequestPreparer)]
         self.producers = [p for p in plugins if isinstance(p, DataProducer)]
         self.pre_request = [p for p in plugins if isinstance(p, PreRequest)]
         self.response_complete = [p for p in plugins if isinstance(p, ResponseComplete)]
@@ -183,8 +200,11 @@ class Scheduler:
         if getattr(handler, "max_profiles", None) == 1 and len(self.profiles) == 1:
             self._only = next(iter(self.profiles.values()))
 
-    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> ProfileResult:
-        state: CycleState = {}
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint],
+                 state: CycleState | None = None) -> ProfileResult:
+        """One cycle; `state` holds what the preparers left (a fresh one if None)."""
+        if state is None:
+            state = {}
         for producer in self.producers:
             producer.produce(request, state, endpoints)
         if self._only is not None:

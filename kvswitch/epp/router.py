@@ -4,7 +4,9 @@ route(request, subset):
   1. ready endpoints (healthy, fresh); none -> 503 "no ready endpoint"
   2. the proxy's subset hint; nothing ready in it -> 503 "no eligible endpoint in subset"
   3. flow control (priority from the request's InferenceObjective): may queue, or shed (429/503)
-  4. one scheduling cycle -> the pick and fallbacks; the pick's in-flight count goes up
+  4. the plugins' preparers (e.g. a long text prompt tokenized off the event loop); if they
+     waited, the ready endpoints are read again
+  5. one scheduling cycle -> the pick and fallbacks; the pick's in-flight count goes up
 request_finished(): releases the in-flight count, records the outcome (status, duration and
   token usage by model, objective, fairness id and endpoint), lets plugins observe.
 """
@@ -21,7 +23,7 @@ import grpc
 
 from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
 from kvswitch.epp.flowcontrol import FlowGate, Verdict
-from kvswitch.epp.framework import Lifecycle, Scheduler
+from kvswitch.epp.framework import CycleState, Lifecycle, Scheduler
 from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.request import InferenceRequest, RequestOutcome, RoutingDecision
 
@@ -57,6 +59,7 @@ class EppRouter:
                  metrics: EppMetrics | None = None, gauge_interval: float = 1.0,
                  lag_interval: float = 0.05) -> None:
         self.scheduler = scheduler
+        self._preparers = tuple(scheduler.preparers)
         self.datalayer = datalayer
         self.gate = gate
         self.refresher = refresher
@@ -125,8 +128,22 @@ class EppRouter:
             if isinstance(admitted, RoutingDecision):
                 return self._count(request, admitted)
             candidates = admitted
+        state: CycleState | None = None
+        if self._preparers:  # (inline, not a helper coroutine: this runs for every request)
+            state = {}
+            waited = False
+            for preparer in self._preparers:
+                pending = preparer.prepare(request, state)
+                if pending is not None:
+                    await pending
+                    waited = True
+            if waited:  # the pool may have changed meanwhile
+                again = self._candidates(subset)
+                if isinstance(again, RoutingDecision):
+                    return self._count(request, again)
+                candidates = again
         started = time.perf_counter()
-        result = self.scheduler.schedule(request, candidates)
+        result = self.scheduler.schedule(request, candidates, state)
         self.metrics.scheduling_seconds.observe(time.perf_counter() - started)
         if not result.endpoints:
             return self._count(request, FILTERED)

@@ -68,6 +68,14 @@ class TokenizerBundle:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
+    def encode_nogil(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """The same ids as `encode`, through the `tokenizers` batch path, which releases the GIL
+        (`encode` holds it throughout): call it from a worker thread so that a long prompt
+        does not stall the event loop."""
+        encodings = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encodings[0].ids
+        return ids
+
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
         text: str = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return text

@@ -86,3 +86,82 @@ async def test_scheduling_cycles_follow_pool_changes() -> None:
     await cycle()
     await cycle()
     assert synced == [{"a:1"}, {"a:1", "b:1"}, {"b:1"}, {"c:1"}]
+
+
+def long_text(words: int) -> str:
+    import random
+
+    rnd = random.Random(words)
+    vocabulary = "the quick brown fox jumps over a lazy dog in the gateway prefix cache".split()
+    return " ".join(rnd.choice(vocabulary) for _ in range(words))
+
+
+async def test_a_long_text_is_tokenized_off_the_event_loop_with_the_same_ids() -> None:
+    import asyncio
+
+    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import OFFLOAD_TEXT_CHARS, TOKENS_KEY
+
+    scorer = create("p", {"blockSize": 16}, PluginHandle(Datalayer()))
+    tokenizer = load_tokenizer(None)
+    short, long = long_text(50), long_text(30_000)  # long: ~100 ms of tokenizing
+    assert len(short) < OFFLOAD_TEXT_CHARS <= len(long)
+    for body in (ParsedBody(prompt_text=short), ParsedBody(prompt_token_ids=(1, 2, 3))):
+        assert scorer.prepare(InferenceRequest("r", "grpc", "/x", body), {}) is None
+    request = InferenceRequest("r", "grpc", "/x", ParsedBody(prompt_text=long))
+    state: dict[str, object] = {}
+    pending = scorer.prepare(request, state)
+    assert pending is not None
+    task = asyncio.ensure_future(pending)
+    turns = 0
+    while not task.done():  # the loop keeps turning while the text is tokenized
+        turns += 1
+        await asyncio.sleep(0)
+    await task
+    assert turns >= 10  # inline, the task would have finished in its first step
+    ids = tokenizer.encode(long)
+    assert state[TOKENS_KEY] == ids
+    # produce uses the prepared ids: the same match as tokenizing inline would give.
+    scorer.index.apply("a:1", [stored(ids[:160])])
+    endpoints = [Endpoint(EndpointSpec("a:1")), Endpoint(EndpointSpec("b:1"))]
+    inline_state: dict[str, object] = {}
+    for s in (state, inline_state):
+        scorer.produce(request, s, endpoints)
+    full = len(ids) // 16
+    assert scorer.score(request, state, endpoints) == [10 / full, 0.0]
+    assert scorer.score(request, inline_state, endpoints) == [10 / full, 0.0]
+    await scorer.stop()
+    assert scorer._executor is None
+
+
+async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None:
+    import asyncio
+
+    from kvswitch.epp.config import build_endpoint_picker, static_pool
+    from kvswitch.epp.datalayer import Metrics
+    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+    from kvswitch.epp.router import EppRouter
+    from kvswitch.up import DEFAULT_EPP_CONFIG
+    from tests.support.processes import free_port
+
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]  # nothing listens there
+    router = build_endpoint_picker(DEFAULT_EPP_CONFIG, static_pool(addresses)).router
+    assert isinstance(router, EppRouter)
+    router.datalayer.set_endpoints(router.refresher.discovery.endpoints)  # type: ignore[union-attr]
+    router.datalayer.staleness = 1e9
+    for address in addresses:
+        router.datalayer.update(address, Metrics(updated_at=router.datalayer.clock()))
+    scorer = next(p for p in router.scheduler.plugins if isinstance(p, PrecisePrefixCacheScorer))
+    text = long_text(30_000)
+    ids = load_tokenizer(None).encode(text)
+    scorer.index.apply(addresses[2], [stored(ids[:320])])  # the third replica holds its prefix
+    try:
+        slow = asyncio.create_task(router.route(
+            InferenceRequest("long", "grpc", "/x", ParsedBody(prompt_text=text)), None))
+        await asyncio.sleep(0)  # it has started tokenizing in the worker thread
+        quick = await router.route(
+            InferenceRequest("tokens", "grpc", "/x", ParsedBody(prompt_token_ids=(5,) * 64)), None)
+        assert quick.status == 200 and not slow.done()
+        decision = await slow
+        assert decision.status == 200 and decision.endpoints[0] == addresses[2]
+    finally:
+        await scorer.stop()

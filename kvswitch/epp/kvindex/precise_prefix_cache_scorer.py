@@ -5,7 +5,11 @@ leading full blocks of the prompt that endpoint e holds *right now* according to
 `SubscribeKvEvents` stream (`kvswitch.epp.kvindex.PrefixIndex`), and total_blocks the prompt's
 full blocks (0 for every endpoint when the prompt has none).
 Inputs: the prompt's token ids (`ParsedBody.prompt_token_ids`); text prompts are tokenized here
-with the model's tokenizer (parameter `tokenizer`) so they match exactly too.
+with the model's tokenizer (parameter `tokenizer`) so they match exactly too. Tokenizing costs
+~3 us per token and holds the GIL in `encode`: a text of `OFFLOAD_TEXT_CHARS` or more is
+tokenized in a worker thread as the request's `RequestPreparer` step (through the `tokenizers`
+path that releases the GIL), so the event loop goes on routing other requests meanwhile;
+shorter texts are tokenized inline, where the thread hop would cost more than it frees.
 It is also the `DataProducer` of the request's `PrefixMatch` (`state["prefix-index"]`, the shape
 the approximate `prefix-cache-scorer` reads), so either scorer can consume it.
 Parameters (llm-d's type name):
@@ -37,7 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvswitch.epp.datalayer import Endpoint
@@ -59,6 +64,12 @@ from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 TYPE = "precise-prefix-cache-scorer"
 _address = operator.attrgetter("address")
 
+TOKENS_KEY = "precise-prefix-cache-scorer/tokens"
+"""CycleState key of the token ids `prepare` computed for a text prompt."""
+OFFLOAD_TEXT_CHARS = 2048
+"""Texts this long (~350 tokens, ~1 ms of tokenizing) or longer are tokenized off the loop."""
+_TOKENIZER_THREADS = 2
+
 
 class PrecisePrefixCacheScorer:
     def __init__(self, name: str, index: PrefixIndex, handle: PluginHandle | None = None,
@@ -75,6 +86,7 @@ class PrecisePrefixCacheScorer:
         # The datalayer version `_following` was last checked against (-1: never).
         self._checked_version = -1
         self._sync: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None  # made on first long text
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -118,13 +130,38 @@ class PrecisePrefixCacheScorer:
         if self._sync is not None:
             await asyncio.gather(self._sync, return_exceptions=True)
         await self.subscriptions.stop()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     # -- scheduling ----------------------------------------------------------------------------
 
-    def _token_ids(self, request: InferenceRequest) -> Sequence[int] | None:
+    def prepare(self, request: InferenceRequest,
+                state: CycleState) -> Coroutine[Any, Any, None] | None:
+        """A long text prompt: tokenize it in a worker thread (None for anything else)."""
+        body = request.body
+        text = body.prompt_text
+        if (body.prompt_token_ids is not None or self.tokenizer is None or not text
+                or len(text) < OFFLOAD_TEXT_CHARS or TOKENS_KEY in state):
+            return None
+        return self._tokenize_off_loop(self.tokenizer, text, state)
+
+    async def _tokenize_off_loop(self, tokenizer: TokenizerBundle, text: str,
+                                 state: CycleState) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(_TOKENIZER_THREADS,
+                                                thread_name_prefix="epp-tokenize")
+        loop = asyncio.get_running_loop()
+        state[TOKENS_KEY] = await loop.run_in_executor(self._executor, tokenizer.encode_nogil,
+                                                       text)
+
+    def _token_ids(self, request: InferenceRequest, state: CycleState) -> Sequence[int] | None:
         body = request.body
         if body.prompt_token_ids is not None:
             return body.prompt_token_ids
+        prepared: Sequence[int] | None = state.get(TOKENS_KEY)
+        if prepared is not None:
+            return prepared
         if body.prompt_text and self.tokenizer is not None:
             return self.tokenizer.encode(body.prompt_text)
         return None
@@ -136,7 +173,7 @@ class PrecisePrefixCacheScorer:
             self._follow_pool()
         tokens: Sequence[int] | None = request.body.prompt_token_ids  # usual: no call
         if tokens is None:
-            tokens = self._token_ids(request)
+            tokens = self._token_ids(request, state)
         hashes = self.index.block_hashes(tokens) if tokens else []
         matched = self.index.match_held(hashes, map(_address, endpoints)) if hashes else {}
         state[STATE_KEY] = PrefixMatch(hashes, matched)
