@@ -24,6 +24,7 @@ from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
 from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.chat_template import ChatTemplate
+from kvswitch.tokenization.offload import encode_off_loop
 
 __all__ = ["ChatServing", "chat_logprobs", "token_bytes"]
 
@@ -69,7 +70,7 @@ class ChatServing:
         ctx = new_request_context(headers, prefix="chatcmpl", user=request.user,
                                   user_as_fairness_id=self._user_as_fairness_id,
                                   body_request_id=request.request_id)
-        prompt_ids = self._prompt_ids(request, model)
+        prompt_ids = await self._prompt_ids(request, model)
         max_tokens = max_tokens_for(request.requested_max_tokens, len(prompt_ids),
                                     model.max_model_len)
         params = build_sampling_params(request, max_tokens=max_tokens,
@@ -85,7 +86,7 @@ class ChatServing:
         return await self._full(generation, request, model, ctx)
 
     @staticmethod
-    def _prompt_ids(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
+    async def _prompt_ids(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
         if request.chat_template is not None:
             template = ChatTemplate.from_bundle(model.tokenizer, request.chat_template)
         elif model.chat_template is not None:
@@ -101,7 +102,8 @@ class ChatServing:
             documents=request.documents,
             continue_final_message=request.continue_final_message,
             extra=request.chat_template_kwargs)
-        return model.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        return await encode_off_loop(model.tokenizer, text,
+                                     add_special_tokens=request.add_special_tokens)
 
     async def _full(self, generation: Generation, request: ChatCompletionRequest,
                     model: ServedModel, ctx: RequestContext) -> dict[str, Any]:

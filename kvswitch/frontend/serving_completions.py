@@ -21,6 +21,7 @@ from kvswitch.frontend.serving_chat import token_bytes
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
 from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
 from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.tokenization.offload import encode_off_loop
 
 __all__ = ["CompletionServing", "completion_logprobs"]
 
@@ -59,7 +60,8 @@ class CompletionServing:
         prompts: list[tuple[str, list[int]]] = []
         for raw in request.prompts_raw:
             if isinstance(raw, str):
-                ids = model.tokenizer.encode(raw, add_special_tokens=request.add_special_tokens)
+                ids = await encode_off_loop(model.tokenizer, raw,
+                                            add_special_tokens=request.add_special_tokens)
                 prompts.append((raw, ids))
             else:
                 prompts.append((model.tokenizer.decode(list(raw)), list(raw)))

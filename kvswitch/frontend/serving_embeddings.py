@@ -14,6 +14,7 @@ from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.protocol import EmbeddingRequest, parse_request
 from kvswitch.frontend.serving_models import ModelRegistry
 from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.tokenization.offload import encode_off_loop
 
 __all__ = ["EmbeddingServing"]
 
@@ -33,7 +34,8 @@ class EmbeddingServing:
                                   body_request_id=request.request_id)
         token_lists = []
         for item in request.inputs:
-            ids = (model.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
+            ids = (await encode_off_loop(model.tokenizer, item,
+                                         add_special_tokens=request.add_special_tokens)
                    if isinstance(item, str) else list(item))
             if not ids:
                 raise InvalidRequest("input cannot be empty", param="input")

@@ -99,7 +99,8 @@ def long_text(words: int) -> str:
 async def test_a_long_text_is_tokenized_off_the_event_loop_with_the_same_ids() -> None:
     import asyncio
 
-    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import OFFLOAD_TEXT_CHARS, TOKENS_KEY
+    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import TOKENS_KEY
+    from kvswitch.tokenization.offload import OFFLOAD_TEXT_CHARS
 
     scorer = create("p", {"blockSize": 16}, PluginHandle(Datalayer()))
     tokenizer = load_tokenizer(None)
@@ -129,8 +130,6 @@ async def test_a_long_text_is_tokenized_off_the_event_loop_with_the_same_ids() -
     full = len(ids) // 16
     assert scorer.score(request, state, endpoints) == [10 / full, 0.0]
     assert scorer.score(request, inline_state, endpoints) == [10 / full, 0.0]
-    await scorer.stop()
-    assert scorer._executor is None
 
 
 async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None:

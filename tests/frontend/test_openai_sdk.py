@@ -112,6 +112,23 @@ def test_completions_echo_the_prompt(stack: Stack, stream: bool) -> None:
     assert text == TEXT
 
 
+def test_long_prompts_tokenized_off_the_loop_come_back_exactly(stack: Stack) -> None:
+    from kvswitch.tokenization.offload import needs_offload
+
+    long_text = " ".join([TEXT] * 60)  # ~3.6k characters: tokenized in a worker thread
+    assert needs_offload(long_text)
+    client = _client(stack)
+    reply = client.completions.create(model=MODEL, prompt=long_text, max_tokens=None)
+    assert reply.choices[0].text == long_text
+    assert reply.usage.prompt_tokens == len(BUNDLE.encode(long_text))
+    messages = [{"role": "user", "content": long_text}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
+    assert chat.usage.prompt_tokens == len(_chat_prompt_ids(messages))
+    assert chat.choices[0].message.content == _echoed(_chat_prompt_ids(messages))
+    embedded = client.embeddings.create(model=MODEL, input=[long_text, "short"])
+    assert embedded.usage.prompt_tokens == len(BUNDLE.encode(long_text)) + len(BUNDLE.encode("short"))
+
+
 def test_completions_token_prompts_and_several_prompts(stack: Stack) -> None:
     ids = BUNDLE.encode(TEXT)
     client = _client(stack)

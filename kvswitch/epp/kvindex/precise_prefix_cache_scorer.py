@@ -5,11 +5,10 @@ leading full blocks of the prompt that endpoint e holds *right now* according to
 `SubscribeKvEvents` stream (`kvswitch.epp.kvindex.PrefixIndex`), and total_blocks the prompt's
 full blocks (0 for every endpoint when the prompt has none).
 Inputs: the prompt's token ids (`ParsedBody.prompt_token_ids`); text prompts are tokenized here
-with the model's tokenizer (parameter `tokenizer`) so they match exactly too. Tokenizing costs
-~3 us per token and holds the GIL in `encode`: a text of `OFFLOAD_TEXT_CHARS` or more is
-tokenized in a worker thread as the request's `RequestPreparer` step (through the `tokenizers`
-path that releases the GIL), so the event loop goes on routing other requests meanwhile;
-shorter texts are tokenized inline, where the thread hop would cost more than it frees.
+with the model's tokenizer (parameter `tokenizer`) so they match exactly too. A long text is
+tokenized in a worker thread (`kvswitch.tokenization.offload`) as the request's
+`RequestPreparer` step, so the event loop goes on routing other requests meanwhile; shorter
+texts are tokenized inline in `produce`.
 It is also the `DataProducer` of the request's `PrefixMatch` (`state["prefix-index"]`, the shape
 the approximate `prefix-cache-scorer` reads), so either scorer can consume it.
 Parameters (llm-d's type name):
@@ -42,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import operator
 from collections.abc import Coroutine, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvswitch.epp.datalayer import Endpoint
@@ -60,15 +58,13 @@ from kvswitch.epp.kvindex.subscriber import KvEventSubscriptions
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
 from kvswitch.epp.request import InferenceRequest
 from kvswitch.tokenization import TokenizerBundle, load_tokenizer
+from kvswitch.tokenization.offload import encode_off_loop, needs_offload
 
 TYPE = "precise-prefix-cache-scorer"
 _address = operator.attrgetter("address")
 
 TOKENS_KEY = "precise-prefix-cache-scorer/tokens"
 """CycleState key of the token ids `prepare` computed for a text prompt."""
-OFFLOAD_TEXT_CHARS = 2048
-"""Texts this long (~350 tokens, ~1 ms of tokenizing) or longer are tokenized off the loop."""
-_TOKENIZER_THREADS = 2
 
 
 class PrecisePrefixCacheScorer:
@@ -86,7 +82,6 @@ class PrecisePrefixCacheScorer:
         # The datalayer version `_following` was last checked against (-1: never).
         self._checked_version = -1
         self._sync: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None  # made on first long text
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -130,9 +125,6 @@ class PrecisePrefixCacheScorer:
         if self._sync is not None:
             await asyncio.gather(self._sync, return_exceptions=True)
         await self.subscriptions.stop()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -142,18 +134,14 @@ class PrecisePrefixCacheScorer:
         body = request.body
         text = body.prompt_text
         if (body.prompt_token_ids is not None or self.tokenizer is None or not text
-                or len(text) < OFFLOAD_TEXT_CHARS or TOKENS_KEY in state):
+                or not needs_offload(text) or TOKENS_KEY in state):
             return None
         return self._tokenize_off_loop(self.tokenizer, text, state)
 
-    async def _tokenize_off_loop(self, tokenizer: TokenizerBundle, text: str,
+    @staticmethod
+    async def _tokenize_off_loop(tokenizer: TokenizerBundle, text: str,
                                  state: CycleState) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(_TOKENIZER_THREADS,
-                                                thread_name_prefix="epp-tokenize")
-        loop = asyncio.get_running_loop()
-        state[TOKENS_KEY] = await loop.run_in_executor(self._executor, tokenizer.encode_nogil,
-                                                       text)
+        state[TOKENS_KEY] = await encode_off_loop(tokenizer, text)
 
     def _token_ids(self, request: InferenceRequest, state: CycleState) -> Sequence[int] | None:
         body = request.body
