@@ -65,6 +65,32 @@ def test_same_prefix_lands_on_the_same_replica(gateway: Gateway) -> None:
     assert len(cached_on(gateway.engines, shared)) == 1
 
 
+def test_long_text_prompts_are_routed_by_their_exact_prefix(gateway: Gateway) -> None:
+    """Texts this long are tokenized in the EPP's worker thread (the route suspends and
+    resumes in the ext_proc stream); the match is still exact: the same shared text lands
+    where its blocks are cached."""
+    from kvswitch.tokenization import load_tokenizer
+    from kvswitch.tokenization.offload import needs_offload
+
+    shared = " ".join(f"clause {i} of the long shared system prompt;" for i in range(80))
+    assert needs_offload(shared)
+    shared_tokens = len(load_tokenizer(None).encode(shared))
+
+    def complete(suffix: str) -> pb.GenerateComplete:
+        request = pb.GenerateRequest(
+            request_id=f"e2e-long-text-{suffix}", text=f"{shared} {suffix}",
+            sampling_params=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+        responses = list(gateway.stub.Generate(request, metadata=TENANT, timeout=CALL_TIMEOUT))
+        assert responses[-1].HasField("complete"), responses
+        return responses[-1].complete
+
+    assert complete("first").cached_tokens == 0
+    # Routed blind, all four would reach the first one's replica only 1 time in 4**4.
+    for suffix in ("second", "third", "fourth", "fifth"):
+        # Every full block of the shared text (bar the one its suffix changes) was cached.
+        assert complete(suffix).cached_tokens >= (shared_tokens // BLOCK - 1) * BLOCK
+
+
 def test_different_prefixes_spread(gateway: Gateway) -> None:
     seeds = range(100, 112)
     for seed in seeds:
