@@ -92,7 +92,8 @@ def long_text(words: int) -> str:
     import random
 
     rnd = random.Random(words)
-    vocabulary = "the quick brown fox jumps over a lazy dog in the gateway prefix cache".split()
+    vocabulary = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "in",
+                  "the", "gateway", "prefix", "cache"]
     return " ".join(rnd.choice(vocabulary) for _ in range(words))
 
 

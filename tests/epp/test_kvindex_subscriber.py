@@ -5,7 +5,6 @@ recovered from."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc.aio
