@@ -181,7 +181,7 @@ async def test_closing_while_connecting_leaves_no_connection_open() -> None:
             await asyncio.wait_for(caller, 1.0)
         await asyncio.sleep(0.1)
         for reader in accepted:  # any connection that got through was closed again
-            assert await asyncio.wait_for(reader.read(), 1.0) is not None
+            await asyncio.wait_for(reader.read(), 1.0)  # (times out if it stayed open)
             assert reader.at_eof()
     finally:
         server.close()
