@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvswitch.engine.sim.events import COALESCE_SECONDS
+from kvswitch.engine.sim.events import COALESCE_SECONDS, MAX_EVENTS
 from kvswitch.engine.sim.profiles import SimProfile, get_profile
 
 __all__ = ["FAILURE_KINDS", "MODES", "SimConfig"]
@@ -46,6 +46,8 @@ class SimConfig:
     """One of FAILURE_KINDS."""
     kv_event_history: int = 4096
     """KV event batches kept for replay by `kv_events(start_sequence_number)`."""
+    kv_event_history_events: int = MAX_EVENTS
+    """...holding at most this many block events between them (the newest batch always)."""
     kv_events_coalesce_seconds: float = COALESCE_SECONDS
     """Wall seconds over which scheduler steps merge into one KV event batch (0: none)."""
     max_logprobs: int = 20

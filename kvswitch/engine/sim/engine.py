@@ -95,7 +95,8 @@ class SimEngine:
         )
         self.clock = SimClock(cfg.time_scale)
         self._events = KvEventLog(cfg.kv_event_history,
-                                  coalesce_seconds=cfg.kv_events_coalesce_seconds)
+                                  coalesce_seconds=cfg.kv_events_coalesce_seconds,
+                                  max_events=cfg.kv_event_history_events)
         self._requests: dict[str, _Request] = {}
         self._failures = random.Random(cfg.seed)
         self._finished: dict[str, int] = {}

@@ -1,8 +1,16 @@
 """KV event batches: numbering, a bounded history for replay, and live followers.
 
 Every published batch gets the next sequence number (from 0). The log keeps the last
-`capacity` batches; `follow(start)` replays those numbered >= start (from the oldest still held
-if start is older), then yields new ones as they are published. All followers share one future
+`capacity` batches holding at most `max_events` block events (stored + removed) between them,
+the newest batch always; `follow(start)` replays those numbered >= start (from the oldest still
+held if start is older), then yields new ones as they are published.
+
+Why both bounds: batches are coalesced per 50 ms window, so under load one batch holds hundreds
+of events, each stored block with its token ids (~0.7 kB in Python). 4,096 batches alone let an
+engine's replay history grow to ~1 GB (measured at --time-scale 10000: RSS rose ~6 kB per request
+for minutes); the event bound keeps it near 45 MB. A follower that falls further behind sees a
+gap in the numbering and resyncs, as it would after any lost batch (vLLM's replay buffer is
+bounded too, by steps). All followers share one future
 that the next `publish` resolves, so a batch costs O(1) regardless of the follower count.
 
 Within a batch no block hash is both stored and removed: events are folded to their net effect
@@ -38,7 +46,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvBlockStored, KvEventBatchData
 
-__all__ = ["COALESCE_SECONDS", "KvEventLog", "net_events", "went_idle"]
+__all__ = ["COALESCE_SECONDS", "MAX_EVENTS", "KvEventLog", "net_events", "went_idle"]
 
 COALESCE_SECONDS = 0.05
 
@@ -66,9 +74,16 @@ def net_events(
     )
 
 
+MAX_EVENTS = 65_536
+
+
 class KvEventLog:
-    def __init__(self, capacity: int = 4096, coalesce_seconds: float = COALESCE_SECONDS) -> None:
+    def __init__(self, capacity: int = 4096, coalesce_seconds: float = COALESCE_SECONDS,
+                 max_events: int = MAX_EVENTS) -> None:
         self.history: deque[KvEventBatchData] = deque(maxlen=max(1, capacity))
+        self.max_events = max_events
+        self.held_events = 0
+        """Block events (stored + removed) in `history`."""
         self.next_sequence_number = 0
         self.coalesce_seconds = coalesce_seconds
         self._waiter: asyncio.Future[None] | None = None
@@ -127,9 +142,18 @@ class KvEventLog:
         self._load = None
         self._published_at = opened_at
         self.next_sequence_number += 1
-        self.history.append(batch)
+        self._keep(batch)
         self._wake()
         return batch
+
+    def _keep(self, batch: KvEventBatchData) -> None:
+        history = self.history
+        if len(history) == history.maxlen:
+            self.held_events -= _size(history[0])  # append drops it
+        history.append(batch)
+        self.held_events += _size(batch)
+        while self.held_events > self.max_events and len(history) > 1:
+            self.held_events -= _size(history.popleft())
 
     def _wake(self) -> None:
         w, self._waiter = self._waiter, None
@@ -161,3 +185,7 @@ class KvEventLog:
             if self._waiter is None:
                 self._waiter = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._waiter)
+
+
+def _size(batch: KvEventBatchData) -> int:
+    return len(batch.stored) + len(batch.removed)

@@ -101,6 +101,30 @@ async def test_history_is_bounded_and_replay_starts_at_the_oldest() -> None:
     assert [b.sequence_number async for b in log.follow(0)] == [2, 3, 4]
 
 
+async def test_history_holds_at_most_max_events_block_events() -> None:
+    log = KvEventLog(capacity=100, coalesce_seconds=0, max_events=5)
+    blocks = [KvBlockStored(h, None, (h,)) for h in range(10)]
+    log.publish(0.0, blocks[:2])  # 0: 2 events
+    log.publish(1.0, blocks[2:4] + [0])  # 1: 3 events
+    log.publish(2.0, blocks[4:6])  # 2: 2 events -> 7 held, batch 0 goes
+    assert [b.sequence_number for b in log.history] == [1, 2]
+    assert log.held_events == 5
+    log.publish(3.0, blocks[6:10] + [1, 2, 3])  # 3: 7 events, over the bound: kept as newest
+    assert [b.sequence_number for b in log.history] == [3]
+    assert log.held_events == 7
+    log.publish(4.0)  # the next batch, even one without events, lets it go
+    log.close()
+    assert [b.sequence_number async for b in log.follow(0)] == [4]
+
+
+async def test_dropping_the_oldest_batch_by_capacity_keeps_the_count_right() -> None:
+    log = KvEventLog(capacity=2, coalesce_seconds=0, max_events=100)
+    for t in range(4):
+        log.publish(float(t), [KvBlockStored(t, None, (t,)), 1000 + t])
+    assert [b.sequence_number for b in log.history] == [2, 3]
+    assert log.held_events == 4
+
+
 async def test_steps_inside_the_window_are_merged_into_one_batch() -> None:
     log = KvEventLog(coalesce_seconds=0.05)
     a, b, c = (KvBlockStored(h, None, (h,)) for h in (1, 2, 3))
