@@ -12,6 +12,18 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already says its default or
+    there is none to show (None: "unset", which the help or its group explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvswitch.up", "start Envoy, the endpoint picker, the frontend and simulated engines"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import grpc
 import pytest
 
 from kvswitch import errors
+from kvswitch.cli import build_parser
 from kvswitch.tokenization import load_tokenizer
 from tests.support.processes import QWEN3_DIR
 
@@ -20,6 +22,16 @@ def test_cli_help_lists_every_subcommand() -> None:
     ).stdout
     for name in ("up", "engine", "epp", "frontend", "envoy-config", "bench"):
         assert name in out
+
+
+@pytest.mark.parametrize("command", ["engine", "epp", "bench"])
+def test_subcommand_help_states_each_default_once(command: str) -> None:
+    parser = build_parser(command)
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    text = " ".join(sub.format_help().split())
+    assert "(default: None)" not in text  # unset options say what unset means instead
+    assert re.search(r"\(default: [^)]*\) \(default: ", text) is None  # help already says it
+    assert "(default: " in text  # real defaults are still shown
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from kvswitch.bench.report import target_summary, write_report
 from kvswitch.bench.runner import TargetRun, run_target
 from kvswitch.bench.targets import TARGET_NAMES, RunContext, TargetUnavailable, make_target
 from kvswitch.bench.workloads import PRESETS, SharedPrefixShape, build_workload
+from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.supervisor import Supervisor
 from kvswitch.tokenization import load_tokenizer
 
@@ -48,7 +49,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = DefaultsHelpFormatter
     parser.add_argument("--preset", default="shared-prefix-150x5-6000-1200-1000",
                         choices=sorted(PRESETS), help="workload shape and default QPS ladder")
     parser.add_argument("--targets", default="kvswitch,round-robin,oracle",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.engine.server import EngineServer, ServerOptions
 from kvswitch.tokenization import load_tokenizer
 
@@ -37,7 +38,7 @@ _SIM_FIELDS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = DefaultsHelpFormatter
     parser.description = (
         "Serve vllm.grpc.engine.VllmEngine (every RPC, vLLM semantics), grpc.health.v1 and "
         "server reflection on one gRPC port, backed by the simulated model server (continuous "

@@ -17,6 +17,7 @@ import signal
 from collections.abc import Sequence
 from typing import Any
 
+from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.epp.request import EndpointPicker
 
 __all__ = ["add_arguments", "run"]
@@ -25,7 +26,7 @@ logger = logging.getLogger("kvswitch.epp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = DefaultsHelpFormatter
     parser.description = (
         "Run the endpoint picker (EPP): an Envoy ext_proc server that parses each request "
         "(vLLM gRPC or OpenAI JSON), picks a model-server replica and tells Envoy where to send "
