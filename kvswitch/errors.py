@@ -11,20 +11,20 @@ from __future__ import annotations
 import grpc
 
 __all__ = [
-    "KvswitchError",
+    "GRPC_TO_HTTP",
+    "Cancelled",
+    "DeadlineExceeded",
+    "InternalError",
     "InvalidRequest",
+    "KvswitchError",
     "NotFound",
     "PayloadTooLarge",
     "RateLimited",
-    "Unavailable",
-    "DeadlineExceeded",
     "RequestTimeout",
-    "Cancelled",
+    "Unavailable",
     "Unimplemented",
-    "InternalError",
-    "GRPC_TO_HTTP",
-    "http_status_for_grpc",
     "grpc_code_for_http",
+    "http_status_for_grpc",
     "openai_type_for_http",
 ]
 

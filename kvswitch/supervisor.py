@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Self
 
-__all__ = ["ChildSpec", "Child", "ChildExited", "Supervisor", "port_open", "http_ok"]
+__all__ = ["Child", "ChildExited", "ChildSpec", "Supervisor", "http_ok", "port_open"]
 
 logger = logging.getLogger("kvswitch.supervisor")
 
@@ -231,7 +231,7 @@ class Supervisor:
             code = child.stop()
             logger.info("stopped %s (pid %d, exit %s)", child.name, child.pid, code)
 
-    def __enter__(self) -> Supervisor:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -37,9 +37,20 @@ from kvswitch.envoy.process import envoy_binary
 from kvswitch.supervisor import ChildExited, ChildSpec, Supervisor, http_ok, port_open
 
 __all__ = [
-    "add_arguments", "run", "Ports", "engine_spec", "write_pool_file", "write_epp_config",
-    "epp_spec", "envoy_spec", "frontend_spec", "DEFAULT_EPP_CONFIG", "free_port",
-    "GatewaySpec", "LaunchedGateway", "launch_gateway",
+    "DEFAULT_EPP_CONFIG",
+    "GatewaySpec",
+    "LaunchedGateway",
+    "Ports",
+    "add_arguments",
+    "engine_spec",
+    "envoy_spec",
+    "epp_spec",
+    "free_port",
+    "frontend_spec",
+    "launch_gateway",
+    "run",
+    "write_epp_config",
+    "write_pool_file",
 ]
 
 logger = logging.getLogger("kvswitch.up")
@@ -377,15 +388,15 @@ def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
     proto_dir = Path(importlib.util.find_spec("smg_grpc_proto").origin or "").parent / "proto"  # type: ignore[union-attr]
     lines = [
         "",
-        f"kvswitch is up on {address}  (Envoy admin 127.0.0.1:{ports.admin}, "
-        f"EPP metrics http://127.0.0.1:{ports.epp_metrics}/metrics, logs {state_dir})",
+        (f"kvswitch is up on {address}  (Envoy admin 127.0.0.1:{ports.admin}, "
+         f"EPP metrics http://127.0.0.1:{ports.epp_metrics}/metrics, logs {state_dir})"),
         "",
         "gRPC (grpcurl):",
-        f"  grpcurl -plaintext -import-path {proto_dir} -proto vllm_engine.proto "
-        "-H 'x-llm-d-inference-fairness-id: tenant-a' "
-        "-d '{\"request_id\": \"req-1\", \"text\": \"Hello\", "
-        "\"sampling_params\": {\"max_tokens\": 10}, \"stream\": true}' "
-        f"{address} vllm.grpc.engine.VllmEngine/Generate",
+        (f"  grpcurl -plaintext -import-path {proto_dir} -proto vllm_engine.proto "
+         "-H 'x-llm-d-inference-fairness-id: tenant-a' "
+         "-d '{\"request_id\": \"req-1\", \"text\": \"Hello\", "
+         "\"sampling_params\": {\"max_tokens\": 10}, \"stream\": true}' "
+         f"{address} vllm.grpc.engine.VllmEngine/Generate"),
         "",
         "gRPC (Python):",
         f"  {sys.executable} - <<'EOF'",
@@ -394,8 +405,8 @@ def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
         f"stub = rpc.VllmEngineStub(grpc.insecure_channel('{address}'))",
         "request = pb.GenerateRequest(request_id='req-2', text='Hello', stream=True,",
         "                             sampling_params=pb.SamplingParams(max_tokens=10))",
-        "for response in stub.Generate(request, metadata=[('x-llm-d-inference-fairness-id', "
-        "'tenant-a')]):",
+        ("for response in stub.Generate(request, metadata=[('x-llm-d-inference-fairness-id', "
+         "'tenant-a')]):"),
         "    print(response)",
         "EOF",
     ]
@@ -405,8 +416,8 @@ def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
         lines += [
             "",
             "OpenAI HTTP:",
-            f"  curl -s http://{address}/v1/chat/completions -H 'content-type: application/json' "
-            f"-d '{body}'",
+            (f"  curl -s http://{address}/v1/chat/completions -H 'content-type: application/json' "
+             f"-d '{body}'"),
         ]
     lines += ["", "Ctrl-C stops everything.", ""]
     return "\n".join(lines)

@@ -90,7 +90,7 @@ def test_shapes() -> None:
 
 
 class _PortEcho(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         body = str(self.server.server_address[1]).encode()
         self.send_response(200)
         self.send_header("content-length", str(len(body)))

@@ -7,15 +7,15 @@ from kvswitch.envoy.cli import add_arguments, read_pool, render, run
 from kvswitch.envoy.process import EnvoyProcess, envoy_binary, validate_config
 
 __all__ = [
+    "EnvoyProcess",
     "GatewayOptions",
     "PoolTarget",
     "Routing",
-    "build_bootstrap",
     "add_arguments",
-    "run",
+    "build_bootstrap",
+    "envoy_binary",
     "read_pool",
     "render",
-    "EnvoyProcess",
-    "envoy_binary",
+    "run",
     "validate_config",
 ]

@@ -12,7 +12,7 @@ import yaml
 
 from kvswitch.envoy.bootstrap import H2C, GatewayOptions, PoolTarget, build_bootstrap
 
-__all__ = ["add_arguments", "run", "read_pool", "render"]
+__all__ = ["add_arguments", "read_pool", "render", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

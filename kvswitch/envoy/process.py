@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 __all__ = ["EnvoyProcess", "envoy_binary", "validate_config"]
 
@@ -116,7 +116,7 @@ class EnvoyProcess:
                 self.proc.wait(timeout=5)
         return self.proc.returncode
 
-    def __enter__(self) -> EnvoyProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
