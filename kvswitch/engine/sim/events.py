@@ -3,15 +3,15 @@
 Every published batch gets the next sequence number (from 0). The log keeps the last
 `capacity` batches holding at most `max_events` block events (stored + removed) between them,
 the newest batch always; `follow(start)` replays those numbered >= start (from the oldest still
-held if start is older), then yields new ones as they are published.
+held if start is older), then yields new ones as they are published. All followers share one
+future that the next `publish` resolves, so a batch costs O(1) regardless of the follower count.
 
 Why both bounds: batches are coalesced per 50 ms window, so under load one batch holds hundreds
 of events, each stored block with its token ids (~0.7 kB in Python). 4,096 batches alone let an
 engine's replay history grow to ~1 GB (measured at --time-scale 10000: RSS rose ~6 kB per request
 for minutes); the event bound keeps it near 45 MB. A follower that falls further behind sees a
 gap in the numbering and resyncs, as it would after any lost batch (vLLM's replay buffer is
-bounded too, by steps). All followers share one future
-that the next `publish` resolves, so a batch costs O(1) regardless of the follower count.
+bounded too, by steps).
 
 Within a batch no block hash is both stored and removed: events are folded to their net effect
 (the last event per hash wins), so a consumer may apply `removed` and `stored` in either order.
