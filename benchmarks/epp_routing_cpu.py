@@ -73,8 +73,8 @@ def report_stored(index: PrefixIndex, address: str, tokens: tuple[int, ...]) -> 
     it did not hold yet (its own hash stands in for the engine's block hash)."""
     size = index.block_size
     hashes = index.block_hashes(tokens)
-    real = index._endpoints[address].own_copies
-    first = next((i for i, h in enumerate(hashes) if h not in real), len(hashes))
+    first = next((i for i, h in enumerate(hashes) if not index.holds_really(address, h)),
+                 len(hashes))
     blocks = tuple((hashes[i], tokens[i * size:(i + 1) * size])
                    for i in range(first, len(hashes)))
     if blocks:

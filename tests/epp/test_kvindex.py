@@ -107,6 +107,24 @@ def test_removal_of_one_copy_keeps_the_other() -> None:
     assert index.match(index.block_hashes(PROMPT)) == {"a": 0}
 
 
+def test_same_content_under_two_engine_hashes_stays_until_both_go() -> None:
+    """An engine may cache equal tokens under two hashes (its hash covers more than tokens):
+    one content block, held until the last engine hash naming it is removed; clearing drops
+    it at once."""
+    index = PrefixIndex(B)
+    index.apply("a", [chain(PROMPT[:8])])
+    index.apply("a", [chain(PROMPT[:8], start_hash=2000)])
+    assert index.num_blocks("a") == 2
+    index.apply("a", [BlocksRemoved((1000, 1001))])
+    assert (index.match(index.block_hashes(PROMPT)), index.num_blocks("a")) == ({"a": 2}, 2)
+    index.apply("a", [BlocksRemoved((2001,))])
+    assert (index.match(index.block_hashes(PROMPT)), index.num_blocks("a")) == ({"a": 1}, 1)
+    index.apply("a", [chain(PROMPT[:8], start_hash=3000), CacheCleared()])
+    assert (index.match(index.block_hashes(PROMPT)), index.num_blocks("a")) == ({"a": 0}, 0)
+    index.apply("a", [chain(PROMPT[:4])])
+    assert (index.match(index.block_hashes(PROMPT)), index.num_blocks("a")) == ({"a": 1}, 1)
+
+
 def test_remove_then_store_in_one_batch_keeps_order() -> None:
     index = PrefixIndex(B)
     index.apply("a", [chain(PROMPT[:4])])

@@ -64,6 +64,8 @@ def test_stored_events_confirm_speculative_blocks() -> None:
     stats = index.apply("a", [chain(PROMPT[:12])])  # the engine stored the first 3 blocks
     assert (stats.stored, stats.confirmed) == (3, 3)
     assert (index.num_speculative("a"), index.num_blocks("a")) == (2, 3)
+    assert [index.holds_really("a", h) for h in hashes] == [True] * 3 + [False] * 2
+    assert not index.holds_really("unknown", hashes[0])
     clock.now += 5.0  # the unconfirmed tail expires, the confirmed head stays
     assert index.match(hashes) == {"a": 3}
     assert index.num_speculative("a") == 0
