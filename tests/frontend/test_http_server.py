@@ -232,11 +232,13 @@ async def test_slow_reader_pauses_the_stream(served) -> None:
     writer.transport.pause_reading()
     writer.write(_post("/forever", b""))
     # The socket buffers fill first (how fast depends on the machine's load): wait until the
-    # stream stops producing, then check that it stays stopped.
-    held = -1
+    # stream stops producing (unchanged over three looks, so that a loaded machine's pause is
+    # not taken for it), then check that it stays stopped.
+    held, still = -1, 0
     for _ in range(50):
         await asyncio.sleep(0.1)
-        if app.produced == held:
+        still = still + 1 if app.produced == held else 0
+        if still == 3:
             break
         held = app.produced
     await asyncio.sleep(0.3)
