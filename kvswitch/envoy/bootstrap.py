@@ -2,9 +2,13 @@
 
 Three shapes, all from `GatewayOptions`:
 
-* **kvswitch** (default): `header_mutation` (drop any client-supplied destination header) →
-  `ext_proc` (the EPP: request headers + full-duplex request body in, response headers and
-  trailers back, never the response body) → `router` to the pool cluster.
+* **kvswitch** (default): `header_mutation` (drop any client-supplied destination header; mark
+  the request as logged to the EPP) → `ext_proc` (the EPP: request headers + full-duplex request
+  body in; for HTTP pools the response headers and trailers too, never the response body) →
+  `router` to the pool cluster. The access log of marked requests streams to the EPP
+  (`http_grpc`, flushed every 50 ms): it tells the EPP how each request ended, so for gRPC pools
+  the ext_proc stream closes once the request is routed (response trailers SKIP) and neither the
+  response's end nor an EPP restart depends on it (kvswitch.epp.access_log).
 * **with a frontend**: HTTP OpenAI paths (`/v1/*`, `/health`) go to a STATIC cluster of frontend
   processes with ext_proc disabled on that route; the frontend calls back into this same listener
   over gRPC with tokenized input, and that call goes through the EPP.
@@ -33,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvswitch.protocol.headers import (
+    ACCESS_LOGGED,
     DESTINATION_ENDPOINT,
     DESTINATION_METADATA_NAMESPACE,
+    USAGE_TRAILER,
 )
 
 __all__ = ["GatewayOptions", "PoolTarget", "Routing", "build_bootstrap"]
@@ -56,6 +62,11 @@ _HTTP_OPTIONS = _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _OVERRIDE_HOST = _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
 _ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 _STDOUT_LOG = _T + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
+_GRPC_LOG = _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+_FILTER_CONFIG = _T + "envoy.config.route.v3.FilterConfig"
+# How often Envoy sends the EPP its buffered log entries (sooner when 16 KiB are buffered): how
+# late, at most, a request's in-flight count ends after its response did.
+ACCESS_LOG_FLUSH = "0.05s"
 
 # HTTP/2 windows: 1 MiB per stream, 16 MiB per connection. Big enough that a token stream or a
 # long prompt never waits on WINDOW_UPDATE round trips; small enough to bound memory per client.
@@ -143,9 +154,14 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         # The request id the EPP and engines log; Envoy generates it when the client sends none.
         "generate_request_id": True,
     }
+    access_logs: list[dict[str, Any]] = []
     if options.access_log:
-        hcm["access_log"] = [{"name": "envoy.access_loggers.stdout",
-                              "typed_config": {"@type": _STDOUT_LOG}}]
+        access_logs.append({"name": "envoy.access_loggers.stdout",
+                            "typed_config": {"@type": _STDOUT_LOG}})
+    if not options.round_robin:
+        access_logs.append(_epp_access_log())
+    if access_logs:
+        hcm["access_log"] = access_logs
     return {
         "name": "kvswitch",
         "address": _socket(options.host, options.port),
@@ -155,11 +171,35 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
     }
 
 
+def _epp_access_log() -> dict[str, Any]:
+    """The entries of requests routed by the EPP (marked by the header mutation), to the EPP."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"header_filter": {"header": {"name": ACCESS_LOGGED, "present_match": True}}},
+        "typed_config": {
+            "@type": _GRPC_LOG,
+            "common_config": {
+                "log_name": "kvswitch",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+                "transport_api_version": "V3",
+                "buffer_flush_interval": ACCESS_LOG_FLUSH,
+            },
+            # grpc-status: in the trailers, or the headers of a trailers-only error reply.
+            "additional_response_headers_to_log": ["grpc-status"],
+            "additional_response_trailers_to_log": ["grpc-status", USAGE_TRAILER],
+        },
+    }
+
+
 def _route_config(options: GatewayOptions) -> dict[str, Any]:
     routes: list[dict[str, Any]] = []
     if options.frontends:
-        no_ext_proc = {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE,
-                                                       "disabled": True}}
+        # The frontend's own HTTP requests are not routed by the EPP (its gRPC calls back into
+        # this listener are): no ext_proc, and no mark, so they are not logged to the EPP.
+        no_ext_proc = {
+            "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True},
+            "envoy.filters.http.header_mutation": {"@type": _FILTER_CONFIG, "disabled": True},
+        }
         for path in options.frontend_paths:
             match = {"prefix": path} if path.endswith("/") else {"path": path}
             routes.append({
@@ -189,8 +229,12 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
         "typed_config": {"@type": _HEADER_MUTATION, "mutations": {"request_mutations": [
             # A client must never choose its replica: drop the header before the EPP sets it.
             {"remove": DESTINATION_ENDPOINT},
+            # Nor say whether this gateway logs its requests to the EPP.
+            {"append": {"header": {"key": ACCESS_LOGGED, "value": "1"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
         ]}},
     }
+    grpc_pool = options.pool.app_protocol == H2C
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -205,12 +249,13 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
                 # Full-duplex body mode requires trailers to be sent; gRPC clients send none,
                 # so nothing extra reaches the EPP in practice.
                 "request_trailer_mode": "SEND",
-                # gRPC pools: the trailers carry grpc-status and usage, so the response headers
-                # are one ext_proc round trip the EPP does not need (measured: benchmarks/
-                # epp_request_path.py). HTTP pools: the status is in the headers only.
-                "response_header_mode": "SKIP" if options.pool.app_protocol == H2C else "SEND",
+                # gRPC pools: the access log brings status, usage and the end, so no response
+                # message at all: the ext_proc stream closes once the request is routed (a tenth
+                # of the EPP's CPU per streamed request; an EPP restart leaves responses in
+                # flight alone). HTTP pools: the status, from the response headers.
+                "response_header_mode": "SKIP" if grpc_pool else "SEND",
                 "response_body_mode": "NONE",
-                "response_trailer_mode": "SEND",
+                "response_trailer_mode": "SKIP" if grpc_pool else "SEND",
             },
             "metadata_options": {"receiving_namespaces": {
                 "untyped": [DESTINATION_METADATA_NAMESPACE],

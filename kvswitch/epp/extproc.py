@@ -16,9 +16,12 @@ Envoy's request body mode decides the reply order (it arrives in `protocol_confi
   carries the destination.
 Requests no parser claims (or whose parser needs no body) are routed on their headers.
 
-Response side: only response headers and trailers are expected (never the body; see DESIGN
-section 3); for gRPC pools Envoy skips the headers too (the trailers hold grpc-status and usage). They yield the status and the usage trailer; the routed request is reported
-finished exactly once -- at its trailers, at headers with end_of_stream, or at `close()`.
+Response side: at most response headers and trailers (never the body; see DESIGN section 3).
+kvswitch's own bootstrap sends none for gRPC pools (the access log reports their end:
+`kvswitch.epp.access_log`) and the headers for HTTP pools; other gateways may send both. They
+yield the status and the usage trailer. The routed request is reported finished exactly once:
+at its trailers or at headers with end_of_stream (`seen_end`), or at `close()` (not `seen_end`:
+the router may wait for the request's log entry).
 Nothing here raises on input: a malformed request becomes an ImmediateResponse for its stream.
 """
 
@@ -60,6 +63,7 @@ from kvswitch.epp.request import (
     Parser,
     RequestOutcome,
     RoutingDecision,
+    response_ok,
 )
 from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, PayloadTooLarge
 from kvswitch.protocol import headers as h
@@ -199,8 +203,9 @@ class ExtProcStream:
         return out
 
     def close(self) -> list[Action]:
-        """The gRPC stream ended (end of request, client cancel, upstream reset)."""
-        out = self._finish() if self._routed and not self._finished else []
+        """The gRPC stream ended (end of request, client cancel, upstream reset, or Envoy done
+        with a request whose response it does not show the EPP)."""
+        out = self._finish(seen_end=False) if self._routed and not self._finished else []
         self._phase = _DONE
         return out
 
@@ -317,25 +322,20 @@ class ExtProcStream:
             trailers.trailers, self._grpc_status, self._usage)
         return [RESPONSE_TRAILERS_CONTINUE, *self._finish()]
 
-    def _finish(self) -> list[Action]:
+    def _finish(self, seen_end: bool = True) -> list[Action]:
         if not self._routed or self._finished or self.request is None:
             return []
         self._finished = True
-        status = self._http_status
-        if self._grpc:
-            # Envoy may skip response headers for gRPC pools: the trailers' status decides.
-            ok = self._grpc_status == 0 and (status is None or status < 400)
-        else:
-            ok = status is not None and status < 400 and self._grpc_status in (None, 0)
         usage = self._usage or _NO_USAGE
         outcome = RequestOutcome(
             endpoint=self.endpoints[0],
-            ok=ok,
+            ok=response_ok(self._grpc, self._grpc_status, self._http_status),
             grpc_status=self._grpc_status,
             http_status=self._http_status,
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
             cached_tokens=usage.get("cached_tokens"),
+            seen_end=seen_end,
         )
         return [RequestFinished(self.request, outcome)]
 

@@ -89,7 +89,8 @@ class RoutingDecision:
 
 @dataclass(slots=True, unsafe_hash=True)  # read-only; not frozen: see the module docstring
 class RequestOutcome:
-    """How a routed request ended, as the EPP saw it (response headers/trailers only)."""
+    """How a routed request ended, as the EPP saw it (response headers/trailers, or the
+    gateway's access-log entry)."""
 
     endpoint: str
     ok: bool
@@ -98,6 +99,19 @@ class RequestOutcome:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    seen_end: bool = True
+    """False: only the ext_proc stream's close was seen, not the response's end (a request
+    whose gateway logs it to the EPP is finished by its log entry instead)."""
+    duration: float | None = None
+    """Seconds, as the gateway measured them (access log); None: the EPP's own clock."""
+
+
+def response_ok(grpc: bool, grpc_status: int | None, http_status: int | None) -> bool:
+    """Whether a response succeeded: gRPC by its grpc-status (the gateway may not show the EPP
+    the response headers), HTTP by its status."""
+    if grpc:
+        return grpc_status == 0 and (http_status is None or http_status < 400)
+    return http_status is not None and http_status < 400 and grpc_status in (None, 0)
 
 
 @runtime_checkable

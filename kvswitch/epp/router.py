@@ -9,6 +9,10 @@ route(request, subset):
   5. one scheduling cycle -> the pick and fallbacks; the pick's in-flight count goes up
 request_finished(): releases the in-flight count, records the outcome (status, duration and
   token usage by model, objective, fairness id and endpoint), lets plugins observe.
+  A request whose ext_proc stream closed before its response ended (`seen_end` False), from a
+  gateway that logs it to the EPP (`headers.ACCESS_LOGGED`), waits for its log entry instead:
+  request_logged() finishes it then (kvswitch.epp.access_log). It waits at most
+  `access_log_wait` seconds, and no longer than the gateway's access-log streams stay open.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import grpc
 from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
 from kvswitch.epp.flowcontrol import FlowGate, Verdict
 from kvswitch.epp.framework import CycleState, Lifecycle, Scheduler
+from kvswitch.epp.access_log import LoggedEnd
 from kvswitch.epp.metrics import EppMetrics
-from kvswitch.epp.request import InferenceRequest, RequestOutcome, RoutingDecision
+from kvswitch.epp.request import InferenceRequest, RequestOutcome, RoutingDecision, response_ok
+from kvswitch.protocol import headers as h
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,7 @@ class EppRouter:
     def __init__(self, scheduler: Scheduler, datalayer: Datalayer, gate: FlowGate,
                  refresher: Refresher | None = None, objectives: Mapping[str, int] | None = None,
                  metrics: EppMetrics | None = None, gauge_interval: float = 1.0,
-                 lag_interval: float = 0.05) -> None:
+                 lag_interval: float = 0.05, access_log_wait: float = 3600.0) -> None:
         self.scheduler = scheduler
         self._preparers = tuple(scheduler.preparers)
         self.datalayer = datalayer
@@ -69,6 +75,13 @@ class EppRouter:
         self.lag_interval = lag_interval
         self._lag_max = 0.0
         self._routed: dict[str, Endpoint] = {}
+        self.access_log_wait = access_log_wait
+        # Routed requests waiting for their access-log entry: id -> (request, since when).
+        self._awaiting_log: dict[str, tuple[InferenceRequest, float]] = {}
+        # Entries that came while their request's ext_proc stream was still open (possible when
+        # the log and ext_proc streams ride different connections): used at its close.
+        self._logged_early: dict[str, LoggedEnd] = {}
+        self._access_log_streams = 0
         self._decisions: dict[tuple[Endpoint, ...], RoutingDecision] = {}
         self._gauges: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
@@ -193,6 +206,72 @@ class EppRouter:
         return decision
 
     def request_finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
+        if (not outcome.seen_end and request.request_id in self._routed
+                and h.ACCESS_LOGGED in request.headers):
+            logged = self._logged_early.pop(request.request_id, None)
+            if logged is None:  # its gateway will say how it ended: keep it in flight till then
+                self._awaiting_log[request.request_id] = (request, time.monotonic())
+                return
+            outcome = self._logged_outcome(request, logged)
+        self._finish(request, outcome)
+
+    # -- access log -------------------------------------------------------------------------
+
+    def request_logged(self, end: LoggedEnd) -> None:
+        """The gateway's access-log entry of one request: finish it if it waits for this."""
+        waiting = self._awaiting_log.pop(end.request_id, None)
+        if waiting is not None:
+            request = waiting[0]
+            self._finish(request, self._logged_outcome(request, end))
+        elif end.request_id in self._routed:  # its ext_proc stream has not closed yet
+            if len(self._logged_early) >= 4096:
+                self._logged_early.clear()  # bounded; only reordered streams ever land here
+            self._logged_early[end.request_id] = end
+        # else: not routed by this EPP (answered here, or another gateway's), or ended already
+
+    def _logged_outcome(self, request: InferenceRequest, end: LoggedEnd) -> RequestOutcome:
+        endpoint = self._routed.get(request.request_id)
+        usage = end.usage
+        return RequestOutcome(
+            endpoint=endpoint.address if endpoint is not None else "",
+            ok=response_ok(request.protocol == "grpc", end.grpc_status, end.http_status),
+            grpc_status=end.grpc_status,
+            http_status=end.http_status,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            cached_tokens=usage.get("cached_tokens"),
+            duration=end.duration,
+        )
+
+    def access_log_opened(self) -> None:
+        self._access_log_streams += 1
+
+    def access_log_closed(self) -> None:
+        """With the gateways' last log stream gone, no entry will come for the requests still
+        waiting (their gateway went away or restarted): finish them as they are."""
+        self._access_log_streams = max(0, self._access_log_streams - 1)
+        if not self._access_log_streams:
+            self.stop_waiting()
+
+    def stop_waiting(self, older_than: float | None = None) -> None:
+        """Finish (outcome unknown) the requests waiting for a log entry: all, or those waiting
+        over `older_than` seconds."""
+        now = time.monotonic()
+        stale = []
+        for request_id, (_, since) in self._awaiting_log.items():  # oldest first
+            if older_than is not None and now - since <= older_than:
+                break
+            stale.append(request_id)
+        if stale:
+            logger.warning("%d requests ended without an access-log entry", len(stale))
+        for request_id in stale:
+            request, _ = self._awaiting_log.pop(request_id)
+            endpoint = self._routed.get(request_id)
+            self._finish(request, RequestOutcome(
+                endpoint=endpoint.address if endpoint is not None else "", ok=False,
+                seen_end=False))
+
+    def _finish(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
         endpoint = self._routed.pop(request.request_id, None)
         if endpoint is not None:  # once per routed request
             endpoint.in_flight = max(0, endpoint.in_flight - 1)
@@ -208,7 +287,9 @@ class EppRouter:
         labels = (model, objective, request.fairness_id, outcome.endpoint)
         m.finished.inc((model, objective, request.fairness_id, outcome.endpoint,
                         "true" if outcome.ok else "false", _status(request, outcome)))
-        if request.received_at:
+        if outcome.duration is not None:
+            m.request_seconds.observe(outcome.duration, labels)
+        elif request.received_at:
             m.request_seconds.observe(time.monotonic() - request.received_at, labels)
         prompt_tokens = outcome.prompt_tokens
         if prompt_tokens is None and outcome.ok and request.body.prompt_token_ids is not None:
@@ -250,4 +331,6 @@ class EppRouter:
     async def _update_gauges(self) -> None:
         while True:
             self.update_gauges()
+            if self._awaiting_log:  # (a lost entry must not hold a request in flight forever)
+                self.stop_waiting(self.access_log_wait)
             await asyncio.sleep(self.gauge_interval)

@@ -36,8 +36,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kvswitch.epp import access_log
+from kvswitch.epp.access_log import AccessLogSink
 from kvswitch.epp.extproc import Action, ExtProcStream, NeedRouting, RequestFinished
-from kvswitch.epp.h2server import INTERNAL, NOT_FOUND, Call, H2GrpcServer
+from kvswitch.epp.h2server import INTERNAL, NOT_FOUND, Call, H2GrpcServer, HandlerFactory
 from kvswitch.epp.request import EndpointPicker, Router, RoutingDecision
 
 __all__ = ["EXT_PROC_SERVICE", "HEALTH_SERVICES", "TRANSPORTS", "EppServer", "ExtProcServicer"]
@@ -329,6 +331,83 @@ class _HealthWatchCall:
         self._watches.discard(self)
 
 
+def _take_entries(sink: AccessLogSink, message: bytes) -> bool:
+    """Feed one StreamAccessLogsMessage to `sink`; False if it does not parse."""
+    try:
+        ends = access_log.ended_requests(message)
+    except DecodeError:
+        return False
+    for end in ends:
+        try:
+            sink.request_logged(end)
+        except Exception:  # a bug costs that entry, not the gateway's log stream
+            logger.exception("access-log entry of request %s failed", end.request_id)
+    return True
+
+
+class _AccessLogCall:
+    """`AccessLogService.StreamAccessLogs` (client streaming) on the h2 transport: each
+    message's entries go to the router as they arrive; the stream lives as long as the gateway
+    keeps it (ended by `end()` when the EPP stops)."""
+
+    __slots__ = ("_call", "_calls", "_open", "_sink")
+
+    def __init__(self, sink: AccessLogSink, calls: set[_AccessLogCall], call: Call) -> None:
+        self._sink, self._calls, self._call = sink, calls, call
+        self._open = True
+        calls.add(self)
+        sink.access_log_opened()
+
+    def on_message(self, message: bytes) -> None:
+        if not _take_entries(self._sink, message):
+            self._closed()
+            self._call.finish(INTERNAL, "cannot parse a StreamAccessLogsMessage")
+
+    def on_end(self) -> None:
+        self.end()
+
+    def end(self) -> None:
+        if self._open:
+            self._closed()
+            self._call.send(b"")  # the one (empty) StreamAccessLogsResponse
+            self._call.finish()
+
+    def on_reset(self) -> None:
+        self._closed()
+
+    def _closed(self) -> None:
+        if self._open:
+            self._open = False
+            self._calls.discard(self)
+            self._sink.access_log_closed()
+
+
+class _AccessLogServicer:
+    """`AccessLogService.StreamAccessLogs` on the grpcio transport."""
+
+    def __init__(self, sink: AccessLogSink) -> None:
+        self._sink = sink
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        handler = grpc.stream_unary_rpc_method_handler(
+            self.StreamAccessLogs, response_serializer=bytes)
+        service, method = access_log.SERVICE_PATH[1:].split("/")
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {method: handler}),))
+
+    async def StreamAccessLogs(self, request_iterator: AsyncIterator[bytes],
+                               context: grpc.aio.ServicerContext) -> bytes:
+        self._sink.access_log_opened()
+        try:
+            async for message in request_iterator:
+                if not _take_entries(self._sink, message):
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        "cannot parse a StreamAccessLogsMessage")
+        finally:
+            self._sink.access_log_closed()
+        return b""
+
+
 class EppServer:
     """The EPP's gRPC server: `await start()`, then `await stop()` (graceful).
 
@@ -353,15 +432,24 @@ class EppServer:
         self._watches: set[_HealthWatchCall] = set()
         self._grpc: grpc.aio.Server | None = None
         self._grpc_health: health_aio.HealthServicer | None = None
+        self._access_logs: set[_AccessLogCall] = set()
+        # The gateway's access log finishes requests whose response the EPP is not shown.
+        sink = picker.router if isinstance(picker.router, AccessLogSink) else None
         if transport == "h2":
-            self._h2 = H2GrpcServer({
+            handlers: dict[str, HandlerFactory] = {
                 PROCESS_PATH: lambda call: _ProcessCall(picker, call),
                 HEALTH_CHECK_PATH: lambda call: _HealthCheckCall(self._health, call),
                 HEALTH_WATCH_PATH: lambda call: _HealthWatchCall(self._health, self._watches, call),
-            }, host=host, port=port, max_message_bytes=limit)
+            }
+            if sink is not None:
+                handlers[access_log.SERVICE_PATH] = (
+                    lambda call: _AccessLogCall(sink, self._access_logs, call))
+            self._h2 = H2GrpcServer(handlers, host=host, port=port, max_message_bytes=limit)
         else:
             self._grpc, self._grpc_health = _grpcio_server(picker, limit), health_aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._grpc_health, self._grpc)
+            if sink is not None:
+                _AccessLogServicer(sink).add_to_server(self._grpc)
         self._started = False
 
     def health_status(self, service: str) -> int | None:
@@ -404,6 +492,8 @@ class EppServer:
         for watch in list(self._watches):  # NOT_SERVING, then end: a watch must not hold the drain
             watch.update()
             watch.end()
+        for log_stream in list(self._access_logs):  # nor a gateway's access-log stream
+            log_stream.end()
         if self._h2 is not None:
             await self._h2.stop(grace)
         else:

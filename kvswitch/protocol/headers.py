@@ -32,3 +32,8 @@ REQUEST_ID = "x-request-id"
 # usage from response trailers without reading the body:
 # "prompt_tokens=12;completion_tokens=64;cached_tokens=0".
 USAGE_TRAILER = "x-kvswitch-usage"
+
+# Set by kvswitch's Envoy bootstrap on every request (a client's own value is stripped first):
+# this gateway streams its access log to the EPP, so a request whose ext_proc stream closes
+# before its response ends is finished by its log entry (kvswitch.epp.access_log).
+ACCESS_LOGGED = "x-kvswitch-access-logged"

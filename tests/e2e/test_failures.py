@@ -71,6 +71,65 @@ def test_killed_replica_ends_its_streams_and_gets_no_more_work(real_time_gateway
     assert _endpoint_ready(gw, victim) == 0.0
 
 
+def _in_flight(gw: Gateway, address: str) -> float | None:
+    url = f"http://127.0.0.1:{gw.launched.ports.epp_metrics}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if (line.startswith("kvswitch_epp_endpoint_in_flight_requests{")
+                    and f'"{address}"' in line):
+                return float(line.split()[-1])
+    return None
+
+
+def test_a_stream_counts_in_flight_until_its_response_ends(real_time_gateway: Gateway) -> None:
+    # The EPP sees no response message for gRPC pools (its ext_proc stream closes once the
+    # request is routed): the count must still last until the response's end, which the
+    # gateway's access log reports.
+    gw = real_time_gateway
+    replica = gw.engines[1]
+    stream = gw.stub.Generate(generate_request(prompt(2), max_tokens=900, stream=True),
+                              metadata=[(DESTINATION_SUBSET, replica)], timeout=CALL_TIMEOUT)
+    assert next(stream).HasField("chunk")
+    assert _in_flight(gw, replica) == 1.0  # mid-stream
+    responses = list(stream)
+    assert responses[-1].complete.finish_reason == "length"
+    stopped = threading.Event()
+    for _ in range(100):  # bounded: 100 x 0.05 s (the log is flushed every 50 ms)
+        if _in_flight(gw, replica) == 0.0:
+            break
+        stopped.wait(0.05)
+    assert _in_flight(gw, replica) == 0.0
+
+
+@pytest.fixture
+def doomed_epp_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A real-time gateway whose EPP the test kills."""
+    gw, supervisor = start_gateway(tmp_path_factory.mktemp("epp-kill"), replicas=2,
+                                   profile="tiny", time_scale=1.0, mode="echo",
+                                   grace_period=1.0)
+    try:
+        yield gw
+    finally:
+        gw.channel.close()
+        supervisor.stop_all()
+
+
+def test_streams_in_flight_outlive_the_epp(doomed_epp_gateway: Gateway) -> None:
+    gw = doomed_epp_gateway
+    stream = gw.stub.Generate(generate_request(prompt(3), max_tokens=900, stream=True),
+                              timeout=CALL_TIMEOUT)
+    assert next(stream).HasField("chunk")
+    kill(gw.supervisor.get("epp").pid)
+    # Routed already, the stream no longer depends on the EPP: it runs to its end.
+    responses = list(stream)
+    assert responses[-1].complete.finish_reason == "length"
+    assert sum(len(r.chunk.token_ids) for r in responses if r.HasField("chunk")) == 900 - 1
+    # New requests fail closed, with the status an unreachable EPP maps to.
+    with pytest.raises(grpc.RpcError) as info:
+        generate(gw.stub, prompt(4), max_tokens=4)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 @pytest.fixture(scope="module")
 def dead_pool_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A pool whose every replica is down (nothing listens on its ports)."""
