@@ -81,8 +81,8 @@ def _filters(bootstrap: dict[str, Any]) -> list[str]:
 def test_shapes() -> None:
     pool = PoolTarget(("127.0.0.1:1",))
     assert _filters(build_bootstrap(GatewayOptions(pool=pool))) == [
-        "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
-        "envoy.filters.http.router"]
+        "envoy.filters.http.header_mutation", "envoy.filters.http.set_metadata",
+        "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
     assert _filters(build_bootstrap(GatewayOptions(pool=pool, round_robin=True))) == [
         "envoy.filters.http.router"]
     with pytest.raises(ValueError):

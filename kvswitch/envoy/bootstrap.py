@@ -2,10 +2,11 @@
 
 Three shapes, all from `GatewayOptions`:
 
-* **kvswitch** (default): `header_mutation` (drop any client-supplied destination header; mark
-  the request as logged to the EPP) → `ext_proc` (the EPP: request headers + full-duplex request
-  body in; for HTTP pools the response headers and trailers too, never the response body) →
-  `router` to the pool cluster. The access log of marked requests streams to the EPP
+* **kvswitch** (default): `header_mutation` (drop any client-supplied destination header) →
+  `set_metadata` (mark the request as logged to the EPP) → `ext_proc` (the EPP: request headers
+  + full-duplex request body in, the mark with them; for HTTP pools the response headers and
+  trailers too, never the response body) → `router` to the pool cluster. The access log of
+  marked requests streams to the EPP
   (`http_grpc`, flushed every 50 ms): it tells the EPP how each request ended, so for gRPC pools
   the ext_proc stream closes once the request is routed (response trailers SKIP) and neither the
   response's end nor an EPP restart depends on it (kvswitch.epp.access_log).
@@ -40,6 +41,7 @@ from kvswitch.protocol.headers import (
     ACCESS_LOGGED,
     DESTINATION_ENDPOINT,
     DESTINATION_METADATA_NAMESPACE,
+    GATEWAY_METADATA_NAMESPACE,
     USAGE_TRAILER,
 )
 
@@ -64,6 +66,7 @@ _ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.Rou
 _STDOUT_LOG = _T + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
 _GRPC_LOG = _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
 _FILTER_CONFIG = _T + "envoy.config.route.v3.FilterConfig"
+_SET_METADATA = _T + "envoy.extensions.filters.http.set_metadata.v3.Config"
 # How often Envoy sends the EPP its buffered log entries (sooner when 16 KiB are buffered): how
 # late, at most, a request's in-flight count ends after its response did.
 ACCESS_LOG_FLUSH = "0.05s"
@@ -172,10 +175,12 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
 
 
 def _epp_access_log() -> dict[str, Any]:
-    """The entries of requests routed by the EPP (marked by the header mutation), to the EPP."""
+    """The entries of requests routed by the EPP (marked by `set_metadata`), to the EPP."""
+    marked = {"filter": GATEWAY_METADATA_NAMESPACE, "path": [{"key": ACCESS_LOGGED}],
+              "value": {"bool_match": True}}
     return {
         "name": "envoy.access_loggers.http_grpc",
-        "filter": {"header_filter": {"header": {"name": ACCESS_LOGGED, "present_match": True}}},
+        "filter": {"metadata_filter": {"matcher": marked}},
         "typed_config": {
             "@type": _GRPC_LOG,
             "common_config": {
@@ -198,7 +203,7 @@ def _route_config(options: GatewayOptions) -> dict[str, Any]:
         # this listener are): no ext_proc, and no mark, so they are not logged to the EPP.
         no_ext_proc = {
             "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True},
-            "envoy.filters.http.header_mutation": {"@type": _FILTER_CONFIG, "disabled": True},
+            "envoy.filters.http.set_metadata": {"@type": _FILTER_CONFIG, "disabled": True},
         }
         for path in options.frontend_paths:
             match = {"prefix": path} if path.endswith("/") else {"path": path}
@@ -229,10 +234,16 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
         "typed_config": {"@type": _HEADER_MUTATION, "mutations": {"request_mutations": [
             # A client must never choose its replica: drop the header before the EPP sets it.
             {"remove": DESTINATION_ENDPOINT},
-            # Nor say whether this gateway logs its requests to the EPP.
-            {"append": {"header": {"key": ACCESS_LOGGED, "value": "1"},
-                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
         ]}},
+    }
+    # Tells the EPP that this gateway logs the request to it; dynamic metadata, so no client can
+    # claim it (a forged claim would hold a request in flight waiting for a log entry).
+    mark_logged = {
+        "name": "envoy.filters.http.set_metadata",
+        "typed_config": {"@type": _SET_METADATA, "metadata": [{
+            "metadata_namespace": GATEWAY_METADATA_NAMESPACE,
+            "value": {ACCESS_LOGGED: True},
+        }]},
     }
     grpc_pool = options.pool.app_protocol == H2C
     ext_proc = {
@@ -257,16 +268,17 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
                 "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP" if grpc_pool else "SEND",
             },
-            "metadata_options": {"receiving_namespaces": {
-                "untyped": [DESTINATION_METADATA_NAMESPACE],
-            }},
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [GATEWAY_METADATA_NAMESPACE]},
+                "receiving_namespaces": {"untyped": [DESTINATION_METADATA_NAMESPACE]},
+            },
             # The route does not depend on anything the EPP sets: skip re-matching it.
             "disable_clear_route_cache": True,
             # EPP unreachable or broken: the caller sees 503 / UNAVAILABLE, not 500.
             "status_on_error": {"code": "ServiceUnavailable"},
         },
     }
-    return [strip_destination, ext_proc, router]
+    return [strip_destination, mark_logged, ext_proc, router]
 
 
 def _protocol_options(http2: bool) -> dict[str, Any]:

@@ -3,8 +3,11 @@
     kvswitch epp --config epp.yaml --pool pool.yaml --port 9002 --metrics-port 9090
 
 Envoy must call it with ext_proc processing_mode request_header SEND, request_body
-FULL_DUPLEX_STREAMED (or BUFFERED), response_header SEND, response_trailer SEND, response_body
-NONE, and route on the `x-gateway-destination-endpoint` header (ORIGINAL_DST cluster).
+FULL_DUPLEX_STREAMED (or BUFFERED), response_body NONE, and route on the
+`x-gateway-destination-endpoint` header (`kvswitch envoy-config` writes such a bootstrap). How a
+request ended comes from the response headers and trailers (SEND), or, as kvswitch's bootstrap
+does it, from Envoy's gRPC access log streamed to this same port (for requests whose forwarded
+`kvswitch` filter metadata says `access_logged: true`; kvswitch.epp.access_log).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run the endpoint picker (EPP): an Envoy ext_proc server that parses each request "
         "(vLLM gRPC or OpenAI JSON), picks a model-server replica and tells Envoy where to send "
-        "it with the x-gateway-destination-endpoint header and envoy.lb metadata."
+        "it with the x-gateway-destination-endpoint header and envoy.lb metadata. The same "
+        "port takes Envoy's gRPC access log (StreamAccessLogs), which tells it how the requests "
+        "it routed ended."
     )
     parser.add_argument("--config", metavar="EPP_YAML",
                         help="EndpointPickerConfig YAML (llm-d.ai/v1alpha1); omitted: defaults "

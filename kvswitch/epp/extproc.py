@@ -47,13 +47,13 @@ from kvswitch.epp.extproc_messages import (
     TRAILERS_CONTINUE,
     SerializedResponse,
     destination_reply,
+    gateway_metadata,
     header_dict,
     immediate_error,
     inference_request,
     response_status,
     streamed_body,
     streamed_body_chunks,
-    subset_hint,
 )
 from kvswitch.epp.parsers import needs_body, select_parser
 from kvswitch.epp.request import (
@@ -127,6 +127,7 @@ class ExtProcStream:
     _path = "/"
     _parser: Parser | None = None
     _subset: tuple[str, ...] | None = None
+    _access_logged = False
     request: InferenceRequest | None = None
     endpoints: tuple[str, ...] = ()
     _routed = False
@@ -229,7 +230,7 @@ class ExtProcStream:
         parser = select_parser(self._picker.parsers, path, content_type)
         self._body_ended = request_headers.end_of_stream
         self._parser_needs_body = needs_body(parser) and not self._body_ended
-        self._subset = subset_hint(message, headers)
+        self._access_logged, self._subset = gateway_metadata(message, headers)
         if not self._parser_needs_body:
             return self._need_routing(_EMPTY_BODY)
         self._parser = parser
@@ -278,7 +279,7 @@ class ExtProcStream:
         request_id = headers.get(h.REQUEST_ID) or parsed.request_id or uuid.uuid4().hex
         self.request = inference_request(
             headers, parsed, request_id, grpc=self._grpc, size=self._size,
-            received_at=self._received_at, path=self._path,
+            received_at=self._received_at, path=self._path, access_logged=self._access_logged,
         )
         if self._subset is not None and not self._subset:
             reason = "subset hint lists no endpoints"

@@ -23,9 +23,8 @@ from kvswitch.protocol import headers as h
 __all__ = [
     "BODY_CONTINUE", "HEADERS_CONTINUE", "RESPONSE_BODY_CONTINUE", "RESPONSE_HEADERS_CONTINUE",
     "RESPONSE_TRAILERS_CONTINUE", "TRAILERS_CONTINUE", "SerializedResponse", "destination_reply",
-    "header_dict",
-    "immediate_error", "inference_request", "parse_usage", "response_status", "streamed_body",
-    "streamed_body_chunks", "subset_hint",
+    "gateway_metadata", "header_dict", "immediate_error", "inference_request", "parse_usage",
+    "response_status", "streamed_body", "streamed_body_chunks",
 ]
 
 
@@ -60,19 +59,31 @@ def response_status(
     return status, grpc_status, usage
 
 
-def subset_hint(message: ep.ProcessingRequest, headers: dict[str, str]) -> tuple[str, ...] | None:
-    """The proxy's subset hint: `envoy.lb.subset_hint` filter metadata, else the header."""
+def gateway_metadata(message: ep.ProcessingRequest,
+                     headers: dict[str, str]) -> tuple[bool, tuple[str, ...] | None]:
+    """What the gateway says of a request: whether it logs it to the EPP (`kvswitch` filter
+    metadata, which no client can set), and the proxy's subset hint (`envoy.lb.subset_hint`
+    filter metadata, else the header; None: no hint)."""
+    logged = False
+    hint: tuple[str, ...] | None = None
     # Envoy sends metadata_context only when configured to: asking first skips building the
     # map's wrappers (≈ 0.3 us) on every request without it.
-    namespace = (message.metadata_context.filter_metadata.get(h.SUBSET_HINT_NAMESPACE)
-                 if message.HasField("metadata_context") else None)
-    if namespace is not None and h.DESTINATION_SUBSET in namespace.fields:
-        value = namespace.fields[h.DESTINATION_SUBSET]
-        if value.WhichOneof("kind") == "list_value":
-            return tuple(v.string_value for v in value.list_value.values if v.string_value)
-        return _split_addresses(value.string_value)
-    header = headers.get(h.DESTINATION_SUBSET)
-    return None if header is None else _split_addresses(header)
+    if message.HasField("metadata_context"):
+        metadata = message.metadata_context.filter_metadata
+        ours = metadata.get(h.GATEWAY_METADATA_NAMESPACE)
+        if ours is not None and h.ACCESS_LOGGED in ours.fields:
+            logged = ours.fields[h.ACCESS_LOGGED].bool_value
+        namespace = metadata.get(h.SUBSET_HINT_NAMESPACE)
+        if namespace is not None and h.DESTINATION_SUBSET in namespace.fields:
+            value = namespace.fields[h.DESTINATION_SUBSET]
+            if value.WhichOneof("kind") == "list_value":
+                hint = tuple(v.string_value for v in value.list_value.values if v.string_value)
+            else:
+                hint = _split_addresses(value.string_value)
+    if hint is None:
+        header = headers.get(h.DESTINATION_SUBSET)
+        hint = None if header is None else _split_addresses(header)
+    return logged, hint
 
 
 def _split_addresses(value: str) -> tuple[str, ...]:
@@ -94,7 +105,7 @@ def _slo(headers: dict[str, str], name: str) -> float | None:
 
 def inference_request(
     headers: dict[str, str], parsed: ParsedBody, request_id: str, *, grpc: bool, size: int,
-    received_at: float, path: str | None = None,
+    received_at: float, path: str | None = None, access_logged: bool = False,
 ) -> InferenceRequest:
     """`path`: `:path` without its query, if the caller has it already."""
     if not headers.keys().isdisjoint(h.ALIASES):  # one C call when (as usual) none is there
@@ -114,6 +125,7 @@ def inference_request(
         headers=headers,
         body_size=size,
         received_at=received_at,
+        access_logged=access_logged,
     )
 
 

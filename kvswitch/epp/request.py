@@ -73,6 +73,9 @@ class InferenceRequest:
     body_size: int = 0
     received_at: float = 0.0
     """time.monotonic() when the EPP saw the request headers."""
+    access_logged: bool = False
+    """The gateway said (in metadata a client cannot set) that it logs this request to the EPP:
+    its log entry, not its ext_proc stream's close, says how it ended."""
 
 
 @dataclass(frozen=True, slots=True)

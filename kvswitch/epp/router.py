@@ -10,7 +10,7 @@ route(request, subset):
 request_finished(): releases the in-flight count, records the outcome (status, duration and
   token usage by model, objective, fairness id and endpoint), lets plugins observe.
   A request whose ext_proc stream closed before its response ended (`seen_end` False), from a
-  gateway that logs it to the EPP (`headers.ACCESS_LOGGED`), waits for its log entry instead:
+  gateway that logs it to the EPP (`InferenceRequest.access_logged`), waits for its log entry:
   request_logged() finishes it then (kvswitch.epp.access_log). It waits at most
   `access_log_wait` seconds, and no longer than the gateway's access-log streams stay open.
 """
@@ -25,13 +25,12 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 
+from kvswitch.epp.access_log import LoggedEnd
 from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
 from kvswitch.epp.flowcontrol import FlowGate, Verdict
 from kvswitch.epp.framework import CycleState, Lifecycle, Scheduler
-from kvswitch.epp.access_log import LoggedEnd
 from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.request import InferenceRequest, RequestOutcome, RoutingDecision, response_ok
-from kvswitch.protocol import headers as h
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +205,7 @@ class EppRouter:
         return decision
 
     def request_finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
-        if (not outcome.seen_end and request.request_id in self._routed
-                and h.ACCESS_LOGGED in request.headers):
+        if not outcome.seen_end and request.access_logged and request.request_id in self._routed:
             logged = self._logged_early.pop(request.request_id, None)
             if logged is None:  # its gateway will say how it ended: keep it in flight till then
                 self._awaiting_log[request.request_id] = (request, time.monotonic())

@@ -33,7 +33,9 @@ REQUEST_ID = "x-request-id"
 # "prompt_tokens=12;completion_tokens=64;cached_tokens=0".
 USAGE_TRAILER = "x-kvswitch-usage"
 
-# Set by kvswitch's Envoy bootstrap on every request (a client's own value is stripped first):
-# this gateway streams its access log to the EPP, so a request whose ext_proc stream closes
-# before its response ends is finished by its log entry (kvswitch.epp.access_log).
-ACCESS_LOGGED = "x-kvswitch-access-logged"
+# Dynamic metadata kvswitch's Envoy bootstrap sets on every request it routes through the EPP
+# (a client cannot forge it) and forwards to ext_proc: {"access_logged": true} says this gateway
+# streams its access log to the EPP, so a request whose ext_proc stream closes before its
+# response ends is finished by its log entry (kvswitch.epp.access_log).
+GATEWAY_METADATA_NAMESPACE = "kvswitch"
+ACCESS_LOGGED = "access_logged"

@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from envoy.config.core.v3.base_pb2 import Metadata
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf.message import DecodeError
@@ -15,10 +16,11 @@ from google.protobuf.message import DecodeError
 from kvswitch.epp import access_log
 from kvswitch.epp.access_log import LoggedEnd, ended_requests
 from kvswitch.epp.parsers import default_parsers
-from kvswitch.epp.request import EndpointPicker, RequestOutcome
+from kvswitch.epp.request import EndpointPicker, InferenceRequest, RequestOutcome
 from kvswitch.epp.server import EppServer
-from kvswitch.protocol.headers import ACCESS_LOGGED, USAGE_TRAILER
+from kvswitch.protocol.headers import ACCESS_LOGGED, GATEWAY_METADATA_NAMESPACE, USAGE_TRAILER
 from tests.epp.test_cancellation import NoBackground
+from tests.epp.test_extproc import GENERATE, body, grpc_headers, make_stream, route_generate
 from tests.epp.test_router import make_router, prompt, request
 
 
@@ -75,12 +77,27 @@ def test_garbage_does_not_parse() -> None:
         ended_requests(b"\xff\xff\xff")
 
 
+# -- the mark ----------------------------------------------------------------------------------
+
+
+def test_only_the_gateways_metadata_marks_a_request_as_logged() -> None:
+    marked = Metadata()
+    marked.filter_metadata[GATEWAY_METADATA_NAMESPACE].update({ACCESS_LOGGED: True})
+    stream = make_stream()
+    assert stream.receive(grpc_headers(metadata=marked)) == []
+    [need] = stream.receive(body(GENERATE, eos=True))
+    assert need.request.access_logged
+    # A client can send any header, but not Envoy's dynamic metadata.
+    stream = make_stream()
+    need = route_generate(stream, ("x-kvswitch-access-logged", "1"), (ACCESS_LOGGED, "true"))
+    assert not need.request.access_logged
+
+
 # -- the router --------------------------------------------------------------------------------
 
 
-def logged_request(seed: int):  # type: ignore[no-untyped-def]
-    req = request(prompt(seed, 64))
-    return dataclasses.replace(req, headers={ACCESS_LOGGED: "1"})
+def logged_request(seed: int) -> InferenceRequest:
+    return dataclasses.replace(request(prompt(seed, 64)), access_logged=True)
 
 
 def closed_early(where: str) -> RequestOutcome:
