@@ -3,8 +3,10 @@
 Starts, all on 127.0.0.1: N simulated engines, the EPP, the OpenAI frontend(s) and Envoy on the
 public `--port` (gRPC and HTTP on the same port), waits until each is ready, prints how to call
 it, and supervises. Policy when a child exits on its own: an engine is restarted on the same port
-(up to 5 times; the EPP routes around it meanwhile); Envoy, the EPP or a frontend exiting stops
-everything and `up` exits 1. Ctrl-C / SIGTERM stops every child by PID (engines get SIGTERM and
+(up to 5 times; the EPP routes around it meanwhile), and so is the EPP (responses in flight do
+not depend on it once routed; new requests get UNAVAILABLE until it is back); Envoy or a
+frontend exiting, or an engine or the EPP exiting a sixth time, stops everything and `up` exits
+1. Ctrl-C / SIGTERM stops every child by PID (engines get SIGTERM and
 their grace period) and exits 0.
 
 `launch_gateway(supervisor, GatewaySpec(...), state_dir)` and its building blocks
@@ -154,12 +156,14 @@ def epp_pool_ready(metrics_port: int, want: int) -> Callable[[], bool]:
 
 
 def epp_spec(config: Path, pool: Path, port: int, metrics_port: int,
-             extra: Sequence[str] = (), *, want_ready: int = 0) -> ChildSpec:
+             extra: Sequence[str] = (), *, want_ready: int = 0,
+             restart: bool = False) -> ChildSpec:
     """The EPP; ready once ext_proc listens and `want_ready` endpoints are schedulable."""
     argv = kvswitch_argv("epp", "--config", str(config), "--pool", str(pool),
                          "--port", str(port), "--metrics-port", str(metrics_port), *extra)
     listening, pool_ready = port_open(port), epp_pool_ready(metrics_port, want_ready)
-    return ChildSpec("epp", argv, ready=lambda: listening() and pool_ready(), stop_timeout=10.0)
+    return ChildSpec("epp", argv, ready=lambda: listening() and pool_ready(), stop_timeout=10.0,
+                     restart=restart)
 
 
 def envoy_spec(config: Path, admin_port: int, *, concurrency: int = 1,
@@ -256,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         grace_period=args.grace_period, epp_config=args.epp_config,
         frontend_workers=args.frontend_workers if with_frontend else 0,
         envoy_concurrency=args.envoy_concurrency, routing=args.routing, restart_engines=True,
+        restart_epp=True,
     )
     stop_requested: list[int] = []
 
@@ -302,6 +307,7 @@ class GatewaySpec:
     envoy_concurrency: int = 1
     routing: str = "override-host"
     restart_engines: bool = False
+    restart_epp: bool = False
 
 
 @dataclass(frozen=True)
@@ -340,7 +346,8 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
                for i, port in enumerate(ports.engines)]
     logger.info("starting %d engines and the EPP (logs in %s)", len(engines), state_dir)
     supervisor.start_all([*engines, epp_spec(epp_config, pool, ports.epp, ports.epp_metrics,
-                                             spec.epp_args, want_ready=len(engines))])
+                                             spec.epp_args, want_ready=len(engines),
+                                             restart=spec.restart_epp)])
     if stop_requested:
         return gateway
     envoy_config = state_dir / "envoy.yaml"

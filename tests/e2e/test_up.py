@@ -1,4 +1,5 @@
-"""`kvswitch up`: starts the whole gateway, answers gRPC on --port, leaves nothing behind."""
+"""`kvswitch up`: starts the whole gateway, answers gRPC on --port, outlives an EPP crash,
+leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -65,6 +66,30 @@ def test_up_serves_grpc_and_stops_every_child(tmp_path: Path) -> None:
                 "messages": [{"role": "user", "content": "Hello"}]})
             assert reply.status_code == 200, reply.text
             assert reply.json()["usage"]["completion_tokens"] == 3
+        # The EPP is started again when it dies; meanwhile requests fail closed (UNAVAILABLE).
+        match = re.search(r"started epp \(pid (\d+)\)", text)
+        assert match is not None, text
+        os.kill(int(match.group(1)), signal.SIGKILL)
+        restarted = None
+        for _ in range(300):  # bounded: 300 x 0.1 s
+            restarted = re.search(r"epp \(pid \d+\) exited with -?\d+; restarted as pid (\d+)",
+                                  log.read_text())
+            if restarted or up.poll() is not None:
+                break
+            waited.wait(0.1)
+        assert restarted is not None, log.read_text()
+        children.append(int(restarted.group(1)))
+        served = None
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for _ in range(150):  # bounded: 150 x 0.2 s
+                try:
+                    served = generate(rpc.VllmEngineStub(channel), prompt(2), max_tokens=4)
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                    waited.wait(0.2)
+        assert served is not None and served.completion_tokens == 4
+        assert up.poll() is None  # still up
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
         assert [pid for pid in children if _alive(pid)] == []
