@@ -15,7 +15,9 @@ Three figures, each CPU seconds per request (not wall time):
 - `grpc_floor`: the same child and load with a servicer that only answers constants -- what
   grpc.aio itself costs for one ext_proc stream (4 messages in, 5 out), the floor under `server`.
 With `--skip-response-headers` the driver sends what Envoy sends for a gRPC pool with
-response_header_mode SKIP (kvswitch's bootstrap): no response headers, 3 messages in, 4 out.
+response_header_mode SKIP: no response headers, 3 messages in, 4 out. (kvswitch's own bootstrap
+now skips the response trailers too and learns a request's end from Envoy's access log, so its
+streams are shorter still; these figures keep the trailers exchange other gateways use.)
 
 Server figures are taken over `--rounds` interleaved rounds (h2, grpcio, floor, h2, ...) and
 reported as medians, the in-process ones as the best of `--repeat` runs, since the machine is
