@@ -3,8 +3,8 @@ holding such a request in flight until its entry comes, and the EPP's StreamAcce
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import time
 
 import grpc
 import pytest
@@ -167,7 +167,7 @@ async def test_waiting_ends_with_the_last_log_stream_or_after_the_wait_limit() -
     assert sum(router.in_flight().values()) == 3
     router.stop_waiting(older_than=3600.0)  # (what the gauge loop does): none is that old
     assert sum(router.in_flight().values()) == 3
-    time.sleep(0.002)
+    await asyncio.sleep(0.002)
     router.stop_waiting(older_than=0.001)  # all are older than that: a lost entry's bound
     assert sum(router.in_flight().values()) == 0
     req = logged_request(20)
