@@ -6,10 +6,10 @@ Three shapes, all from `GatewayOptions`:
   `set_metadata` (mark the request as logged to the EPP) → `ext_proc` (the EPP: request headers
   + full-duplex request body in, the mark with them; for HTTP pools the response headers and
   trailers too, never the response body) → `router` to the pool cluster. The access log of
-  marked requests streams to the EPP
-  (`http_grpc`, flushed every 50 ms): it tells the EPP how each request ended, so for gRPC pools
-  the ext_proc stream closes once the request is routed (response trailers SKIP) and neither the
-  response's end nor an EPP restart depends on it (kvswitch.epp.access_log).
+  marked requests streams to the EPP (`http_grpc`, flushed every 50 ms): it tells the EPP how
+  each request ended, so for gRPC pools the ext_proc stream closes once the request is routed
+  (response trailers SKIP) and neither the response's end nor an EPP restart depends on it
+  (kvswitch.epp.access_log).
 * **with a frontend**: HTTP OpenAI paths (`/v1/*`, `/health`) go to a STATIC cluster of frontend
   processes with ext_proc disabled on that route; the frontend calls back into this same listener
   over gRPC with tokenized input, and that call goes through the EPP.
@@ -261,9 +261,9 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
                 # so nothing extra reaches the EPP in practice.
                 "request_trailer_mode": "SEND",
                 # gRPC pools: the access log brings status, usage and the end, so no response
-                # message at all: the ext_proc stream closes once the request is routed (a tenth
-                # of the EPP's CPU per streamed request; an EPP restart leaves responses in
-                # flight alone). HTTP pools: the status, from the response headers.
+                # message at all: the ext_proc stream closes once the request is routed (~7 %
+                # less EPP CPU per streamed request; an EPP restart leaves responses in flight
+                # alone). HTTP pools: the status, from the response headers.
                 "response_header_mode": "SKIP" if grpc_pool else "SEND",
                 "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP" if grpc_pool else "SEND",

@@ -10,9 +10,10 @@ routed, so:
   request). The router keeps the request's in-flight count until then.
 
 `ended_requests(message)` reads one `StreamAccessLogsMessage` into `LoggedEnd`s, which the
-router (an `AccessLogSink`) turns into outcomes. The entry's `x-request-id` is the id the EPP saw in the request's headers (Envoy generates one
-when the client sends none). Intermediate entries (Envoy's periodic logs of long streams) are
-skipped: only a stream's final entry says how it ended.
+router (an `AccessLogSink`) turns into outcomes. An entry's `x-request-id` is the id the EPP saw
+in the request's headers (Envoy generates one when the client sends none). Intermediate entries
+(Envoy's periodic logs of long streams) are skipped: only a stream's final entry says how it
+ended.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def ended_requests(message: bytes) -> list[LoggedEnd]:
         out.append(LoggedEnd(
             request_id,
             int(code) if code and code.isdigit() else None,
-            response.response_code.value or None if response.HasField("response_code") else None,
+            (response.response_code.value or None) if response.HasField("response_code") else None,
             parse_usage(usage) if usage else _NO_USAGE,
             common.duration.ToNanoseconds() / 1e9 if common.HasField("duration") else None,
         ))
