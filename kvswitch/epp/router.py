@@ -241,6 +241,11 @@ class EppRouter:
             duration=end.duration,
         )
 
+    @property
+    def access_log_streams(self) -> int:
+        """The gateways' access-log streams open to this EPP."""
+        return self._access_log_streams
+
     def access_log_opened(self) -> None:
         self._access_log_streams += 1
 

@@ -442,8 +442,7 @@ class EppServer:
                 HEALTH_WATCH_PATH: lambda call: _HealthWatchCall(self._health, self._watches, call),
             }
             if sink is not None:
-                handlers[access_log.SERVICE_PATH] = (
-                    lambda call: _AccessLogCall(sink, self._access_logs, call))
+                handlers[access_log.SERVICE_PATH] = lambda call: self._access_log(sink, call)
             self._h2 = H2GrpcServer(handlers, host=host, port=port, max_message_bytes=limit)
         else:
             self._grpc, self._grpc_health = _grpcio_server(picker, limit), health_aio.HealthServicer()
@@ -451,6 +450,12 @@ class EppServer:
             if sink is not None:
                 _AccessLogServicer(sink).add_to_server(self._grpc)
         self._started = False
+
+    def _access_log(self, sink: AccessLogSink, call: Call) -> _AccessLogCall:
+        handler = _AccessLogCall(sink, self._access_logs, call)
+        if self._shutting_down:  # a draining EPP takes no new log stream: it would hold the drain
+            handler.end()
+        return handler
 
     def health_status(self, service: str) -> int | None:
         """The `grpc.health.v1` status served for `service` (None: unknown service)."""

@@ -218,3 +218,30 @@ async def test_the_epp_serves_stream_access_logs(transport: str) -> None:
         assert router.metrics.finished.value("", "", "default-flow", where, "true", "OK") == 1
     finally:
         await server.stop(0.5)
+
+
+async def test_a_stopping_epp_ends_the_gateways_log_stream_instead_of_waiting_for_it() -> None:
+    router = make_router()
+    picker = EndpointPicker(default_parsers(), QuietRouter(router))  # type: ignore[arg-type]
+    server = EppServer(picker, port=0)
+    port = await server.start()
+    release = asyncio.Event()
+
+    async def messages():  # type: ignore[no-untyped-def]
+        yield message(entry("nobody", trailers={"grpc-status": "0"}))
+        await release.wait()  # Envoy keeps its log stream open
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_unary(access_log.SERVICE_PATH)(messages(), timeout=10)
+            for _ in range(200):  # bounded: until the stream is open on the server
+                if router.access_log_streams:
+                    break
+                await asyncio.sleep(0.01)
+            started = asyncio.get_running_loop().time()
+            await server.stop(grace=5.0)
+            assert asyncio.get_running_loop().time() - started < 2.0  # not the grace period
+            assert await call == b""
+            assert router.access_log_streams == 0
+    finally:
+        release.set()
