@@ -175,12 +175,21 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
 
 
 def _epp_access_log() -> dict[str, Any]:
-    """The entries of requests routed by the EPP (marked by `set_metadata`), to the EPP."""
+    """The entries of requests the EPP routed, to the EPP: marked by `set_metadata`, and given a
+    destination by the EPP (`envoy.lb` metadata). Requests it answered itself (shed, nothing
+    ready, bad input) are left out: it has nothing waiting for them, and under overload they
+    would be most of the entries."""
     marked = {"filter": GATEWAY_METADATA_NAMESPACE, "path": [{"key": ACCESS_LOGGED}],
               "value": {"bool_match": True}}
+    routed = {"filter": DESTINATION_METADATA_NAMESPACE, "path": [{"key": DESTINATION_ENDPOINT}],
+              "value": {"present_match": True}}
     return {
         "name": "envoy.access_loggers.http_grpc",
-        "filter": {"metadata_filter": {"matcher": marked}},
+        # (A metadata filter logs requests without the key unless told not to.)
+        "filter": {"and_filter": {"filters": [
+            {"metadata_filter": {"matcher": marked, "match_if_key_not_found": False}},
+            {"metadata_filter": {"matcher": routed, "match_if_key_not_found": False}},
+        ]}},
         "typed_config": {
             "@type": _GRPC_LOG,
             "common_config": {

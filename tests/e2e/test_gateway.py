@@ -200,3 +200,29 @@ def test_usage_status_and_duration_are_recorded_per_tenant(gateway: Gateway) -> 
     assert _epp_samples(gateway, "kvswitch_epp_completion_tokens_total", **labels) == [
         complete.completion_tokens]
     assert _epp_samples(gateway, "kvswitch_epp_request_duration_seconds_count", **labels) == [1.0]
+
+
+def _logs_written(gateway: Gateway) -> int:
+    """Access-log entries Envoy has sent towards the EPP (its gRPC access logger's counter)."""
+    url = f"http://127.0.0.1:{gateway.launched.ports.admin}/stats?filter=logs_written"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            name, _, value = line.partition(": ")
+            if name == "access_logs.grpc_access_log.logs_written":
+                return int(value)
+    return 0
+
+
+def test_only_requests_the_epp_routed_are_logged_to_it(gateway: Gateway) -> None:
+    before = _logs_written(gateway)
+    for seed in (40, 41):  # answered by the EPP itself: nothing waits for their entries
+        with pytest.raises(grpc.RpcError):
+            generate(gateway.stub, prompt(seed),
+                     metadata=[("x-gateway-destination-endpoint-subset", "127.0.0.1:1")])
+    assert _logs_written(gateway) == before
+    generate(gateway.stub, prompt(42))  # routed: its entry tells the EPP how it ended
+    deadline = time.monotonic() + 10
+    while _logs_written(gateway) == before:
+        assert time.monotonic() < deadline, "the routed request was never logged"
+        time.sleep(0.05)
+    assert _logs_written(gateway) == before + 1
