@@ -6,14 +6,17 @@ Everything is started through `kvswitch.supervisor` / `kvswitch.up.launch_gatewa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
@@ -59,17 +62,33 @@ def start_gateway(tmp: Path, **spec: object) -> tuple[Gateway, Supervisor]:
     return Gateway(launched, supervisor, channel), supervisor
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    """Four tiny echo engines on a fast clock, behind the EPP and Envoy."""
-    gw, supervisor = start_gateway(tmp_path_factory.mktemp("gateway"), replicas=4,
-                                   profile="tiny", time_scale=100.0, mode="echo",
-                                   grace_period=1.0)
+@contextlib.contextmanager
+def running_gateway(tmp: Path, **spec: object) -> Iterator[Gateway]:
+    """`start_gateway`, then every process it started stopped (by PID) however the block ends."""
+    gw, supervisor = start_gateway(tmp, **spec)
     try:
         yield gw
     finally:
         gw.channel.close()
         supervisor.stop_all()
+
+
+def epp_samples(gateway: Gateway, name: str, **labels: str) -> list[float]:
+    """The values of the EPP's Prometheus samples `name` whose labels include `labels`."""
+    url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return [sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """Four tiny echo engines on a fast clock, behind the EPP and Envoy."""
+    with running_gateway(tmp_path_factory.mktemp("gateway"), replicas=4, profile="tiny",
+                         time_scale=100.0, mode="echo", grace_period=1.0) as gw:
+        yield gw
 
 
 def prompt(seed: int, blocks: int = 4) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -14,11 +13,12 @@ from kvswitch.up import DEFAULT_EPP_CONFIG
 from tests.e2e.conftest import (
     CALL_TIMEOUT,
     Gateway,
+    epp_samples,
     generate,
     generate_request,
     kill,
     prompt,
-    start_gateway,
+    running_gateway,
 )
 from tests.support.processes import free_port
 
@@ -27,22 +27,17 @@ from tests.support.processes import free_port
 def real_time_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """Three tiny engines on a real-time clock, so a long stream is still running when its
     replica is killed (~1 ms per decode step)."""
-    gw, supervisor = start_gateway(tmp_path_factory.mktemp("kill"), replicas=3, profile="tiny",
-                                   time_scale=1.0, mode="echo", grace_period=1.0)
-    try:
+    with running_gateway(tmp_path_factory.mktemp("kill"), replicas=3, profile="tiny",
+                         time_scale=1.0, mode="echo", grace_period=1.0) as gw:
         yield gw
-    finally:
-        gw.channel.close()
-        supervisor.stop_all()
 
 
-def _endpoint_ready(gw: Gateway, address: str) -> float | None:
-    url = f"http://127.0.0.1:{gw.launched.ports.epp_metrics}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("kvswitch_epp_endpoint_ready{") and f'"{address}"' in line:
-                return float(line.split()[-1])
-    return None
+def _endpoint_ready(gw: Gateway, address: str) -> list[float]:
+    return epp_samples(gw, "kvswitch_epp_endpoint_ready", endpoint=address)
+
+
+def _in_flight(gw: Gateway, address: str) -> list[float]:
+    return epp_samples(gw, "kvswitch_epp_endpoint_in_flight_requests", endpoint=address)
 
 
 def test_killed_replica_ends_its_streams_and_gets_no_more_work(real_time_gateway: Gateway) -> None:
@@ -65,20 +60,10 @@ def test_killed_replica_ends_its_streams_and_gets_no_more_work(real_time_gateway
         assert generate(gw.stub, prompt(seed), max_tokens=4).completion_tokens == 4
     stopped = threading.Event()
     for _ in range(100):  # bounded: 100 x 0.05 s
-        if _endpoint_ready(gw, victim) == 0.0:
+        if _endpoint_ready(gw, victim) == [0.0]:
             break
         stopped.wait(0.05)
-    assert _endpoint_ready(gw, victim) == 0.0
-
-
-def _in_flight(gw: Gateway, address: str) -> float | None:
-    url = f"http://127.0.0.1:{gw.launched.ports.epp_metrics}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if (line.startswith("kvswitch_epp_endpoint_in_flight_requests{")
-                    and f'"{address}"' in line):
-                return float(line.split()[-1])
-    return None
+    assert _endpoint_ready(gw, victim) == [0.0]
 
 
 def test_a_stream_counts_in_flight_until_its_response_ends(real_time_gateway: Gateway) -> None:
@@ -90,28 +75,23 @@ def test_a_stream_counts_in_flight_until_its_response_ends(real_time_gateway: Ga
     stream = gw.stub.Generate(generate_request(prompt(2), max_tokens=900, stream=True),
                               metadata=[(DESTINATION_SUBSET, replica)], timeout=CALL_TIMEOUT)
     assert next(stream).HasField("chunk")
-    assert _in_flight(gw, replica) == 1.0  # mid-stream
+    assert _in_flight(gw, replica) == [1.0]  # mid-stream
     responses = list(stream)
     assert responses[-1].complete.finish_reason == "length"
     stopped = threading.Event()
     for _ in range(100):  # bounded: 100 x 0.05 s (the log is flushed every 50 ms)
-        if _in_flight(gw, replica) == 0.0:
+        if _in_flight(gw, replica) == [0.0]:
             break
         stopped.wait(0.05)
-    assert _in_flight(gw, replica) == 0.0
+    assert _in_flight(gw, replica) == [0.0]
 
 
 @pytest.fixture
 def doomed_epp_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A real-time gateway whose EPP the test kills."""
-    gw, supervisor = start_gateway(tmp_path_factory.mktemp("epp-kill"), replicas=2,
-                                   profile="tiny", time_scale=1.0, mode="echo",
-                                   grace_period=1.0)
-    try:
+    with running_gateway(tmp_path_factory.mktemp("epp-kill"), replicas=2, profile="tiny",
+                         time_scale=1.0, mode="echo", grace_period=1.0) as gw:
         yield gw
-    finally:
-        gw.channel.close()
-        supervisor.stop_all()
 
 
 def test_streams_in_flight_outlive_the_epp(doomed_epp_gateway: Gateway) -> None:
@@ -134,13 +114,9 @@ def test_streams_in_flight_outlive_the_epp(doomed_epp_gateway: Gateway) -> None:
 def dead_pool_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A pool whose every replica is down (nothing listens on its ports)."""
     dead = (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
-    gw, supervisor = start_gateway(tmp_path_factory.mktemp("dead"), replicas=0,
-                                   extra_endpoints=dead)
-    try:
+    with running_gateway(tmp_path_factory.mktemp("dead"), replicas=0,
+                         extra_endpoints=dead) as gw:
         yield gw
-    finally:
-        gw.channel.close()
-        supervisor.stop_all()
 
 
 def test_no_ready_endpoint_is_unavailable_with_a_reason(dead_pool_gateway: Gateway) -> None:
@@ -164,14 +140,10 @@ def saturating_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
     objective = {"apiVersion": "inference.networking.x-k8s.io/v1alpha2",
                  "kind": "InferenceObjective", "metadata": {"name": SHEDDABLE},
                  "spec": {"priority": -1}}
-    gw, supervisor = start_gateway(tmp_path_factory.mktemp("shed"), replicas=1, profile="tiny",
-                                   time_scale=1.0, mode="echo", grace_period=1.0,
-                                   epp_config=[config, objective])
-    try:
+    with running_gateway(tmp_path_factory.mktemp("shed"), replicas=1, profile="tiny",
+                         time_scale=1.0, mode="echo", grace_period=1.0,
+                         epp_config=[config, objective]) as gw:
         yield gw
-    finally:
-        gw.channel.close()
-        supervisor.stop_all()
 
 
 def test_sheddable_request_is_shed_under_saturation(saturating_gateway: Gateway) -> None:

@@ -9,7 +9,6 @@ import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import FAIRNESS_ID, OBJECTIVE
@@ -18,6 +17,7 @@ from tests.e2e.conftest import (
     CALL_TIMEOUT,
     Gateway,
     cached_on,
+    epp_samples,
     generate,
     generate_request,
     prompt,
@@ -175,15 +175,6 @@ def test_well_formed_frame_over_http1_is_served(gateway: Gateway) -> None:
     assert reply.complete.completion_tokens == 2
 
 
-def _epp_samples(gateway: Gateway, name: str, **labels: str) -> list[float]:
-    url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return [sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()]
-
-
 def test_usage_status_and_duration_are_recorded_per_tenant(gateway: Gateway) -> None:
     tenant = [(FAIRNESS_ID, "tenant-usage"), (OBJECTIVE, "e2e-objective")]
     ids = prompt(30)
@@ -191,15 +182,15 @@ def test_usage_status_and_duration_are_recorded_per_tenant(gateway: Gateway) -> 
     labels = {"fairness_id": "tenant-usage", "objective": "e2e-objective"}
     # The EPP records at the response trailers, which may reach it just after the client.
     deadline = time.monotonic() + 10
-    while not _epp_samples(gateway, "kvswitch_epp_requests_finished_total", **labels):
+    while not epp_samples(gateway, "kvswitch_epp_requests_finished_total", **labels):
         assert time.monotonic() < deadline, "the finished request was never recorded"
         time.sleep(0.05)
-    assert _epp_samples(gateway, "kvswitch_epp_requests_finished_total", ok="true",
+    assert epp_samples(gateway, "kvswitch_epp_requests_finished_total", ok="true",
                         status="OK", **labels) == [1.0]
-    assert _epp_samples(gateway, "kvswitch_epp_prompt_tokens_total", **labels) == [len(ids)]
-    assert _epp_samples(gateway, "kvswitch_epp_completion_tokens_total", **labels) == [
+    assert epp_samples(gateway, "kvswitch_epp_prompt_tokens_total", **labels) == [len(ids)]
+    assert epp_samples(gateway, "kvswitch_epp_completion_tokens_total", **labels) == [
         complete.completion_tokens]
-    assert _epp_samples(gateway, "kvswitch_epp_request_duration_seconds_count", **labels) == [1.0]
+    assert epp_samples(gateway, "kvswitch_epp_request_duration_seconds_count", **labels) == [1.0]
 
 
 def _logs_written(gateway: Gateway) -> int:

@@ -22,7 +22,7 @@ from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from kvswitch.tokenization import load_tokenizer
 from kvswitch.tokenization.chat_template import ChatTemplate
-from tests.e2e.conftest import Gateway, start_gateway
+from tests.e2e.conftest import Gateway, running_gateway
 from tests.support.processes import free_port, kvswitch_argv, running
 
 BUNDLE = load_tokenizer(None)
@@ -35,14 +35,10 @@ TEXT = "Grüße aus Köln 你好世界 😀👍 and some plain ASCII to finish."
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """Two tiny echo engines (≈ 0.5 ms a token, so long streams last), EPP, Envoy, a frontend."""
-    gw, supervisor = start_gateway(tmp_path_factory.mktemp("openai-gateway"), replicas=2,
-                                   profile="tiny", time_scale=2.0, mode="echo",
-                                   grace_period=1.0, frontend_workers=1)
-    try:
+    with running_gateway(tmp_path_factory.mktemp("openai-gateway"), replicas=2, profile="tiny",
+                         time_scale=2.0, mode="echo", grace_period=1.0,
+                         frontend_workers=1) as gw:
         yield gw
-    finally:
-        gw.channel.close()
-        supervisor.stop_all()
 
 
 @pytest.fixture(scope="module")
