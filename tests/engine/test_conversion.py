@@ -155,3 +155,20 @@ def test_kv_batches_group_chained_blocks_and_wrap_hashes() -> None:
     assert [b.block_hash for b in events[1].stored.blocks] == [-5, 7]
     assert not events[1].stored.HasField("parent_block_hash")
     assert events[2].stored.parent_block_hash == 3 and to_int64(big) == -5
+
+
+def test_kv_batches_keep_each_chain_in_one_event_across_interleaved_steps() -> None:
+    # Two requests decoding in the same coalesced batch: their blocks arrive interleaved, one
+    # per step. Each chain is one event; a block whose parent is inside a chain (a shared
+    # prefix) starts its own event, after the event that holds its parent.
+    stored = (KvBlockStored(1, None, (0, 0)), KvBlockStored(2, 1, (0, 1)),   # A: prompt
+              KvBlockStored(10, 1, (5, 5)),                                 # B: forks after 1
+              KvBlockStored(3, 2, (0, 2)), KvBlockStored(11, 10, (5, 6)),   # decode steps
+              KvBlockStored(4, 3, (0, 3)), KvBlockStored(12, 11, (5, 7)),
+              KvBlockStored(20, 99, (7, 7)))                                # C: parent unseen
+    events = batch_events(KvEventBatchData(1, 0.0, stored=stored), 2, first_event_id=1)
+    chains = [([b.block_hash for b in e.stored.blocks],
+               e.stored.parent_block_hash if e.stored.HasField("parent_block_hash") else None)
+              for e in events]
+    assert chains == [([1, 2, 3, 4], None), ([10, 11, 12], 1), ([20], 99)]
+    assert [e.event_id for e in events] == [1, 2, 3]
