@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        dest="kv_events_coalesce", default=None, metavar="MS",
                        help="publish KV events (SubscribeKvEvents) at most once per MS wall "
                             "milliseconds, merging steps in order (default 50; 0: every step); "
-                            "a cache clear or a large load change goes out at once")
+                            "a cache clear goes out at once")
     faults = parser.add_argument_group("failure injection")
     faults.add_argument("--failure-rate", type=float, default=None, metavar="F",
                         help="fraction of requests that fail (0-1)")

@@ -21,20 +21,27 @@ once per scheduler step (~10-30 ms), and every batch costs each subscriber (the 
 to decode and apply. A call made at least `coalesce_seconds` (by its timestamp) after the
 previous batch is published at once (a quiet engine's news are not delayed); later calls inside
 that window are merged, in order, into one pending batch that a timer publishes when the window
-ends, with the latest load. Published at once all the same: a clear (it drops the pending
-events it supersedes) and an engine that went idle (`went_idle`: nothing more is coming, so
-nothing is held back). Numbering stays contiguous (a merged batch takes one number), so replay
-is unchanged.
+ends, with the latest load. A clear is published at once all the same (it drops the pending
+events it supersedes). Numbering stays contiguous (a merged batch takes one number), so replay
+is unchanged. So a subscriber gets at most one batch per window from each engine, however the
+engine's load moves.
 
 Load moves inside a window wait for it, like block events: the load the EPP scores with is then
 at most 50 ms old, which is what upstream's EPP gets from its default 50 ms metrics refresh, and
-the EPP's speculative index entries cover the requests it routed meanwhile. Publishing every
-large load move at once (the earlier rule: running or waiting moved by max(2, a quarter), or KV
-usage by 5%) sent about one batch per request under load (~115/s per engine at 125 req/s) and
-cost the EPP ~0.03-0.06 ms CPU per streamed request in the gateway benchmark (three
-alternating runs each: 0.384-0.452 against 0.355-0.362 ms), and bought no routing quality: on
-the 8-replica 150x5 shared-prefix ladder (docs/benchmarks/, 6 -> 30 QPS) TTFT p90, output tok/s
-and cache hit stayed within 3% of the published run at every step.
+the EPP's speculative index entries cover the requests it routed meanwhile. Two earlier rules
+published sooner and bought no routing quality:
+- every large load move at once (running or waiting moved by max(2, a quarter), or KV usage by
+  5%): about one batch per request under load (~115/s per engine at 125 req/s), ~0.03-0.06 ms
+  EPP CPU per streamed request in the gateway benchmark (three alternating runs each:
+  0.384-0.452 against 0.355-0.362 ms); on the 8-replica 150x5 shared-prefix ladder
+  (docs/benchmarks/, 6 -> 30 QPS) TTFT p90, output tok/s and cache hit stayed within 3% of the
+  published run at every step without it;
+- an engine that went idle (nothing running or waiting) at once: an engine with a few requests
+  in flight empties between them, so under the gateway benchmark's load it still sent ~57
+  batches/s instead of 20, and the EPP used ~6% more CPU per streamed request (three
+  alternating runs each: 0.224-0.231 against 0.201-0.216 ms). Without it the ladder's TTFT p90,
+  output tok/s and cache hit stayed within 2% of the published run at every step
+  (benchmarks/results/ladder_kv_no_idle_flush.json).
 """
 
 from __future__ import annotations
@@ -46,14 +53,9 @@ from collections.abc import AsyncIterator, Sequence
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvBlockStored, KvEventBatchData
 
-__all__ = ["COALESCE_SECONDS", "MAX_EVENTS", "KvEventLog", "net_events", "went_idle"]
+__all__ = ["COALESCE_SECONDS", "MAX_EVENTS", "KvEventLog", "net_events"]
 
 COALESCE_SECONDS = 0.05
-
-
-def went_idle(load: EngineLoadSnapshot | None) -> bool:
-    """The engine has nothing running or waiting: publish at once, nothing more is coming."""
-    return load is not None and load.running == 0 and load.waiting == 0
 
 
 def net_events(
@@ -114,7 +116,7 @@ class KvEventLog:
         if load is not None:
             self._load = load
         due = self._published_at + self.coalesce_seconds
-        if cleared or timestamp >= due or went_idle(load):
+        if cleared or timestamp >= due:
             return self._flush(timestamp)
         if self._timer is None:
             try:

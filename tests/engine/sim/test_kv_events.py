@@ -6,7 +6,7 @@ import asyncio
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 from kvswitch.engine.sim import SimEngine
-from kvswitch.engine.sim.events import KvEventLog, net_events, went_idle
+from kvswitch.engine.sim.events import KvEventLog, net_events
 from kvswitch.engine.sim.kv_cache import KvBlockStored
 
 from .conftest import collect, make_engine, request
@@ -19,7 +19,9 @@ def held(engine: SimEngine) -> list[KvEventBatchData]:
 
 
 async def drain(engine: SimEngine, start: int = 0) -> list[KvEventBatchData]:
-    """The batches held from `start` without waiting for live ones."""
+    """The batches held from `start`, once the pending window is out, without waiting for live
+    ones."""
+    await asyncio.sleep(engine._events.coalesce_seconds + 0.01)
     out = []
     it = engine.kv_events(start)
     while True:
@@ -157,21 +159,17 @@ def snapshot(running: int, waiting: int, used: int = 0) -> EngineLoadSnapshot:
     return EngineLoadSnapshot(running, waiting, 0, used, 100, 16, 256, 0.0, 0.0)
 
 
-def test_went_idle_means_nothing_running_or_waiting() -> None:
-    assert went_idle(snapshot(0, 0))
-    assert not went_idle(snapshot(1, 0))
-    assert not went_idle(snapshot(0, 1))
-    assert not went_idle(None)
-
-
-async def test_load_moves_wait_for_the_window_and_idle_goes_at_once() -> None:
-    log = KvEventLog(coalesce_seconds=10.0)
+async def test_load_moves_and_going_idle_wait_for_the_window() -> None:
+    log = KvEventLog(coalesce_seconds=0.05)
     log.publish(100.0, load=snapshot(16, 0))
     assert log.publish(100.01, load=snapshot(15, 1)) is None
     assert log.publish(100.02, load=snapshot(16, 12)) is None  # a queue builds up: it waits
-    idle = log.publish(100.03, load=snapshot(0, 0))  # idle: nothing held back
-    assert idle is not None and idle.load == snapshot(0, 0)
+    assert log.publish(100.03, load=snapshot(0, 0)) is None  # idle: it waits too
+    assert [b.sequence_number for b in log.history] == [0]
+    await asyncio.sleep(0.1)  # the window's timer publishes the latest load
     assert [b.sequence_number for b in log.history] == [0, 1]
+    assert log.history[-1].load == snapshot(0, 0)
+    assert log.publish(100.2, load=snapshot(1, 0)) is not None  # a new window opens at once
 
 
 def test_the_engine_flag_sets_the_coalescing_window() -> None:
