@@ -31,18 +31,20 @@ import json
 import random
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvswitch.engine.kv_events import load_record, to_int64
 from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.datalayer import Metrics
-from kvswitch.epp.kvindex import BlocksStored, PrefixIndex, batch_from_proto
+from kvswitch.epp.kvindex import BlocksStored, KvEventBatchView, PrefixIndex, batch_from_proto
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.router import EppRouter
 from kvswitch.protocol import common_pb2
+from kvswitch.protocol.packed import PackedTokenIds, pack_token_ids
 from kvswitch.up import DEFAULT_EPP_CONFIG
 
 PATH = "/vllm.grpc.engine.VllmEngine/Generate"
@@ -68,14 +70,14 @@ def make_router(endpoints: int, rnd: random.Random) -> EppRouter:
     return router
 
 
-def report_stored(index: PrefixIndex, address: str, tokens: tuple[int, ...]) -> None:
+def report_stored(index: PrefixIndex, address: str, tokens: Sequence[int]) -> None:
     """What the engine at `address` would report after the prefill: the prompt's full blocks
     it did not hold yet (its own hash stands in for the engine's block hash)."""
     size = index.block_size
     hashes = index.block_hashes(tokens)
     first = next((i for i, h in enumerate(hashes) if not index.holds_really(address, h)),
                  len(hashes))
-    blocks = tuple((hashes[i], tokens[i * size:(i + 1) * size])
+    blocks = tuple((hashes[i], pack_token_ids(tokens[i * size:(i + 1) * size]))
                    for i in range(first, len(hashes)))
     if blocks:
         index.apply(address, [BlocksStored(blocks, hashes[first - 1] if first else None, size)])
@@ -97,8 +99,9 @@ async def routing_cost(endpoints: int, prompt_tokens: int, requests: int, warmup
     prefixes = [tuple(rnd.randrange(150_000) for _ in range(prefix)) for _ in range(32)]
     tails = [tuple(rnd.randrange(150_000) for _ in range(prompt_tokens - prefix - 1))
              for _ in range(64)]
+    # Packed, as the vllmgrpc parser hands a tokenized prompt over.
     built = [InferenceRequest(f"r{i}", "grpc", PATH, ParsedBody(
-        prompt_token_ids=rnd.choice(prefixes) + tails[i % len(tails)] + (i,)))
+        prompt_token_ids=PackedTokenIds.of(rnd.choice(prefixes) + tails[i % len(tails)] + (i,))))
         for i in range(requests + warmup)]
     # Requests finish in the order they were routed, `in_flight` later (as under load).
     in_flight: deque[tuple[InferenceRequest, RequestOutcome]] = deque()
@@ -167,7 +170,7 @@ def make_batches(count: int, requests_per_batch: int, rnd: random.Random,
 def kv_event_cost(requests_per_batch: int, batches: int, seed: int) -> dict[str, float]:
     rnd = random.Random(seed)
     wire = make_batches(batches, requests_per_batch, rnd)
-    messages = [common_pb2.KvEventBatch.FromString(w) for w in wire]  # as grpc hands them over
+    messages = [KvEventBatchView.FromString(w) for w in wire]  # as the subscriber reads them
     index = PrefixIndex(16)
     index.add_endpoint("e")
     blocks = sum(len(e.stored.blocks) + len(e.removed.block_hashes)

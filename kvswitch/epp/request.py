@@ -32,8 +32,9 @@ class ParsedBody:
 
     model: str | None = None
     """Model name (OpenAI `model`); gRPC requests carry none."""
-    prompt_token_ids: tuple[int, ...] | None = None
-    """Token ids when the request is tokenized (gRPC `tokenized`, OpenAI token prompts)."""
+    prompt_token_ids: Sequence[int] | None = None
+    """Token ids when the request is tokenized (gRPC `tokenized`, OpenAI token prompts): a
+    `PackedTokenIds` for gRPC (ints built only if read), else a tuple."""
     prompt_text: str | None = None
     """Prompt text when not tokenized (chat messages rendered or concatenated)."""
     stream: bool = False

@@ -192,7 +192,7 @@ def test_oracle_sees_prefill_end_in_kv_events_or_at_its_estimate_without_streami
     assert router.queues[engine].pending_prefill == 64 and router.queues[engine].decoding == 0
     router.choose(request(1))  # nothing stored yet: request 0 is still prefilling
     assert router.queues[engine].waiting.keys() >= {0}
-    blocks = tuple(StoredBlock(100 + i, prompt[i * 16:(i + 1) * 16]) for i in range(4))
+    blocks = tuple(StoredBlock.of(100 + i, prompt[i * 16:(i + 1) * 16]) for i in range(4))
     index.apply(engine, [BlocksStored(blocks, None, 16)])  # the engine computed the prompt
     third = router.choose(request(2))
     assert 0 not in router.queues[engine].waiting and router.queues[engine].decoding >= 1

@@ -9,6 +9,7 @@ from kvswitch.epp.kvindex import (
     BlocksStored,
     CacheCleared,
     EventBatch,
+    KvEventBatchView,
     PrefixIndex,
     SequenceTracker,
     SnapshotInfo,
@@ -20,6 +21,7 @@ from kvswitch.epp.kvindex import (
 )
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
 from kvswitch.protocol import common_pb2
+from kvswitch.protocol.packed import PackedTokenIds, pack_token_ids
 
 B = 4
 
@@ -27,7 +29,7 @@ B = 4
 def chain(tokens: list[int], start_hash: int = 1000, parent: int | None = None,
           first_block: int = 0) -> BlocksStored:
     """A stored event for the full blocks of `tokens`, engine hashes start_hash + block index."""
-    blocks = tuple(StoredBlock(start_hash + first_block + i, tuple(tokens[i * B:(i + 1) * B]))
+    blocks = tuple(StoredBlock.of(start_hash + first_block + i, tokens[i * B:(i + 1) * B])
                    for i in range(len(tokens) // B))
     return BlocksStored(blocks, parent, B)
 
@@ -48,11 +50,13 @@ def test_match_counts_leading_blocks_per_endpoint() -> None:
 
 
 def test_block_hashes_take_any_sequence_and_only_full_blocks() -> None:
+    # Each block's ids are hashed in their packed wire form, the form KV events carry them in.
     expected, parent = [], root_hash()
     for i in range(5):
-        parent = hash((parent, tuple(PROMPT[i * B:(i + 1) * B])))
+        parent = hash((parent, pack_token_ids(PROMPT[i * B:(i + 1) * B])))
         expected.append(parent)
     assert block_hashes(PROMPT + [7], B) == block_hashes(tuple(PROMPT), B) == expected
+    assert block_hashes(PackedTokenIds.of(PROMPT), B) == expected
     assert block_hashes(PROMPT[:B - 1], B) == []
     index = PrefixIndex(B)
     index.apply("a", [chain(PROMPT)])
@@ -174,7 +178,7 @@ def test_match_held_leaves_out_the_endpoints_holding_nothing() -> None:
 
 def test_block_size_mismatch_is_never_indexed() -> None:
     index = PrefixIndex(B)
-    event = BlocksStored((StoredBlock(1, tuple(PROMPT[:8])),), None, 8)
+    event = BlocksStored((StoredBlock.of(1, PROMPT[:8]),), None, 8)
     assert index.apply("a", [event]).unplaced == 1
     assert index.match(index.block_hashes(PROMPT)) == {"a": 0}
 
@@ -268,10 +272,10 @@ def test_batch_from_proto_keeps_order_and_filters_tiers() -> None:
     cpu.blocks.add(block_hash=12, token_ids=[1, 2, 3, 4], block_size=4)
     msg.load.running_requests = 3
     msg.load.waiting_uncached_tokens = 0
-    got = batch_from_proto(msg)
+    got = batch_from_proto(KvEventBatchView.FromString(msg.SerializeToString()))
     assert got.sequence_number == 7 and not got.load_only
     assert got.events == (
-        BlocksStored((StoredBlock(11, (1, 2, 3, 4)),), 5, 4),
+        BlocksStored((StoredBlock.of(11, (1, 2, 3, 4)),), 5, 4),
         BlocksRemoved((3, 4)),
         CacheCleared(),
     )
@@ -296,8 +300,8 @@ def test_batch_from_proto_keeps_only_device_local_group_0_events() -> None:
             if name != "locality":  # (KvBlocksRemoved has one too, not filtered on)
                 setattr(removed, name, value)
         removed.block_hashes.append(n)
-    events = batch_from_proto(msg).events
-    assert events[:2] == (BlocksStored(((0, (0,)),), None, 1), BlocksRemoved((0,)))
+    events = batch_from_proto(KvEventBatchView.FromString(msg.SerializeToString())).events
+    assert events[:2] == (BlocksStored(((0, b"\x00"),), None, 1), BlocksRemoved((0,)))
     assert events[2:] == (BlocksRemoved((3,)),)  # the remote-locality removal: kept as before
 
 
@@ -307,7 +311,7 @@ def test_long_prompts_many_endpoints() -> None:
     index = PrefixIndex(16)
     prompts = [[rng.randrange(150_000) for _ in range(7200)] for _ in range(16)]
     for e, prompt in enumerate(prompts):
-        blocks = tuple(StoredBlock(e * 10_000 + i, tuple(prompt[i * 16:(i + 1) * 16]))
+        blocks = tuple(StoredBlock.of(e * 10_000 + i, prompt[i * 16:(i + 1) * 16])
                        for i in range(6000 // 16))
         index.apply(f"10.0.0.{e}:8000", [BlocksStored(blocks, None, 16)])
     for i in range(16):
@@ -341,7 +345,7 @@ def test_random_events_agree_with_a_plain_model() -> None:
         if roll < 0.6:
             start, end = sorted(rnd.sample(range(7), 2))
             parent = engines[p][start - 1] if start else None
-            blocks = tuple(StoredBlock(engines[p][k], tuple(prompts[p][k * B:(k + 1) * B]))
+            blocks = tuple(StoredBlock.of(engines[p][k], prompts[p][k * B:(k + 1) * B])
                            for k in range(start, end))
             index.apply(endpoint, [BlocksStored(blocks, parent, B)])
             placed = parent is None or own_of.get(parent) is not None

@@ -11,7 +11,7 @@ from kvswitch.tokenization import load_tokenizer
 
 
 def stored(tokens: list[int]) -> BlocksStored:
-    return BlocksStored(tuple(StoredBlock(i, tuple(tokens[i * 16:(i + 1) * 16]))
+    return BlocksStored(tuple(StoredBlock.of(i, tokens[i * 16:(i + 1) * 16])
                               for i in range(len(tokens) // 16)), None, 16)
 
 

@@ -21,7 +21,7 @@ class FakeClock:
 
 
 def chain(tokens: list[int], start_hash: int = 1000) -> BlocksStored:
-    blocks = tuple(StoredBlock(start_hash + i, tuple(tokens[i * B:(i + 1) * B]))
+    blocks = tuple(StoredBlock.of(start_hash + i, tokens[i * B:(i + 1) * B])
                    for i in range(len(tokens) // B))
     return BlocksStored(blocks, None, B)
 
@@ -230,7 +230,7 @@ def test_random_speculation_and_events_agree_with_a_plain_model() -> None:
         elif roll < 0.6:
             end = rnd.randrange(1, 7)  # from the root: always placed
             index.apply(endpoint, [BlocksStored(tuple(
-                StoredBlock(engines[p][k], tuple(prompts[p][k * B:(k + 1) * B]))
+                StoredBlock.of(engines[p][k], prompts[p][k * B:(k + 1) * B])
                 for k in range(end)), None, B)])
             for k in range(end):
                 h = engines[p][k]

@@ -15,6 +15,7 @@ from kvswitch.epp.kvindex.events import (
     CacheCleared,
     EventBatch,
     KvEvent,
+    KvEventBatchView,
     LoadRecord,
     SnapshotInfo,
     StoredBlock,
@@ -26,6 +27,6 @@ from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscripti
 
 __all__ = [
     "ApplyStats", "BlocksRemoved", "BlocksStored", "CacheCleared", "EventBatch", "KvEvent",
-    "KvEventSubscriber", "KvEventSubscriptions", "LoadRecord", "PrefixIndex", "SequenceTracker",
+    "KvEventBatchView", "KvEventSubscriber", "KvEventSubscriptions", "LoadRecord", "PrefixIndex", "SequenceTracker",
     "SnapshotInfo", "StoredBlock", "Verdict", "batch_from_proto", "block_hashes", "root_hash",
 ]

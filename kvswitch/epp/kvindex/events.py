@@ -1,22 +1,32 @@
 """KV events as the index consumes them: small frozen records, and the protobuf conversion.
 
 The engine API streams `smg.grpc.common.KvEventBatch` messages (DESIGN §4). The index never
-sees protobuf: `batch_from_proto` turns one message into an `EventBatch` whose `events` keep
-the engine's order (a batch may remove a block and store it again).
+sees protobuf: `batch_from_proto` turns one message, read through `KvEventBatchView`, into an
+`EventBatch` whose `events` keep the engine's order (a batch may remove a block and store it
+again).
 
 Decoding runs on the EPP's event loop for every block every engine stores, so a stored block
-is decoded into a plain `(engine_hash, token_ids)` pair (a `StoredBlock` is the same tuple with
-names, for callers that build events by hand); no per-block object is built beyond that.
+is decoded into a plain `(engine_hash, packed token ids)` pair (a `StoredBlock` is the same
+tuple with names, for callers that build events by hand): the view hands over each block's ids
+as their packed payload, one bytes object (`kvswitch.protocol.packed`), and no per-block object
+is built beyond the pair.
 The records built per batch are NamedTuples: immutable like a frozen dataclass, and about 3x
 cheaper to build (a frozen dataclass sets each field through object.__setattr__).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvswitch.protocol import common_pb2
+from kvswitch.protocol.packed import KvEventBatchView, pack_token_ids
+
+__all__ = [
+    "BlocksRemoved", "BlocksStored", "CacheCleared", "EventBatch", "KvEvent", "KvEventBatchView",
+    "LoadRecord", "SnapshotInfo", "StoredBlock", "batch_from_proto", "load_from_proto",
+]
 
 # Tiers/localities a per-worker prefix index holds: blocks on the device of this worker.
 _DEVICE_TIERS = (common_pb2.KV_CACHE_TIER_UNSPECIFIED, common_pb2.KV_CACHE_TIER_DEVICE)
@@ -25,15 +35,20 @@ _DEVICE_TIERS = (common_pb2.KV_CACHE_TIER_UNSPECIFIED, common_pb2.KV_CACHE_TIER_
 class StoredBlock(NamedTuple):
     engine_hash: int
     """The engine's block hash (only used to apply later removals)."""
-    token_ids: tuple[int, ...]
-    """The block's tokens; the index folds them into its own chained hash."""
+    packed_token_ids: bytes
+    """The block's token ids as protobuf packs them; the index folds them into its own chained
+    hash."""
+
+    @classmethod
+    def of(cls, engine_hash: int, token_ids: Iterable[int]) -> StoredBlock:
+        return cls(engine_hash, pack_token_ids(token_ids))
 
 
 class BlocksStored(NamedTuple):
     """A chain of full blocks: `blocks[0]`'s parent is `parent_engine_hash`, then each the next."""
 
-    blocks: tuple[tuple[int, tuple[int, ...]], ...]
-    """(engine hash, token ids) per block: `StoredBlock`s or plain pairs."""
+    blocks: tuple[tuple[int, bytes], ...]
+    """(engine hash, packed token ids) per block: `StoredBlock`s or plain pairs."""
     parent_engine_hash: int | None
     """None: the chain starts at the root (the request's first block)."""
     block_size: int
@@ -109,14 +124,14 @@ def _stored_from_proto(stored: Any) -> BlocksStored | None:
             or stored.locality == common_pb2.KV_CACHE_LOCALITY_REMOTE):
         return None
     proto_blocks = stored.blocks
-    blocks = tuple([(b.block_hash, tuple(b.token_ids[:])) for b in proto_blocks])
+    blocks = tuple([(b.block_hash, b.token_ids) for b in proto_blocks])
     block_size = proto_blocks[0].block_size if proto_blocks else 0
     parent = stored.parent_block_hash if stored.HasField("parent_block_hash") else None
     return BlocksStored(blocks, parent, block_size, (stored.lora_name, stored.cache_salt))
 
 
 def batch_from_proto(message: Any) -> EventBatch:
-    """Convert one `common_pb2.KvEventBatch` (events of other tiers/groups are dropped)."""
+    """Convert one `KvEventBatchView` (events of other tiers/groups are dropped)."""
     events: list[KvEvent] = []
     for event in message.events:
         kind = event.WhichOneof("data")

@@ -3,10 +3,12 @@
 Sans-IO. Per endpoint, a stored block's token ids are folded into kvswitch's own chained content
 hash, so the index never depends on the engine's hash function (DESIGN §4):
 
-    own(block i) = hash((own(block i-1), token_ids[i*B:(i+1)*B]))     own(block -1) = root(ns)
+    own(block i) = hash((own(block i-1), packed(token_ids[i*B:(i+1)*B])))   own(block -1) = root(ns)
 
-where `hash` is CPython's tuple hash (64-bit, xxHash-based; ints hash deterministically) and
-`root(ns)` folds the (lora_name, cache_salt) namespace. The engine's hash is kept only as a key
+where `packed` is the block's ids as protobuf packs them (varints, `kvswitch.protocol.packed`):
+the form both KV events and tokenized prompts arrive in, so neither side builds an int per token.
+`hash` is CPython's (per process: so is the index), and `root(ns)` folds the (lora_name,
+cache_salt) namespace. The engine's hash is kept only as a key
 (engine hash -> own hash) to apply `BlocksRemoved`. A block whose parent the index does not know
 (it was stored before the subscription, or evicted) cannot be placed in a chain and is ignored.
 
@@ -37,12 +39,14 @@ O(blocks of the speculation) in C.
 from __future__ import annotations
 
 import bisect
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
+from kvswitch.protocol.packed import PackedTokenIds, pack_token_ids
 
 
 def root_hash(namespace: tuple[str, str] = ("", "")) -> int:
@@ -50,14 +54,30 @@ def root_hash(namespace: tuple[str, str] = ("", "")) -> int:
     return 0 if namespace == ("", "") else hash(("kvswitch-root", *namespace))
 
 
+_BLOCK_PATTERNS: dict[int, re.Pattern[bytes]] = {}
+
+
+def _block_pattern(block_size: int) -> re.Pattern[bytes]:
+    """Matches `block_size` varints (continuation bytes, then the last one below 0x80); the
+    possessive `*+` keeps no backtracking state (~20% faster than `*`)."""
+    pattern = _BLOCK_PATTERNS.get(block_size)
+    if pattern is None:
+        pattern = _BLOCK_PATTERNS[block_size] = re.compile(
+            rb"(?:[\x80-\xff]*+[\x00-\x7f]){%d}" % block_size)
+    return pattern
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int,
                  namespace: tuple[str, str] = ("", "")) -> list[int]:
-    """Own chained hashes of every full block of `token_ids` (a trailing partial block: none)."""
+    """Own chained hashes of every full block of `token_ids` (a trailing partial block: none).
+    A `PackedTokenIds` (a gRPC prompt) is split as it came; other sequences are packed first."""
+    packed = (token_ids.packed if type(token_ids) is PackedTokenIds
+              else pack_token_ids(token_ids))
     parent = root_hash(namespace)
     out: list[int] = []
     append = out.append
-    # zip over one iterator `block_size` times yields the full blocks as tuples, built in C.
-    for block in zip(*[iter(token_ids)] * block_size):
+    # One regex pass cuts the payload into blocks in C, as bytes objects to hash.
+    for block in _block_pattern(block_size).findall(packed):
         parent = hash((parent, block))
         append(parent)
     return out
@@ -215,10 +235,14 @@ class PrefixIndex:
         confirmed = speculative - len(state.speculative)
         return ApplyStats(stored, unplaced, removed, cleared, confirmed)
 
-    def _store(self, state: _EndpointBlocks, blocks: Sequence[tuple[int, tuple[int, ...]]],
+    def _store(self, state: _EndpointBlocks, blocks: Sequence[tuple[int, bytes]],
                parent_engine_hash: int | None, block_size: int,
                namespace: tuple[str, str]) -> int:
-        """Place one BlocksStored chain (the event's fields, unpacked); the blocks placed."""
+        """Place one BlocksStored chain (the event's fields, unpacked); the blocks placed.
+
+        A block's token count is not checked (counting varints costs an allocation per block):
+        no engine stores a partial block, and one could never match a prompt's full blocks. An
+        empty one (ids sent unpacked, see `kvswitch.protocol.packed`) is left unplaced."""
         size = self.block_size
         parent: int | None
         by_engine = state.by_engine
@@ -234,7 +258,7 @@ class PrefixIndex:
         # The engine-hash table by `in` tests and subscripts, not get/pop calls (fewer calls per
         # block: ~25% less apply); the holder table read once and written only when it changes.
         for engine_hash, token_ids in blocks:
-            if parent is not None and len(token_ids) == size:
+            if parent is not None and token_ids:
                 parent = hash((parent, token_ids))
             else:
                 parent = None

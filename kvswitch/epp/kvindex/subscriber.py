@@ -25,7 +25,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from kvswitch.epp.kvindex.events import EventBatch, LoadRecord, batch_from_proto
+from kvswitch.epp.kvindex.events import (
+    EventBatch,
+    KvEventBatchView,
+    LoadRecord,
+    batch_from_proto,
+)
 from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
 from kvswitch.protocol import common_pb2, method_path, vllm_engine_pb2
@@ -132,7 +137,7 @@ class KvEventSubscriber:
         self._gap = False
         self.tracker.stream_opened(start)  # before the call: it may deliver as it starts
         call = await channel.start(_KV_EVENTS, (), request.SerializeToString(),
-                                   common_pb2.KvEventBatch.FromString, on_message=self._receive)
+                                   KvEventBatchView.FromString, on_message=self._receive)
         self.streams_opened += 1
         self.connected = True
         try:
@@ -144,7 +149,7 @@ class KvEventSubscriber:
             call.cancel()
         return self._gap
 
-    def _receive(self, message: common_pb2.KvEventBatch) -> bool:
+    def _receive(self, message: KvEventBatchView) -> bool:
         """One batch, as it arrives; False (end the stream) on a gap."""
         self._delivered = True
         if self.handle(batch_from_proto(message)) is Verdict.GAP:

@@ -2,8 +2,9 @@
 
 The body is gRPC-framed (`kvswitch.protocol.frames`); compressed frames are inflated per the
 call's `grpc-encoding`. Both methods are unary-request, so the body must hold exactly one
-message. Tokenized input yields `prompt_token_ids` (exact prefix routing); text input yields
-`prompt_text`.
+message. Tokenized input yields `prompt_token_ids` (exact prefix routing) as `PackedTokenIds`,
+read through a view that leaves the ids packed (`kvswitch.protocol.packed`) once the real parse
+has checked the message; text input yields `prompt_text`.
 
 Parameters: `maxMessageBytes` (default 16 MiB) bounds one decompressed message.
 """
@@ -19,6 +20,7 @@ from kvswitch.epp.request import ParsedBody
 from kvswitch.errors import InvalidRequest
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, vllm_engine_pb2
 from kvswitch.protocol.frames import decode_all, single_message
+from kvswitch.protocol.packed import EmbedRequestView, GenerateRequestView, PackedTokenIds
 
 __all__ = ["TYPE", "VllmGrpcParser", "create"]
 
@@ -61,8 +63,8 @@ def _parse_generate(message: bytes) -> ParsedBody:
     kind = request.WhichOneof("input")
     params = request.sampling_params
     return ParsedBody(
-        # Slice first: upb builds the list in C, cheaper than iterating the repeated field.
-        prompt_token_ids=tuple(request.tokenized.input_ids[:]) if kind == "tokenized" else None,
+        prompt_token_ids=(_prompt(GenerateRequestView, message, request)
+                          if kind == "tokenized" else None),
         prompt_text=request.text if kind == "text" else None,
         stream=request.stream,
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
@@ -77,9 +79,18 @@ def _parse_embed(message: bytes) -> ParsedBody:
     except DecodeError as exc:
         raise InvalidRequest(f"malformed EmbedRequest: {exc}") from exc
     return ParsedBody(
-        prompt_token_ids=tuple(request.tokenized.input_ids[:]),
+        prompt_token_ids=_prompt(EmbedRequestView, message, request),
         request_id=request.request_id or None,
     )
+
+
+def _prompt(view: Any, message: bytes, request: Any) -> PackedTokenIds:
+    """The prompt's ids, left packed: read again through the view (upb only points at the
+    payload), not as the real message's ints. The real parse has checked every varint."""
+    packed = view.FromString(message).tokenized.input_ids
+    if packed or not request.tokenized.input_ids:
+        return PackedTokenIds(packed)
+    return PackedTokenIds.of(request.tokenized.input_ids)  # sent unpacked: the view saw none
 
 
 def create(name: str, parameters: Mapping[str, Any], handle: Any) -> VllmGrpcParser:
