@@ -68,13 +68,13 @@ def ended_requests(message: bytes) -> list[LoggedEnd]:
         if common.intermediate_log_entry or not request_id:
             continue
         response = entry.response
-        code = (response.response_trailers.get("grpc-status")
-                or response.response_headers.get("grpc-status"))
-        usage = response.response_trailers.get(h.USAGE_TRAILER)
+        trailers = response.response_trailers  # (one map wrapper for both reads)
+        code = trailers.get("grpc-status") or response.response_headers.get("grpc-status")
+        usage = trailers.get(h.USAGE_TRAILER)
         out.append(LoggedEnd(
             request_id,
             int(code) if code and code.isdigit() else None,
-            (response.response_code.value or None) if response.HasField("response_code") else None,
+            response.response_code.value or None,  # unset reads 0: no response either
             parse_usage(usage) if usage else _NO_USAGE,
             common.duration.ToNanoseconds() / 1e9 if common.HasField("duration") else None,
         ))

@@ -58,12 +58,13 @@ _BLOCK_PATTERNS: dict[int, re.Pattern[bytes]] = {}
 
 
 def _block_pattern(block_size: int) -> re.Pattern[bytes]:
-    """Matches `block_size` varints (continuation bytes, then the last one below 0x80); the
-    possessive `*+` keeps no backtracking state (~20% faster than `*`)."""
+    """Matches `block_size` varints (continuation bytes, then the last one below 0x80). Written
+    out `block_size` times with possessive `*+` (no backtracking state), not as a counted
+    group: 128 tokens split in ~2.0 instead of ~2.7 us."""
     pattern = _BLOCK_PATTERNS.get(block_size)
     if pattern is None:
         pattern = _BLOCK_PATTERNS[block_size] = re.compile(
-            rb"(?:[\x80-\xff]*+[\x00-\x7f]){%d}" % block_size)
+            rb"[\x80-\xff]*+[\x00-\x7f]" * block_size)
     return pattern
 
 
@@ -289,7 +290,7 @@ class PrefixIndex:
         by_engine, extra, owns = state.by_engine, state.extra_copies, state.extra_owns
         holders, mask = self._holders, ~(1 << state.bit)
         pop_engine, pop_holders = by_engine.pop, holders.pop
-        removed = 0
+        removed = gone = 0  # gone: no longer held here at all
         for engine_hash in engine_hashes:
             # None: stored unplaced, or before we subscribed (nothing to undo; never in extra).
             own = pop_engine(engine_hash, None)
@@ -311,10 +312,11 @@ class PrefixIndex:
                 else:
                     del owns[own]
                 continue
-            state.real -= 1
+            gone += 1
             held = pop_holders(own) & mask  # (another endpoint's bits go back)
             if held:
                 holders[own] = held
+        state.real -= gone
         return removed
 
     # -- speculative entries ---------------------------------------------------------------------
