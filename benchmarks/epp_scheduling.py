@@ -26,6 +26,7 @@ from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.router import EppRouter
+from kvswitch.protocol.packed import PackedTokenIds
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -57,8 +58,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     for i in range(args.requests + args.warmup):
         # Built outside the timed section; only route + request_finished are measured.
         tokens = rnd.choice(prefixes) + suffixes[i % len(suffixes)][:-1] + (i,)
+        # Packed, as the vllmgrpc parser hands a tokenized prompt over.
         request = InferenceRequest(f"r{i}", "grpc", "/vllm.grpc.engine.VllmEngine/Generate",
-                                   ParsedBody(prompt_token_ids=tokens))
+                                   ParsedBody(prompt_token_ids=PackedTokenIds.of(tokens)))
         if i == args.warmup:
             wall_start = time.perf_counter()
         c0, t0 = time.process_time(), time.perf_counter()
