@@ -27,6 +27,7 @@ from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscripti
 
 __all__ = [
     "ApplyStats", "BlocksRemoved", "BlocksStored", "CacheCleared", "EventBatch", "KvEvent",
-    "KvEventBatchView", "KvEventSubscriber", "KvEventSubscriptions", "LoadRecord", "PrefixIndex", "SequenceTracker",
-    "SnapshotInfo", "StoredBlock", "Verdict", "batch_from_proto", "block_hashes", "root_hash",
+    "KvEventBatchView", "KvEventSubscriber", "KvEventSubscriptions", "LoadRecord", "PrefixIndex",
+    "SequenceTracker", "SnapshotInfo", "StoredBlock", "Verdict", "batch_from_proto",
+    "block_hashes", "root_hash",
 ]

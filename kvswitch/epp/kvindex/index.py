@@ -3,14 +3,15 @@
 Sans-IO. Per endpoint, a stored block's token ids are folded into kvswitch's own chained content
 hash, so the index never depends on the engine's hash function (DESIGN §4):
 
-    own(block i) = hash((own(block i-1), packed(token_ids[i*B:(i+1)*B])))   own(block -1) = root(ns)
+    own(block i) = hash((own(block i-1), packed(token_ids[i*B:(i+1)*B])))
+    own(block -1) = root(ns)
 
 where `packed` is the block's ids as protobuf packs them (varints, `kvswitch.protocol.packed`):
-the form both KV events and tokenized prompts arrive in, so neither side builds an int per token.
-`hash` is CPython's (per process: so is the index), and `root(ns)` folds the (lora_name,
-cache_salt) namespace. The engine's hash is kept only as a key
-(engine hash -> own hash) to apply `BlocksRemoved`. A block whose parent the index does not know
-(it was stored before the subscription, or evicted) cannot be placed in a chain and is ignored.
+the form both KV events and tokenized prompts arrive in, so neither side builds an int per
+token. `hash` is CPython's (per process: so is the index), and `root(ns)` folds the
+(lora_name, cache_salt) namespace. The engine's hash is kept only as a key (engine hash -> own
+hash) to apply `BlocksRemoved`. A block whose parent the index does not know (it was stored
+before the subscription, or evicted) cannot be placed in a chain and is ignored.
 
 Query: `match(block_hashes)` walks a request's own hashes once against one global table
 own hash -> bitmask of endpoints holding it, so a query costs O(blocks) dict lookups however
@@ -258,9 +259,9 @@ class PrefixIndex:
         speculative, holders = state.speculative, self._holders
         # The engine-hash table by `in` tests and subscripts, not get/pop calls (fewer calls per
         # block: ~25% less apply); the holder table read once and written only when it changes.
-        for engine_hash, token_ids in blocks:
-            if parent is not None and token_ids:
-                parent = hash((parent, token_ids))
+        for engine_hash, packed in blocks:
+            if parent is not None and packed:
+                parent = hash((parent, packed))
             else:
                 parent = None
             if engine_hash in by_engine:
