@@ -141,6 +141,7 @@ def test_chat_messages_concatenate_text_content_and_parts() -> None:
         ("/v1/completions", b"[1]", "must be a JSON object"),
         ("/v1/completions", b'{"prompt": 5}', "'prompt' must be"),
         ("/v1/completions", b'{"prompt": [true, 1]}', "'prompt' must be"),
+        ("/v1/completions", b'{"prompt": [1, 4294967296]}', "'prompt' must be"),  # > uint32
         ("/v1/completions", b'{"prompt": "x", "max_tokens": "5"}', "'max_tokens' must be a int"),
         ("/v1/completions", b'{"prompt": "x", "stream": 1}', "'stream' must be a bool"),
         ("/v1/chat/completions", b'{"messages": []}', "'messages' must be a non-empty list"),

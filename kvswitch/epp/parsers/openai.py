@@ -65,6 +65,9 @@ def _optional(data: Mapping[str, Any], key: str, kind: type) -> Any:
     raise InvalidRequest(f"'{key}' must be a {kind.__name__}", param=key)
 
 
+_MAX_TOKEN_ID = 2**32 - 1
+
+
 def _max_tokens(data: Mapping[str, Any]) -> int | None:
     value: int | None = _optional(data, "max_completion_tokens", int)
     if value is None:
@@ -73,7 +76,8 @@ def _max_tokens(data: Mapping[str, Any]) -> int | None:
 
 
 def _is_tokens(value: list[Any]) -> bool:
-    return all(type(t) is int and t >= 0 for t in value)
+    # Token ids are uint32 on the engine API (and the prefix index packs them as such).
+    return all(type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in value)
 
 
 def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
