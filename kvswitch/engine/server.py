@@ -21,8 +21,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvswitch.engine.base import Engine
 from kvswitch.engine.metrics import EngineMetrics, MetricsHttpServer
+from kvswitch.engine.registration import add_engine_servicer
 from kvswitch.engine.servicer import VllmEngineServicer
-from kvswitch.protocol import SERVICE_NAME, vllm_engine_pb2_grpc
+from kvswitch.protocol import SERVICE_NAME
 from kvswitch.tokenization import TokenizerBundle
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class EngineServer:
     async def start(self) -> int:
         """Start the engine and both servers; returns the bound gRPC port. Raises OSError when
         a port cannot be bound, after undoing whatever had started."""
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.servicer, self.server)
+        add_engine_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

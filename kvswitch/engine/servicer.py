@@ -7,6 +7,8 @@ servicer, each on purpose:
 - Generate and Embed end with trailing metadata `x-kvswitch-usage` (the EPP reads usage there).
 - GetServerInfo.last_receive_timestamp is the time the last Generate/Embed arrived (vLLM
   reports the current time, marked TODO upstream).
+- A request that does not parse ends INVALID_ARGUMENT, not grpcio's UNKNOWN (the handlers
+  parse it: `registration`).
 
 Pacing: grpc.aio accepts a new RPC once per two event-loop iterations, and an iteration runs
 every stream that has something to write, so with hundreds of streams writing every engine step

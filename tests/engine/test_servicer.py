@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvswitch.engine.server import EngineServer, ServerOptions
-from kvswitch.protocol import SERVICE_NAME, common_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol import SERVICE_NAME, common_pb2, method_path, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import USAGE_TRAILER
 from kvswitch.tokenization import load_tokenizer
@@ -110,6 +110,45 @@ async def test_bad_requests_are_invalid_argument(served: Served, request_fields:
             pass
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in (info.value.details() or "")
+
+
+ENGINE_METHODS = pb.DESCRIPTOR.services_by_name["VllmEngine"].methods_by_name
+
+
+def raw(message: bytes) -> bytes:
+    return message
+
+
+async def call_with_bytes(channel: grpc.aio.Channel, method: str, request: bytes) -> None:
+    """Sends `request` as it is (no protobuf serialisation) and reads the call to its end."""
+    if ENGINE_METHODS[method].server_streaming:
+        async for _ in channel.unary_stream(method_path(method), request_serializer=raw,
+                                            response_deserializer=raw)(request):
+            pass
+    else:
+        await channel.unary_unary(method_path(method), request_serializer=raw,
+                                  response_deserializer=raw)(request)
+
+
+@pytest.mark.parametrize("method", sorted(ENGINE_METHODS))
+async def test_undecodable_request_is_invalid_argument(served: Served, method: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call_with_bytes(served.channel, method, b"not a protobuf message")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "could not be parsed" in (info.value.details() or "")
+    # The server goes on serving: a valid Generate right after completes.
+    messages = [m async for m in served.stub.Generate(pb.GenerateRequest(
+        request_id="after", text="Hi", sampling_params=pb.SamplingParams(max_tokens=3)))]
+    assert messages[-1].complete.finish_reason == "length"
+
+
+async def test_generate_with_bad_utf8_is_invalid_argument(served: Served) -> None:
+    # Field 1 (request_id, a string) holding bytes that are not UTF-8.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call_with_bytes(served.channel, "Generate", b"\x0a\x02\xff\xfe")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GenerateRequest" in (info.value.details() or "")
+    assert not served.engine.running and served.server.servicer.active_requests == 0
 
 
 async def test_engine_failure_is_internal(served: Served) -> None:

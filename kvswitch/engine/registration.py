@@ -1,0 +1,102 @@
+"""Registers the VllmEngine servicer with a grpc.aio server, its handlers parsing the requests.
+
+grpcio parses a request before the handler runs, and a parse error there can only end the call
+as UNKNOWN ("Unexpected DecodeError"). Here each handler is given the raw bytes and parses them
+itself, the same one parse moved inside, so a request that does not decode ends its call with
+INVALID_ARGUMENT instead. The handler table is the generated one
+(`add_VllmEngineServicer_to_server`), so every RPC the service defines is covered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvswitch.errors import InvalidRequest
+from kvswitch.protocol import SERVICE_NAME, vllm_engine_pb2_grpc
+
+__all__ = ["add_engine_servicer"]
+
+logger = logging.getLogger(__name__)
+
+_Parse = Callable[[bytes], Any]
+
+
+def add_engine_servicer(servicer: vllm_engine_pb2_grpc.VllmEngineServicer,
+                        server: grpc.aio.Server) -> None:
+    """`add_VllmEngineServicer_to_server`, with undecodable requests INVALID_ARGUMENT."""
+    table = _HandlerTable()
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, table)
+    handlers = {method: _parsing_handler(method, handler)
+                for method, handler in table.handlers.items()}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class _HandlerTable:
+    """Stands in for a server to collect the handlers the generated code registers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, generic_handlers: object) -> None:
+        pass  # the same handlers, also given to add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service_name: str,
+                                       handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.handlers.update(handlers)
+
+
+def _parsing_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same RPC, with no request deserializer: its behaviour parses the bytes first."""
+    if handler.request_streaming:  # VllmEngine has none; their reads would still say UNKNOWN
+        raise TypeError(f"{method}: request-streaming RPCs are not supported")
+    parse = handler.request_deserializer
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            _parse_then_stream(method, parse, handler.unary_stream),
+            response_serializer=handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(
+        _parse_then_call(method, parse, handler.unary_unary),
+        response_serializer=handler.response_serializer)
+
+
+def _parse_then_call(method: str, parse: _Parse,
+                     behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+                     ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = parse(raw)
+        except DecodeError as exc:
+            await _refuse(method, exc, context)
+        return await behaviour(request, context)
+
+    return handle
+
+
+def _parse_then_stream(method: str, parse: _Parse,
+                       behaviour: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+                       ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[None]]:
+    # A coroutine that writes each message, not a generator re-yielding them: grpc.aio's own
+    # loop over a generator handler makes the same writes, so no message costs more.
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        try:
+            request = parse(raw)
+        except DecodeError as exc:
+            await _refuse(method, exc, context)
+        async for message in behaviour(request, context):
+            await context.write(message)
+
+    return handle
+
+
+async def _refuse(method: str, exc: DecodeError, context: grpc.aio.ServicerContext) -> None:
+    """Ends the call with INVALID_ARGUMENT (context.abort raises)."""
+    logger.info("%s request refused: %s", method, exc)
+    await context.abort(InvalidRequest.grpc_code,
+                        f"The {method} request could not be parsed: {exc}")
