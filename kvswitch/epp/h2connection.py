@@ -4,8 +4,10 @@
 `drain()` / `goaway()`, `data_to_send() -> bytes`. It parses and writes frames, keeps per-stream state,
 does HTTP/2 flow control both ways (inbound: large windows, topped up as data arrives;
 outbound: data waits per stream for WINDOW_UPDATE), and gRPC message framing (5-byte prefix;
-compressed messages are refused: no encoding is negotiated). Malformed input is a connection
-error: GOAWAY with the error code, then `closed`. `kvswitch.epp.h2server` drives it.
+compressed messages are refused: no encoding is negotiated). A stream opened past
+`max_concurrent_streams` (advertised in SETTINGS) is refused with RST_STREAM REFUSED_STREAM.
+Malformed input is a connection error: GOAWAY with the error code, then `closed`.
+`kvswitch.epp.h2server` drives it.
 
 Scope, on purpose: unary and bidi calls, no compression, no server push, no priorities,
 grpc-timeout ignored (Envoy's message_timeout governs). HPACK decoding is `hpack`; responses are
@@ -60,8 +62,8 @@ from kvswitch.protocol.http2 import (
 )
 
 __all__ = [
-    "ConnectionEnded", "Event", "H2ConnectionError", "H2GrpcConnection", "InputEnded",
-    "MessageReceived", "StreamOpened", "StreamReset",
+    "MAX_CONCURRENT_STREAMS", "ConnectionEnded", "Event", "H2ConnectionError", "H2GrpcConnection",
+    "InputEnded", "MessageReceived", "StreamOpened", "StreamReset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,11 @@ OK, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 5, 8, 12, 13
 _MAX_FRAME = 1 << 20  # what we accept; Envoy sends up to this once told
 _STREAM_WINDOW = 4 << 20
 _REFILL_CONNECTION_AT = 1 << 30
+# Streams one client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). Envoy multiplexes
+# a worker's ext_proc streams over one connection, each open while flow control queues its
+# request, so the limit must sit above any backlog worth queuing. 4096 is what kvswitch's Envoy
+# bootstrap sets for the EPP cluster: Envoy opens another connection at the lower of the two.
+MAX_CONCURRENT_STREAMS = 4096
 
 
 # A DATA frame's header followed by an uncompressed gRPC message's 5-byte prefix.
@@ -173,14 +180,20 @@ class _Stream:
 class H2GrpcConnection:
     """The server side of one HTTP/2 connection carrying gRPC calls; no I/O."""
 
-    def __init__(self, *, max_message_bytes: int = 4 << 20,
-                 stream_window: int = _STREAM_WINDOW) -> None:
+    def __init__(self, *, max_message_bytes: int = 4 << 20, stream_window: int = _STREAM_WINDOW,
+                 max_concurrent_streams: int = MAX_CONCURRENT_STREAMS) -> None:
+        if not 0 < max_concurrent_streams < 1 << 32:
+            raise ValueError(f"max_concurrent_streams {max_concurrent_streams} is not in 1..2^32-1")
+        self.max_concurrent_streams = max_concurrent_streams
         self.max_message_bytes = max_message_bytes
         self.stream_window = stream_window
         self.streams: dict[int, _Stream] = {}
         self.closed = False
         self.highest_stream_id = 0
         self.goaway_sent = False  # the final GOAWAY: streams past `highest_stream_id` are refused
+        # New streams are refused once this many are open: the advertised limit, 0 after the
+        # final GOAWAY (one compare per new stream covers both).
+        self._open_limit = max_concurrent_streams
         self.draining = False  # `drain()` was called: the final GOAWAY follows the PING's ACK
         self.peer_goaway = False
         self._out: list[bytes] = []
@@ -199,8 +212,10 @@ class H2GrpcConnection:
         self._blocked: dict[int, _Stream] = {}
 
     def initiate(self) -> None:
-        """Queue our SETTINGS (big stream window and frames) and open the connection window."""
-        settings = struct.pack(">HIHIHI", 0x2, 0, 0x4, self.stream_window, 0x5, _MAX_FRAME)
+        """Queue our SETTINGS (no push, the stream limit, big stream window and frames) and open
+        the connection window."""
+        settings = struct.pack(">HIHIHIHI", 0x2, 0, 0x3, self.max_concurrent_streams,
+                               0x4, self.stream_window, 0x5, _MAX_FRAME)
         self._out.append(frame(SETTINGS, 0, 0, settings))
         self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
         self._recv_window = MAX_WINDOW
@@ -508,7 +523,10 @@ class H2GrpcConnection:
         if stream_id <= self.highest_stream_id:
             return  # trailers of a stream we already closed
         self.highest_stream_id = stream_id
-        if self.goaway_sent:
+        if len(self.streams) >= self._open_limit:
+            # Over SETTINGS_MAX_CONCURRENT_STREAMS (RFC 9113 §5.1.2; from the start, not only
+            # once the peer ACKs it: a refused stream is safe to retry, §8.7), or after the
+            # final GOAWAY. Decoded above, so HPACK stays in step; other streams carry on.
             self._out.append(frame(RST_STREAM, 0, stream_id, U32.pack(REFUSED_STREAM)))
             return
         stream = self.streams[stream_id] = _Stream(stream_id, self._peer_initial_window,
@@ -655,6 +673,7 @@ class H2GrpcConnection:
     def goaway(self, code: int = NO_ERROR, debug: bytes = b"") -> None:
         """No new streams past the highest seen; open ones may finish (NO_ERROR)."""
         self.goaway_sent = True
+        self._open_limit = 0
         payload = U32.pack(self.highest_stream_id) + U32.pack(code) + debug
         self._out.append(frame(GOAWAY, 0, 0, payload))
 

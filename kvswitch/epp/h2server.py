@@ -28,6 +28,7 @@ from typing import Protocol, TypeAlias
 
 from kvswitch.epp.h2connection import (
     INTERNAL,
+    MAX_CONCURRENT_STREAMS,
     NOT_FOUND,
     OK,
     RESOURCE_EXHAUSTED,
@@ -90,7 +91,8 @@ HandlerFactory: TypeAlias = Callable[[Call], StreamHandler]
 class _Protocol(asyncio.Protocol):
     def __init__(self, server: H2GrpcServer) -> None:
         self.server = server
-        self.conn = H2GrpcConnection(max_message_bytes=server.max_message_bytes)
+        self.conn = H2GrpcConnection(max_message_bytes=server.max_message_bytes,
+                                     max_concurrent_streams=server.max_concurrent_streams)
         self.handlers: dict[int, StreamHandler] = {}
         self.transport: asyncio.Transport | None = None
         self.receiving = False
@@ -188,13 +190,19 @@ class _Protocol(asyncio.Protocol):
 
 
 class H2GrpcServer:
-    """Serves `handlers` (`:path` -> factory of a `StreamHandler` per call) over h2c."""
+    """Serves `handlers` (`:path` -> factory of a `StreamHandler` per call) over h2c; each
+    connection takes up to `max_concurrent_streams` calls at once and refuses more
+    (RST_STREAM REFUSED_STREAM)."""
 
     def __init__(self, handlers: Mapping[str, HandlerFactory], *, host: str = "127.0.0.1",
-                 port: int = 0, max_message_bytes: int = 4 << 20) -> None:
+                 port: int = 0, max_message_bytes: int = 4 << 20,
+                 max_concurrent_streams: int = MAX_CONCURRENT_STREAMS) -> None:
+        if not 0 < max_concurrent_streams < 1 << 32:  # fail here, not at the first connection
+            raise ValueError(f"max_concurrent_streams {max_concurrent_streams} is not in 1..2^32-1")
         self.handlers = dict(handlers)
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
+        self.max_concurrent_streams = max_concurrent_streams
         self.connections: set[_Protocol] = set()
         self.closing = False
         self._server: asyncio.AbstractServer | None = None

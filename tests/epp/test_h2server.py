@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import struct
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 from hpack import Decoder, Encoder
 
 from kvswitch.epp.h2connection import (
+    MAX_CONCURRENT_STREAMS,
     ConnectionEnded,
     H2GrpcConnection,
     InputEnded,
@@ -17,6 +19,7 @@ from kvswitch.epp.h2connection import (
     StreamOpened,
     StreamReset,
 )
+from kvswitch.epp.h2server import Call, H2GrpcServer
 from kvswitch.protocol.http2 import (
     ACK,
     CANCEL,
@@ -63,8 +66,11 @@ def window_update(stream_id: int, increment: int) -> bytes:
 class Peer:
     """The client side: encodes what a gRPC client (Envoy) sends, decodes what comes back."""
 
-    def __init__(self, stream_window: int = 4 << 20, **peer_settings: int) -> None:
-        self.conn = H2GrpcConnection(max_message_bytes=1 << 16, stream_window=stream_window)
+    def __init__(self, stream_window: int = 4 << 20,
+                 max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
+                 **peer_settings: int) -> None:
+        self.conn = H2GrpcConnection(max_message_bytes=1 << 16, stream_window=stream_window,
+                                     max_concurrent_streams=max_concurrent_streams)
         self.encoder = Encoder()
         self.decoder = Decoder()
         self.conn.initiate()
@@ -103,6 +109,13 @@ def goaway_code(frames: list[tuple[int, int, int, bytes]]) -> int:
     return int(struct.unpack(">I", payload[4:8])[0])
 
 
+def settings_of(payload: bytes) -> dict[int, int]:
+    return dict(struct.unpack(">HI", payload[i:i + 6]) for i in range(0, len(payload), 6))
+
+
+REFUSED = struct.pack(">I", REFUSED_STREAM)
+
+
 # -- connection set-up ---------------------------------------------------------------------------
 
 
@@ -110,9 +123,20 @@ def test_preface_and_settings_are_answered() -> None:
     peer = Peer()
     kinds = [(kind, flags) for kind, flags, _, _ in peer.frames]
     assert kinds == [(SETTINGS, 0), (WINDOW_UPDATE, 0), (SETTINGS, ACK)]
-    ours = peer.frames[0][3]
-    assert dict(struct.unpack(">HI", ours[i:i + 6]) for i in range(0, len(ours), 6))[0x2] == 0
+    assert settings_of(peer.frames[0][3])[0x2] == 0
     assert peer.events == []
+
+
+@pytest.mark.parametrize("limit", [MAX_CONCURRENT_STREAMS, 2])
+def test_settings_advertise_the_concurrent_stream_limit(limit: int) -> None:
+    peer = Peer(max_concurrent_streams=limit)
+    assert settings_of(peer.frames[0][3])[0x3] == limit  # SETTINGS_MAX_CONCURRENT_STREAMS
+
+
+def test_the_stream_limit_is_generous_by_default_and_positive() -> None:
+    assert MAX_CONCURRENT_STREAMS >= 4096  # Envoy's EPP cluster multiplexes every request on it
+    with pytest.raises(ValueError, match="max_concurrent_streams"):
+        H2GrpcConnection(max_concurrent_streams=0)
 
 
 def test_preface_may_arrive_a_byte_at_a_time() -> None:
@@ -205,6 +229,72 @@ def test_client_trailers_end_the_input() -> None:
     peer.open(1)
     trailers = bytes(peer.encoder.encode([("x-end", "1")]))
     assert peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, trailers)) == [InputEnded(1)]
+
+
+def test_a_stream_over_the_limit_is_refused_and_the_open_ones_carry_on() -> None:
+    peer = Peer(max_concurrent_streams=2)
+    assert isinstance(peer.open(1)[0], StreamOpened)
+    assert isinstance(peer.open(3, end=True)[0], StreamOpened)  # half-closed: still counts
+    # The third: refused (retryable), no event; its block (adding x-a to the HPACK table) is
+    # still decoded, so later blocks naming x-a by index decode.
+    refused = frame(HEADERS, END_HEADERS, 5, peer.headers_block(**{"x-a": "1"}))
+    assert peer.send(refused) == []
+    assert peer.read() == [(RST_STREAM, 0, 5, REFUSED)]
+    assert peer.send(frame(DATA, END_STREAM, 5, grpc(b"sent before the reset"))) == []
+    assert not peer.conn.closed and sorted(peer.conn.streams) == [1, 3]
+    # The open streams work as before.
+    assert peer.send(frame(DATA, 0, 1, grpc(b"one"))) == [MessageReceived(1, b"one")]
+    assert peer.conn.send_message(3, b"three")
+    assert [(k, s) for k, _, s, _ in peer.read()] == [(HEADERS, 3), (DATA, 3)]
+    # One ends (server trailers on a half-closed stream): a new stream is taken.
+    peer.conn.finish(3)
+    assert [(k, s) for k, _, s, _ in peer.read()] == [(HEADERS, 3)]
+    [opened] = peer.send(frame(HEADERS, END_HEADERS, 7, peer.headers_block(**{"x-a": "1"})))
+    assert isinstance(opened, StreamOpened) and opened.headers["x-a"] == "1"
+    # Full again (1 and 7); a client reset frees a slot too.
+    assert peer.open(9) == [] and peer.read() == [(RST_STREAM, 0, 9, REFUSED)]
+    assert peer.send(frame(RST_STREAM, 0, 1, struct.pack(">I", CANCEL))) == [StreamReset(1, CANCEL)]
+    assert isinstance(peer.open(11)[0], StreamOpened)
+    assert sorted(peer.conn.streams) == [7, 11] and not peer.conn.closed
+
+
+async def test_the_server_gives_its_connections_the_stream_limit() -> None:
+    class Echo:
+        def __init__(self, call: Call) -> None:
+            self.call = call
+
+        def on_message(self, message: bytes) -> None:
+            self.call.send(message)
+
+        def on_end(self) -> None:
+            self.call.finish()
+
+        def on_reset(self) -> None:
+            pass
+
+    server = H2GrpcServer({PATH: Echo}, max_concurrent_streams=1)
+    port = await server.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    encoder = Encoder()
+    block = bytes(encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", PATH),
+                                  (":authority", "epp"), ("content-type", "application/grpc")]))
+
+    async def next_frame() -> tuple[int, int, bytes]:
+        header = await asyncio.wait_for(reader.readexactly(9), 5)
+        payload = await reader.readexactly(int.from_bytes(header[:3], "big"))
+        return header[3], struct.unpack(">I", header[5:])[0], payload
+
+    try:
+        writer.write(PREFACE + settings() + frame(HEADERS, END_HEADERS, 1, block)
+                     + frame(HEADERS, END_HEADERS, 3, block) + frame(DATA, 0, 1, grpc(b"hi")))
+        kind, _, payload = await next_frame()
+        assert kind == SETTINGS and settings_of(payload)[0x3] == 1
+        frames = [await next_frame() for _ in range(5)]  # WINDOW_UPDATE, ACK, RST, HEADERS, DATA
+        assert (RST_STREAM, 3, REFUSED) in frames
+        assert (DATA, 1, grpc(b"hi")) in frames
+    finally:
+        writer.close()
+        await server.stop(grace=0)
 
 
 # -- flow control --------------------------------------------------------------------------------
