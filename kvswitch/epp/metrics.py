@@ -10,14 +10,15 @@ prometheus_client child costs a `.labels()` lookup and a lock per update, severa
 request. They serve the same names, types, labels and values as prometheus_client's own
 Counter/Gauge/Histogram would (a test compares the two expositions). The event loop is their
 only writer; a scrape thread reads copies taken in one C call each (atomic under the GIL).
-The in-flight gauge is not updated at all: it reads the endpoints' counts at scrape time.
+The in-flight gauge is not updated per request: it reads the endpoints' counts at scrape time,
+and the router tells it the pool's endpoints on its gauge tick.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import prometheus_client.metrics as _prometheus_metrics
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
@@ -93,10 +94,10 @@ class CountedCounter(_Labelled):
 
 class InFlightGauge(Collector):
     """The per-endpoint in-flight gauge, read at scrape time from the endpoints' own
-    `in_flight` counts (the router keeps them): nothing to update per request. An endpoint's
-    series appears once it has been shown here, when first picked, and stays (with the count of
-    the last endpoint object shown at that address) after it leaves the pool, as a gauge set
-    on every change would."""
+    `in_flight` counts (the router keeps them): nothing to update per request. `track(pool)`
+    (the router's gauge tick) exports every pool endpoint, 0 until picked; an endpoint that
+    left the pool stays while requests routed to it are in flight, and goes at the first tick
+    after they end. `show` adds one endpoint at once (a pick between ticks)."""
 
     def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
         self.name = name
@@ -106,6 +107,12 @@ class InFlightGauge(Collector):
 
     def show(self, endpoint: Endpoint) -> None:
         self.endpoints[endpoint.address] = endpoint
+
+    def track(self, pool: Iterable[Endpoint]) -> None:
+        """Export exactly `pool`'s endpoints, and those shown before still busy."""
+        endpoints = {address: e for address, e in self.endpoints.items() if e.in_flight}
+        endpoints.update((e.address, e) for e in pool)  # a pool member wins its address
+        self.endpoints = endpoints  # one rebinding: a scrape copies the old dict or the new
 
     def value(self, address: str) -> float:
         endpoint = self.endpoints.get(address)

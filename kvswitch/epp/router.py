@@ -310,8 +310,12 @@ class EppRouter:
 
     def update_gauges(self) -> None:
         ready = {e.address for e in self.datalayer.ready()}
-        for e in self.datalayer.all():
+        pool = self.datalayer.all()
+        for e in pool:
             self.metrics.endpoint_ready.labels(e.address).set(1 if e.address in ready else 0)
+        # Every pool endpoint has an in-flight series from the first tick (at start), picked or
+        # not; one that left the pool keeps it until its requests end.
+        self.metrics.in_flight.track(pool)
         self.metrics.ready_endpoints.set(len(ready))
         self.metrics.queue_size.clear()
         for (priority, flow), size in self.gate.queues.sizes().items():

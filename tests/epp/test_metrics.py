@@ -106,3 +106,17 @@ def test_the_in_flight_gauge_reads_the_endpoints_counts_at_scrape_time() -> None
     assert 'kvswitch_epp_endpoint_in_flight_requests{endpoint="10.0.0.1:8000"} 3.0' in text
     assert metrics.in_flight.value("10.0.0.1:8000") == 3.0
     assert metrics.in_flight.value("10.0.0.2:8000") == 0.0
+
+
+def test_the_in_flight_gauge_tracks_the_pool_and_busy_leavers() -> None:
+    metrics = EppMetrics()
+    idle, busy, leaver = (Endpoint(EndpointSpec(f"10.0.0.{i}:8000")) for i in (1, 2, 3))
+    busy.in_flight, leaver.in_flight = 2, 1
+    metrics.in_flight.track([idle, busy, leaver])
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvswitch_epp_endpoint_in_flight_requests{endpoint="10.0.0.1:8000"} 0.0' in text
+    metrics.in_flight.track([idle, busy])  # `leaver` left the pool with a request in flight
+    assert metrics.in_flight.endpoints == {e.address: e for e in (idle, busy, leaver)}
+    leaver.in_flight = 0
+    metrics.in_flight.track([idle, busy])
+    assert metrics.in_flight.endpoints == {e.address: e for e in (idle, busy)}

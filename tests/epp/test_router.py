@@ -183,23 +183,43 @@ def _in_flight_series(router: EppRouter) -> dict[str, float]:
             for sample in family.samples}
 
 
-async def test_in_flight_gauge_serves_picked_endpoints_until_they_finish_and_after_removal(
-        ) -> None:
+async def test_in_flight_gauge_exports_never_picked_endpoints_from_the_start() -> None:
+    addrs = ["127.0.0.1:1", "127.0.0.1:2"]  # unreachable: never ready, never picked
+    router = build_endpoint_picker(None, static_pool(addrs), metrics=EppMetrics()).router
+    await router.start()
+    try:
+        await asyncio.sleep(0)  # the gauge task's first tick
+        text = generate_latest(router.metrics.registry).decode()
+    finally:
+        await router.stop()
+    for address in addrs:
+        assert f'kvswitch_epp_endpoint_in_flight_requests{{endpoint="{address}"}} 0.0' in text
+
+
+async def test_in_flight_gauge_follows_picks_and_keeps_a_removed_endpoint_while_busy() -> None:
     router = make_router()
-    assert _in_flight_series(router) == {}
+    router.update_gauges()
+    assert _in_flight_series(router) == dict.fromkeys(ADDRS, 0.0)
     first = await router.route(req_a := request(prompt(30)), None)
     second = await router.route(req_b := request(prompt(30)), None)  # same prefix: same pick
     where = first.endpoints[0]
     assert second.endpoints[0] == where
-    assert _in_flight_series(router) == {where: 2.0}  # fallbacks get no series until picked
+    assert _in_flight_series(router) == {**dict.fromkeys(ADDRS, 0.0), where: 2.0}
     router.request_finished(req_a, RequestOutcome(where, ok=True))
-    assert _in_flight_series(router) == {where: 1.0}
+    assert _in_flight_series(router)[where] == 1.0
     # The endpoint leaves the pool with a request in flight: its series stays, and follows it.
     specs = router.refresher.discovery.endpoints  # type: ignore[union-attr]
     router.datalayer.set_endpoints([s for s in specs if s.address != where])
-    assert _in_flight_series(router) == {where: 1.0}
+    router.update_gauges()
+    assert _in_flight_series(router) == {**dict.fromkeys(ADDRS, 0.0), where: 1.0}
     router.request_finished(req_b, RequestOutcome(where, ok=True))
-    assert _in_flight_series(router) == {where: 0.0}
+    assert _in_flight_series(router)[where] == 0.0
+    router.update_gauges()  # idle and out of the pool: gone at the next tick
+    assert _in_flight_series(router) == {a: 0.0 for a in ADDRS if a != where}
+    # Back in the pool (a new endpoint object): exported again.
+    router.datalayer.set_endpoints(specs)
+    router.update_gauges()
+    assert _in_flight_series(router) == dict.fromkeys(ADDRS, 0.0)
 
 
 async def test_outcome_status_names_and_the_prompt_length_without_a_usage_trailer() -> None:
