@@ -61,6 +61,8 @@ def test_read_pool_accepts_every_endpoint_form(pool_file: Path) -> None:
     ["--round-robin"],
     ["--frontend", "127.0.0.1:7001", "--frontend", "127.0.0.1:7002"],
     ["--access-log", "--port", "18000", "--admin-port", "19901"],
+    ["--epp-header", "x-user-session", "--epp-header", "x-tenant-*"],
+    ["--epp-all-headers"],
 ])
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_envoy_config_command_output_validates(
@@ -87,6 +89,24 @@ def test_shapes() -> None:
         "envoy.filters.http.router"]
     with pytest.raises(ValueError):
         build_bootstrap(GatewayOptions(pool=pool, epp=None))
+
+
+def _ext_proc_config(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    listener = bootstrap["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    return dict(ext_proc["typed_config"])
+
+
+def test_only_the_headers_the_epp_reads_are_sent_to_it() -> None:
+    pool = PoolTarget(("127.0.0.1:1",))
+    config = _ext_proc_config(build_bootstrap(GatewayOptions(
+        pool=pool, epp_headers=(":path", "X-Request-Id", "x-llm-d-*", "x-request-id"))))
+    # Pseudo-headers are matched like any other; names are lowercased and deduplicated.
+    assert config["forward_rules"]["allowed_headers"]["patterns"] == [
+        {"exact": ":path"}, {"exact": "x-request-id"}, {"prefix": "x-llm-d-"}]
+    assert "forward_rules" not in _ext_proc_config(
+        build_bootstrap(GatewayOptions(pool=pool, epp_headers=None)))
 
 
 class _PortEcho(http.server.BaseHTTPRequestHandler):

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from kvswitch.envoy.bootstrap import H2C, GatewayOptions, PoolTarget, build_bootstrap
+from kvswitch.envoy.bootstrap import EPP_HEADERS, H2C, GatewayOptions, PoolTarget, build_bootstrap
 
 __all__ = ["add_arguments", "read_pool", "render", "run"]
 
@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--message-timeout", type=float, default=40.0,
                         help="seconds ext_proc waits for each EPP reply")
     parser.add_argument("--access-log", action="store_true", help="access log to stdout")
+    parser.add_argument("--epp-header", action="append", default=[], metavar="NAME",
+                        help="also send this request header to the EPP (repeatable; a trailing "
+                             "* matches a prefix), e.g. a session-affinity-scorer's headerName. "
+                             f"Sent by default: {', '.join(EPP_HEADERS)}")
+    parser.add_argument("--epp-all-headers", action="store_true",
+                        help="send the EPP every request header (plugins of your own that read "
+                             "headers kvswitch does not know)")
     parser.add_argument("-o", "--output", help="file to write (.yaml or .json); default stdout")
 
 
@@ -39,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         admin_port=args.admin_port, frontends=tuple(args.frontend),
         round_robin=args.round_robin, routing=args.routing,
         message_timeout_s=args.message_timeout, access_log=args.access_log,
+        epp_headers=None if args.epp_all_headers else (*EPP_HEADERS, *args.epp_header),
     )
     text = render(build_bootstrap(options), json_format=bool(args.output and
                                                              args.output.endswith(".json")))

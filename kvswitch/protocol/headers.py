@@ -28,6 +28,9 @@ ALIASES: dict[str, str] = {
 # The request id kvswitch assigns and propagates (Envoy's own header).
 REQUEST_ID = "x-request-id"
 
+# The session-affinity-scorer's default header (upstream's name).
+SESSION_TOKEN = "x-session-token"
+
 # Trailing metadata the kvswitch engine adds to Generate/Embed responses so the EPP can account
 # usage from response trailers without reading the body:
 # "prompt_tokens=12;completion_tokens=64;cached_tokens=0".

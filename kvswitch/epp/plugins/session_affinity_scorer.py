@@ -18,6 +18,7 @@ from typing import Any
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import CycleState, PluginHandle, ProfileResult, param
 from kvswitch.epp.request import InferenceRequest
+from kvswitch.protocol.headers import SESSION_TOKEN
 
 TYPE = "session-affinity-scorer"
 
@@ -56,5 +57,5 @@ class SessionAffinityScorer:
 
 def create(name: str, parameters: Mapping[str, Any],
            handle: PluginHandle) -> SessionAffinityScorer:
-    return SessionAffinityScorer(name, param(parameters, "headerName", str, "x-session-token"),
+    return SessionAffinityScorer(name, param(parameters, "headerName", str, SESSION_TOKEN),
                                  param(parameters, "maxSessions", int, 100_000))
