@@ -126,6 +126,7 @@ def inference_request(
         body_size=size,
         received_at=received_at,
         access_logged=access_logged,
+        model=parsed.model or headers.get(h.MODEL_NAME, ""),
     )
 
 

@@ -77,6 +77,9 @@ class InferenceRequest:
     access_logged: bool = False
     """The gateway said (in metadata a client cannot set) that it logs this request to the EPP:
     its log entry, not its ext_proc stream's close, says how it ended."""
+    model: str = ""
+    """The model it names: the body's (OpenAI `model`), else `x-gateway-model-name`; "" if
+    neither (a gRPC call without the header). The `model` label of the EPP's metrics."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,7 +165,7 @@ class EppRouter:
         decision = self._decisions.get(result.endpoints)
         if decision is None:
             decision = self._decision(result.endpoints)
-        self.metrics.requests.inc((request.body.model or "", request.objective or "",
+        self.metrics.requests.inc((request.model, request.objective or "",
                                    request.fairness_id, pick.address, "200"))
         return decision
 
@@ -200,7 +200,7 @@ class EppRouter:
 
     def _count(self, request: InferenceRequest, decision: RoutingDecision) -> RoutingDecision:
         endpoint = decision.endpoints[0] if decision.endpoints else ""
-        self.metrics.requests.inc((request.body.model or "", request.objective or "",
+        self.metrics.requests.inc((request.model, request.objective or "",
                                    request.fairness_id, endpoint, str(decision.status)))
         return decision
 
@@ -286,7 +286,7 @@ class EppRouter:
 
     def _record(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
         m = self.metrics
-        model, objective = request.body.model or "", request.objective or ""
+        model, objective = request.model, request.objective or ""
         labels = (model, objective, request.fairness_id, outcome.endpoint)
         m.finished.inc((model, objective, request.fairness_id, outcome.endpoint,
                         "true" if outcome.ok else "false", _status(request, outcome)))

@@ -2,7 +2,7 @@
 
 The EPP reads the objective, fairness id and SLO headers from gRPC metadata exactly as it reads
 them from HTTP headers, so the frontend forwards them (older `x-gateway-*` names under their
-current names). With `--user-as-fairness-id` the OpenAI `user` field names the tenant when the
+current names), and names the served model in `x-gateway-model-name` (the EPP's `model` label). With `--user-as-fairness-id` the OpenAI `user` field names the tenant when the
 client sent no fairness header.
 """
 
@@ -36,13 +36,16 @@ class RequestContext:
 
 
 def new_request_context(headers: Mapping[str, str], *, prefix: str, user: str | None,
-                        user_as_fairness_id: bool, body_request_id: str | None = None
-                        ) -> RequestContext:
-    """`headers`: the request's HTTP headers (any case)."""
+                        user_as_fairness_id: bool, body_request_id: str | None = None,
+                        model: str = "") -> RequestContext:
+    """`headers`: the request's HTTP headers (any case); `model`: the served model's name, sent
+    as `x-gateway-model-name` (the gRPC request has no field for it)."""
     headers = {name.lower(): value for name, value in headers.items()}  # one pass, then O(1)
     client_id = body_request_id or headers.get(h.REQUEST_ID)
     request_id = f"{prefix}-{client_id or _PROCESS_ID + format(next(_COUNTER), '016x')}"
     metadata: list[tuple[str, str]] = [(h.REQUEST_ID, client_id or request_id)]
+    if model:
+        metadata.append((h.MODEL_NAME, model))
     for name, aliases in _FORWARDED:
         value = headers.get(name)
         if value is None:

@@ -69,7 +69,7 @@ class ChatServing:
         model = await self._models.resolve(request.model)
         ctx = new_request_context(headers, prefix="chatcmpl", user=request.user,
                                   user_as_fairness_id=self._user_as_fairness_id,
-                                  body_request_id=request.request_id)
+                                  body_request_id=request.request_id, model=model.name)
         prompt_ids = await self._prompt_ids(request, model)
         max_tokens = max_tokens_for(request.requested_max_tokens, len(prompt_ids),
                                     model.max_model_len)

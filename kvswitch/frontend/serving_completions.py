@@ -56,7 +56,7 @@ class CompletionServing:
         model = await self._models.resolve(request.model)
         ctx = new_request_context(headers, prefix="cmpl", user=request.user,
                                   user_as_fairness_id=self._user_as_fairness_id,
-                                  body_request_id=request.request_id)
+                                  body_request_id=request.request_id, model=model.name)
         prompts: list[tuple[str, list[int]]] = []
         for raw in request.prompts_raw:
             if isinstance(raw, str):

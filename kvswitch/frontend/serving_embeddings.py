@@ -31,7 +31,7 @@ class EmbeddingServing:
         model = await self._models.resolve(request.model)
         ctx = new_request_context(headers, prefix="embd", user=request.user,
                                   user_as_fairness_id=self._user_as_fairness_id,
-                                  body_request_id=request.request_id)
+                                  body_request_id=request.request_id, model=model.name)
         token_lists = []
         for item in request.inputs:
             ids = (await encode_off_loop(model.tokenizer, item,

@@ -28,6 +28,11 @@ ALIASES: dict[str, str] = {
 # The request id kvswitch assigns and propagates (Envoy's own header).
 REQUEST_ID = "x-request-id"
 
+# The model a request is for, as gateway-api-inference-extension's body-based routing writes it.
+# gRPC requests carry no model in their body: kvswitch's frontend sends this with its Generate
+# and Embed calls, and the EPP labels gRPC requests' metrics with it.
+MODEL_NAME = "x-gateway-model-name"
+
 # The session-affinity-scorer's default header (upstream's name).
 SESSION_TOKEN = "x-session-token"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -22,7 +23,7 @@ from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from kvswitch.tokenization import load_tokenizer
 from kvswitch.tokenization.chat_template import ChatTemplate
-from tests.e2e.conftest import Gateway, running_gateway
+from tests.e2e.conftest import Gateway, epp_samples, running_gateway
 from tests.support.processes import free_port, kvswitch_argv, running
 
 BUNDLE = load_tokenizer(None)
@@ -143,6 +144,17 @@ def test_usage_reports_cached_tokens_on_a_repeat(gateway: Gateway, model: str) -
     assert max(cached) > 0 and max(cached) % 16 == 0
 
 
+def test_the_epp_labels_requests_by_the_served_model(gateway: Gateway, model: str) -> None:
+    _client(gateway).completions.create(model=model, prompt="label me", max_tokens=2)
+    # gRPC Generate has no model field: the frontend names it in x-gateway-model-name. The
+    # request is recorded when its access-log entry reaches the EPP (within ~50 ms).
+    deadline = time.monotonic() + 10
+    while not epp_samples(gateway, "kvswitch_epp_requests_finished_total", model=model):
+        assert time.monotonic() < deadline, "no finished request labelled with the model"
+        time.sleep(0.05)
+    assert epp_samples(gateway, "kvswitch_epp_requests_total", model=model, status="200")
+
+
 def test_embeddings(gateway: Gateway, model: str) -> None:
     reply = _client(gateway).embeddings.create(model=model, input=["héllo", "wörld 你好"])
     assert [d.index for d in reply.data] == [0, 1]
@@ -230,3 +242,4 @@ def test_objective_and_fairness_headers_arrive_as_grpc_metadata(tmp_path: Path) 
         assert seen["x-llm-d-inference-objective"] == "premium"
         assert seen["x-llm-d-inference-fairness-id"] == "tenant-a"
         assert seen["x-request-id"] == "abc-1"
+        assert seen["x-gateway-model-name"] == "recorder"  # the EPP's `model` label

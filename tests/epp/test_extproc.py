@@ -190,6 +190,17 @@ def test_llm_d_headers_and_their_aliases() -> None:
         "chat", "tenant-a", 250.0, 20.5)
 
 
+def test_the_model_label_comes_from_the_body_else_the_model_name_header() -> None:
+    # A gRPC body names no model: the header does (kvswitch's frontend sends it).
+    need = route_generate(make_stream(), ("x-gateway-model-name", "Qwen/Qwen3-0.6B"))
+    assert need.request.model == "Qwen/Qwen3-0.6B"
+    assert route_generate(make_stream()).request.model == ""
+    stream = make_stream()
+    stream.receive(http_headers("/v1/completions", ("x-gateway-model-name", "other")))
+    [need] = stream.receive(body(b'{"model": "from-body", "prompt": "x"}', eos=True))
+    assert isinstance(need, NeedRouting) and need.request.model == "from-body"
+
+
 # -- subset hint ---------------------------------------------------------------------------------
 
 
