@@ -29,10 +29,10 @@ from kvswitch.bench.engines import EnginePool
 from kvswitch.bench.oracle import OracleRouter
 from kvswitch.bench.workloads import BenchRequest
 from kvswitch.engine.sim.profiles import get_profile
-from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
+from kvswitch.envoy import EPP_HEADERS, GatewayOptions, PoolTarget, build_bootstrap, render
 from kvswitch.epp.kvindex import KvEventSubscriptions, PrefixIndex
 from kvswitch.supervisor import Child, Supervisor
-from kvswitch.up import envoy_spec, epp_spec, free_port, write_pool_file
+from kvswitch.up import envoy_spec, epp_spec, free_port, session_headers, write_pool_file
 
 
 class TargetUnavailable(Exception):
@@ -92,6 +92,7 @@ class GatewayTarget:
         state.mkdir(parents=True, exist_ok=True)
         port, admin = free_port(), free_port()
         epp_address = None
+        epp_headers = EPP_HEADERS
         if self.epp_config is not None:
             pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses)
             config = state / "epp.yaml"
@@ -103,9 +104,10 @@ class GatewayTarget:
                               spec.stop_timeout)
             self._children.append(ctx.supervisor.start(spec, timeout=60.0))
             epp_address = f"127.0.0.1:{epp_port}"
+            epp_headers = (*EPP_HEADERS, *session_headers(config))
         options = GatewayOptions(pool=PoolTarget(tuple(ctx.pool.addresses)), epp=epp_address,
                                  port=port, admin_port=admin,
-                                 round_robin=self.epp_config is None)
+                                 round_robin=self.epp_config is None, epp_headers=epp_headers)
         envoy_config = state / "envoy.yaml"
         envoy_config.write_text(render(build_bootstrap(options)))
         self._children.append(ctx.supervisor.start(
