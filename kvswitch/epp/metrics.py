@@ -11,14 +11,15 @@ request. They serve the same names, types, labels and values as prometheus_clien
 Counter/Gauge/Histogram would (a test compares the two expositions). The event loop is their
 only writer; a scrape thread reads copies taken in one C call each (atomic under the GIL).
 The in-flight gauge is not updated per request: it reads the endpoints' counts at scrape time,
-and the router tells it the pool's endpoints on its gauge tick.
+and the router tells it the pool's endpoints on its gauge tick. The readiness gauge is set whole
+on that tick, so an endpoint that left the pool loses its series there.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 import prometheus_client.metrics as _prometheus_metrics
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
@@ -128,6 +129,35 @@ class InFlightGauge(Collector):
         yield family
 
 
+class ReadyGauge(Collector):
+    """The per-endpoint readiness gauge (1 eligible for scheduling, else 0). `track(pool, ready)`
+    (the router's gauge tick) sets it whole: exactly `pool`'s endpoints are exported, so one that
+    left the pool goes at the next tick instead of keeping its last value."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.values: dict[str, float] = {}
+        registry.register(self)
+
+    def track(self, pool: Iterable[Endpoint], ready: Container[str]) -> None:
+        """Export `pool`'s endpoints: 1 for those whose address is in `ready`, else 0."""
+        # One rebinding: a scrape copies the old dict or the new, never a half-updated one.
+        self.values = {e.address: 1.0 if e.address in ready else 0.0 for e in pool}
+
+    def value(self, address: str) -> float:
+        return self.values.get(address, 0.0)
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])]
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])
+        for address, value in self.values.copy().items():
+            family.add_metric((address,), value)
+        yield family
+
+
 class CountedHistogram(Collector):
     """A histogram kept as per-bucket counts and a sum per label values; `observe` is a dict
     lookup, a bisect and two additions. Unlabelled unless `labelnames` are given."""
@@ -210,9 +240,8 @@ class EppMetrics:
         self.in_flight = InFlightGauge(
             "kvswitch_epp_endpoint_in_flight_requests", "Requests the EPP routed and not finished.",
             r)
-        self.endpoint_ready = Gauge(
-            "kvswitch_epp_endpoint_ready", "1 when the endpoint is eligible for scheduling.",
-            ["endpoint"], registry=r)
+        self.endpoint_ready = ReadyGauge(
+            "kvswitch_epp_endpoint_ready", "1 when the endpoint is eligible for scheduling.", r)
         self.ready_endpoints = Gauge(
             "kvswitch_epp_pool_ready_endpoints", "Endpoints eligible for scheduling.", registry=r)
         self.loop_lag_seconds = Histogram(

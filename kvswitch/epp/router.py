@@ -311,8 +311,8 @@ class EppRouter:
     def update_gauges(self) -> None:
         ready = {e.address for e in self.datalayer.ready()}
         pool = self.datalayer.all()
-        for e in pool:
-            self.metrics.endpoint_ready.labels(e.address).set(1 if e.address in ready else 0)
+        # Exactly the pool's endpoints have a readiness series: one that left the pool goes.
+        self.metrics.endpoint_ready.track(pool, ready)
         # Every pool endpoint has an in-flight series from the first tick (at start), picked or
         # not; one that left the pool keeps it until its requests end.
         self.metrics.in_flight.track(pool)

@@ -14,7 +14,7 @@ from kvswitch.epp.metrics import EppMetrics
 LABELS = ["model", "objective", "fairness_id", "endpoint", "status"]
 NAMES = ("kvswitch_epp_scheduler_e2e_duration_seconds", "kvswitch_epp_requests_total",
          "kvswitch_epp_requests_created", "kvswitch_epp_endpoint_in_flight_requests",
-         "kvswitch_epp_request_duration_seconds")
+         "kvswitch_epp_request_duration_seconds", "kvswitch_epp_endpoint_ready")
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
 
@@ -24,7 +24,8 @@ def _without_created_values(text: str) -> str:
     return re.sub(r"(_created(?:\{[^}]*\})?) \S+", r"\1 T", text)
 
 
-def _reference(registry: CollectorRegistry) -> tuple[Histogram, Counter, Gauge, Histogram]:
+def _reference(registry: CollectorRegistry
+               ) -> tuple[Histogram, Counter, Gauge, Histogram, Gauge]:
     histogram = Histogram(
         "kvswitch_epp_scheduler_e2e_duration_seconds",
         "Time to run one scheduling cycle (filters, scorers, picker), excluding queueing.",
@@ -38,7 +39,9 @@ def _reference(registry: CollectorRegistry) -> tuple[Histogram, Counter, Gauge, 
         registry=registry)
     gauge = Gauge("kvswitch_epp_endpoint_in_flight_requests",
                   "Requests the EPP routed and not finished.", ["endpoint"], registry=registry)
-    return histogram, counter, gauge, durations
+    ready = Gauge("kvswitch_epp_endpoint_ready", "1 when the endpoint is eligible for scheduling.",
+                  ["endpoint"], registry=registry)
+    return histogram, counter, gauge, durations, ready
 
 
 def _families(text: str, names: tuple[str, ...]) -> str:
@@ -53,7 +56,7 @@ def test_counted_metrics_expose_what_prometheus_client_would(created: bool) -> N
     try:
         ours = EppMetrics()
         reference = CollectorRegistry()
-        histogram, counter, gauge, durations = _reference(reference)
+        histogram, counter, gauge, durations, ready = _reference(reference)
         for value in (0.00005, 0.0001, 0.0003, 0.002, 0.2, 31.0, 0.0001):
             ours.scheduling_seconds.observe(value)
             histogram.observe(value)
@@ -72,6 +75,10 @@ def test_counted_metrics_expose_what_prometheus_client_would(created: bool) -> N
             endpoint.in_flight = count
             ours.in_flight.show(endpoint)
             gauge.labels(address).set(count)
+        pool = [Endpoint(EndpointSpec(f"10.0.0.{i}:8000")) for i in (1, 2)]
+        ours.endpoint_ready.track(pool, {"10.0.0.2:8000"})
+        ready.labels("10.0.0.1:8000").set(0)
+        ready.labels("10.0.0.2:8000").set(1)
         expected = _families(generate_latest(reference).decode(), NAMES)
         served = _families(generate_latest(ours.registry).decode(), NAMES)
     finally:

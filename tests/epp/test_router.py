@@ -176,11 +176,14 @@ async def test_in_flight_counts_and_usage_metrics() -> None:
     assert 'status="200"' in text
 
 
-def _in_flight_series(router: EppRouter) -> dict[str, float]:
-    name = "kvswitch_epp_endpoint_in_flight_requests"
+def _endpoint_series(router: EppRouter, name: str) -> dict[str, float]:
     return {sample.labels["endpoint"]: sample.value
             for family in router.metrics.registry.collect() if family.name == name
             for sample in family.samples}
+
+
+def _in_flight_series(router: EppRouter) -> dict[str, float]:
+    return _endpoint_series(router, "kvswitch_epp_endpoint_in_flight_requests")
 
 
 async def test_in_flight_gauge_exports_never_picked_endpoints_from_the_start() -> None:
@@ -220,6 +223,20 @@ async def test_in_flight_gauge_follows_picks_and_keeps_a_removed_endpoint_while_
     router.datalayer.set_endpoints(specs)
     router.update_gauges()
     assert _in_flight_series(router) == dict.fromkeys(ADDRS, 0.0)
+
+
+async def test_endpoint_ready_gauge_follows_the_pool_and_drops_an_endpoint_that_left() -> None:
+    router = make_router()
+    failed = ADDRS[1]
+    router.datalayer.mark_failed(failed)
+    router.update_gauges()
+    ready = "kvswitch_epp_endpoint_ready"
+    assert _endpoint_series(router, ready) == {**dict.fromkeys(ADDRS, 1.0), failed: 0.0}
+    gone = ADDRS[0]
+    specs = router.refresher.discovery.endpoints  # type: ignore[union-attr]
+    router.datalayer.set_endpoints([s for s in specs if s.address != gone])
+    router.update_gauges()  # no series left behind with its last value (1)
+    assert _endpoint_series(router, ready) == {**dict.fromkeys(ADDRS[1:], 1.0), failed: 0.0}
 
 
 async def test_outcome_status_names_and_the_prompt_length_without_a_usage_trailer() -> None:
