@@ -121,7 +121,7 @@ class OracleRouter:
         queue.waiting[request.index] = uncached
         size = self.index.block_size
         tokens = request.prompt_ids
-        blocks = tuple(StoredBlock(request.index << 20 | i, tuple(tokens[i * size:(i + 1) * size]))
+        blocks = tuple(StoredBlock.of(request.index << 20 | i, tokens[i * size:(i + 1) * size])
                        for i in range(len(hashes)))
         self.pending.apply(engine, [BlocksStored(blocks, None, size)])
         self._placed[request.index] = (engine, len(blocks))

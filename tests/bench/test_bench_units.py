@@ -190,6 +190,8 @@ def test_oracle_sees_prefill_end_in_kv_events_or_at_its_estimate_without_streami
 
     engine = router.choose(request(0))
     assert router.queues[engine].pending_prefill == 64 and router.queues[engine].decoding == 0
+    # The prompt sent counts as soon cached there (its blocks hashed as the index hashes them).
+    assert router.pending.match(index.block_hashes(prompt), ["a", "b"])[engine] == 4
     router.choose(request(1))  # nothing stored yet: request 0 is still prefilling
     assert router.queues[engine].waiting.keys() >= {0}
     blocks = tuple(StoredBlock.of(100 + i, prompt[i * 16:(i + 1) * 16]) for i in range(4))
