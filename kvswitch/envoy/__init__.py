@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from kvswitch.envoy.bootstrap import EPP_HEADERS, GatewayOptions, PoolTarget, Routing, build_bootstrap
+from kvswitch.envoy.bootstrap import (
+    EPP_HEADERS,
+    GatewayOptions,
+    PoolTarget,
+    Routing,
+    build_bootstrap,
+)
 from kvswitch.envoy.cli import add_arguments, read_pool, render, run
 from kvswitch.envoy.process import EnvoyProcess, envoy_binary, validate_config
 

@@ -2,8 +2,9 @@
 
 The EPP reads the objective, fairness id and SLO headers from gRPC metadata exactly as it reads
 them from HTTP headers, so the frontend forwards them (older `x-gateway-*` names under their
-current names), and names the served model in `x-gateway-model-name` (the EPP's `model` label). With `--user-as-fairness-id` the OpenAI `user` field names the tenant when the
-client sent no fairness header.
+current names), and names the served model in `x-gateway-model-name` (the EPP's `model` label).
+With `--user-as-fairness-id` the OpenAI `user` field names the tenant when the client sent no
+fairness header.
 """
 
 from __future__ import annotations
