@@ -92,7 +92,7 @@ class GatewayTarget:
         state.mkdir(parents=True, exist_ok=True)
         port, admin = free_port(), free_port()
         epp_address = None
-        epp_headers = EPP_HEADERS
+        epp_headers: tuple[str, ...] = EPP_HEADERS
         if self.epp_config is not None:
             pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses)
             config = state / "epp.yaml"
