@@ -15,16 +15,24 @@ Three figures, each CPU seconds per request (not wall time):
 - `grpc_floor`: the same child and load with a servicer that only answers constants -- what
   grpc.aio itself costs for one ext_proc stream (4 messages in, 5 out), the floor under `server`.
 With `--skip-response-headers` the driver sends what Envoy sends for a gRPC pool with
-response_header_mode SKIP: no response headers, 3 messages in, 4 out. (kvswitch's own bootstrap
-now skips the response trailers too and learns a request's end from Envoy's access log, so its
-streams are shorter still; these figures keep the trailers exchange other gateways use.)
+response_header_mode SKIP: no response headers, 3 messages in, 4 out.
+
+By default these are the streams other gateways run. `--kvswitch-bootstrap` runs, in every
+figure, the stream kvswitch's own Envoy bootstrap runs for a gRPC pool instead: request_headers
+with only the headers its forward_rules pass for a grpcio call (`:path`, `content-type`,
+`x-request-id`; `EPP_HEADERS` in kvswitch/envoy/bootstrap.py) and, like request_body, the
+`kvswitch` metadata saying the request is access-logged; no response headers or trailers (both
+SKIP), so after routing Envoy ends the stream with RST_STREAM CANCEL instead of END_STREAM
+(`h2_inproc`: that frame; `server`: the client cancels the call; `core`: `close()`). 2 messages
+in (`grpc_floor`: 2 in, 3 out); the request's end comes later from Envoy's access log, which
+these figures do not count.
 
 Server figures are taken over `--rounds` interleaved rounds (h2, grpcio, floor, h2, ...) and
 reported as medians, the in-process ones as the best of `--repeat` runs, since the machine is
 shared (`--rounds 0`: in-process figures only).
 
     .venv/bin/python benchmarks/epp_request_path.py [--prompt-tokens 1024] [--requests 20000]
-        [--rounds 3] [--transports h2,grpcio] [--out FILE.json]
+        [--rounds 3] [--transports h2,grpcio] [--kvswitch-bootstrap] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -40,8 +48,10 @@ import time
 from pathlib import Path
 
 import grpc
+from envoy.config.core.v3.base_pb2 import Metadata
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.struct_pb2 import Struct, Value
 from hpack import Encoder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,9 +62,11 @@ from kvswitch.epp.h2server import _Protocol
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.request import EndpointPicker, RoutingDecision
 from kvswitch.epp.server import PROCESS_PATH, EppServer
-from kvswitch.protocol import vllm_engine_pb2
+from kvswitch.protocol import GENERATE_PATH, vllm_engine_pb2
 from kvswitch.protocol.frames import encode
+from kvswitch.protocol.headers import ACCESS_LOGGED, GATEWAY_METADATA_NAMESPACE
 from kvswitch.protocol.http2 import (
+    CANCEL,
     DATA,
     DEFAULT_WINDOW,
     END_HEADERS,
@@ -62,6 +74,7 @@ from kvswitch.protocol.http2 import (
     HEADERS,
     MAX_WINDOW,
     PREFACE,
+    RST_STREAM,
     SETTINGS,
     U32,
     WINDOW_UPDATE,
@@ -70,6 +83,7 @@ from kvswitch.protocol.http2 import (
 from tests.epp.test_extproc import (
     body,
     grpc_headers,
+    header_map,
     response_headers,
     response_trailers,
 )
@@ -86,12 +100,17 @@ class ConstantRouter:
     def request_finished(self, request: object, outcome: object) -> None: ...
 
 
-def messages(prompt_tokens: int = PROMPT_TOKENS) -> list[ep.ProcessingRequest]:
+def messages(prompt_tokens: int = PROMPT_TOKENS,
+             kvswitch_bootstrap: bool = False) -> list[ep.ProcessingRequest]:
+    """The ext_proc messages of one streamed Generate, in order: other gateways' (request
+    headers, body, response headers, trailers), or kvswitch's bootstrap's (see the module)."""
     generate = vllm_engine_pb2.GenerateRequest(
         request_id="bench", stream=True,
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=range(1000, 1000 + prompt_tokens)),
         sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=64),
     )
+    if kvswitch_bootstrap:
+        return kvswitch_messages(encode(generate.SerializeToString()))
     headers = grpc_headers(("x-request-id", "bench"), ("user-agent", "grpc-python/1.85"),
                            ("x-forwarded-proto", "http"), ("grpc-accept-encoding", "gzip"))
     return [
@@ -104,14 +123,30 @@ def messages(prompt_tokens: int = PROMPT_TOKENS) -> list[ep.ProcessingRequest]:
     ]
 
 
-def run_core(picker: EndpointPicker, n: int, wire: bool, prompt_tokens: int) -> float:
-    msgs = messages(prompt_tokens)
+def kvswitch_messages(framed_request: bytes) -> list[ep.ProcessingRequest]:
+    """What kvswitch's Envoy bootstrap sends for a grpcio Generate to a gRPC pool: the headers
+    its forward_rules pass and the body, each with the metadata of `set_metadata` (forwarded
+    namespace `kvswitch`: logged to the EPP); nothing after routing."""
+    logged = Metadata(filter_metadata={GATEWAY_METADATA_NAMESPACE: Struct(
+        fields={ACCESS_LOGGED: Value(bool_value=True)})})
+    pairs = [(":path", GENERATE_PATH), ("content-type", "application/grpc"),
+             ("x-request-id", "bench")]
+    headers = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=header_map(pairs)),
+                                   metadata_context=logged)
+    request_body = body(framed_request, eos=True)
+    request_body.metadata_context.CopyFrom(logged)
+    return [headers, request_body]
+
+
+def run_core(picker: EndpointPicker, n: int, wire: bool, prompt_tokens: int,
+             kvswitch_bootstrap: bool = False) -> float:
+    msgs = messages(prompt_tokens, kvswitch_bootstrap)
     raw = [m.SerializeToString() for m in msgs]
     start = time.process_time()
     for _ in range(n):
         stream = ExtProcStream(picker)
         replies = []
-        for i in range(4):
+        for i in range(len(msgs)):
             message = ep.ProcessingRequest.FromString(raw[i]) if wire else msgs[i]
             for action in stream.receive(message):
                 if type(action) is NeedRouting:
@@ -141,12 +176,16 @@ class _NullTransport:
     def close(self) -> None: ...
 
 
-def h2_input(n: int, prompt_tokens: int) -> list[list[bytes]]:
+def without_response_headers(msgs: list[ep.ProcessingRequest]) -> list[ep.ProcessingRequest]:
+    return [m for m in msgs if not m.HasField("response_headers")]
+
+
+def h2_input(n: int, prompt_tokens: int, kvswitch_bootstrap: bool = False) -> list[list[bytes]]:
     """What Envoy sends for `n` ext_proc streams on one connection, one list of reads each:
     HEADERS + request_headers + request_body, response_trailers (response headers skipped, as
-    for a gRPC pool), end of stream."""
-    msgs = messages(prompt_tokens)
-    del msgs[2]
+    for a gRPC pool), end of stream; with `kvswitch_bootstrap`, HEADERS + request_headers +
+    request_body, then RST_STREAM CANCEL."""
+    msgs = without_response_headers(messages(prompt_tokens, kvswitch_bootstrap))
     framed = [b"\0" + U32.pack(len(raw)) + raw for raw in (m.SerializeToString() for m in msgs)]
     encoder = Encoder()
     fields = [(":method", "POST"), (":scheme", "http"), (":path", PROCESS_PATH),
@@ -158,16 +197,18 @@ def h2_input(n: int, prompt_tokens: int) -> list[list[bytes]]:
     for i in range(n):
         sid = 2 * i + 1
         block = again if i else first
-        streams.append([
-            frame(HEADERS, END_HEADERS, sid, block) + frame(DATA, 0, sid, framed[0])
-            + frame(DATA, 0, sid, framed[1]),
-            frame(DATA, 0, sid, framed[2]),
-            frame(DATA, END_STREAM, sid, b""),
-        ])
+        reads = [frame(HEADERS, END_HEADERS, sid, block) + frame(DATA, 0, sid, framed[0])
+                 + frame(DATA, 0, sid, framed[1])]
+        if kvswitch_bootstrap:  # routed: Envoy has nothing more to send, and resets the stream
+            reads.append(frame(RST_STREAM, 0, sid, U32.pack(CANCEL)))
+        else:
+            reads += [frame(DATA, 0, sid, framed[2]), frame(DATA, END_STREAM, sid, b"")]
+        streams.append(reads)
     return streams
 
 
-def run_h2(picker: EndpointPicker, n: int, prompt_tokens: int) -> float:
+def run_h2(picker: EndpointPicker, n: int, prompt_tokens: int,
+           kvswitch_bootstrap: bool = False) -> float:
     """The h2 transport in process: Envoy's bytes fed to `_Protocol.data_received`, no socket
     or event loop (the router answers at once)."""
     server = EppServer(picker, port=0)._h2
@@ -177,7 +218,7 @@ def run_h2(picker: EndpointPicker, n: int, prompt_tokens: int) -> float:
     protocol.connection_made(transport)  # type: ignore[arg-type]
     protocol.data_received(PREFACE + frame(SETTINGS, 0, 0, b"")
                            + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
-    streams = h2_input(n, prompt_tokens)
+    streams = h2_input(n, prompt_tokens, kvswitch_bootstrap)
     start = time.process_time()
     for reads in streams:
         for data in reads:
@@ -232,12 +273,13 @@ uvloop.run(main())
 
 
 SKIP_RESPONSE_HEADERS = False
+KVSWITCH_BOOTSTRAP = False
 
 
 async def drive(port: int, n: int, concurrency: int, prompt_tokens: int) -> None:
-    msgs = messages(prompt_tokens)
+    msgs = messages(prompt_tokens, KVSWITCH_BOOTSTRAP)
     if SKIP_RESPONSE_HEADERS:
-        del msgs[2]
+        msgs = without_response_headers(msgs)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
 
@@ -247,6 +289,9 @@ async def drive(port: int, n: int, concurrency: int, prompt_tokens: int) -> None
             await call.write(msgs[1])
             await call.read()
             await call.read()
+            if KVSWITCH_BOOTSTRAP:  # routed: Envoy resets the stream (RST_STREAM CANCEL)
+                call.cancel()
+                return
             for m in msgs[2:]:
                 await call.write(m)
                 await call.read()
@@ -288,20 +333,25 @@ def main() -> None:
     parser.add_argument("--transports", default="h2,grpcio", help="EppServer transports to run")
     parser.add_argument("--skip-response-headers", action="store_true",
                         help="drive the server as Envoy does with response_header_mode SKIP")
+    parser.add_argument("--kvswitch-bootstrap", action="store_true",
+                        help="every figure runs the stream kvswitch's Envoy bootstrap runs for "
+                             "a gRPC pool: fewer request headers, no response messages, reset")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "epp_request_path.json"))
     args = parser.parse_args()
-    global SKIP_RESPONSE_HEADERS
+    global SKIP_RESPONSE_HEADERS, KVSWITCH_BOOTSTRAP
     SKIP_RESPONSE_HEADERS = args.skip_response_headers
+    KVSWITCH_BOOTSTRAP = kvswitch = args.kvswitch_bootstrap
     picker = EndpointPicker(parsers=default_parsers(), router=ConstantRouter())
     tokens = args.prompt_tokens
-    run_core(picker, 2000, wire=True, prompt_tokens=tokens)  # warm up
-    run_h2(picker, 2000, tokens)
+    run_core(picker, 2000, wire=True, prompt_tokens=tokens, kvswitch_bootstrap=kvswitch)  # warm up
+    run_h2(picker, 2000, tokens, kvswitch)
     # The in-process figures: the best of `--repeat` runs, as the machine may be shared.
     share = max(1, args.requests // args.repeat)
-    core = min(run_core(picker, share, wire=False, prompt_tokens=tokens) for _ in range(args.repeat))
-    core_wire = min(run_core(picker, share, wire=True, prompt_tokens=tokens)
-                    for _ in range(args.repeat))
-    h2_inproc = min(run_h2(picker, share, tokens) for _ in range(args.repeat))
+    core = min(run_core(picker, share, wire=False, prompt_tokens=tokens,
+                        kvswitch_bootstrap=kvswitch) for _ in range(args.repeat))
+    core_wire = min(run_core(picker, share, wire=True, prompt_tokens=tokens,
+                             kvswitch_bootstrap=kvswitch) for _ in range(args.repeat))
+    h2_inproc = min(run_h2(picker, share, tokens, kvswitch) for _ in range(args.repeat))
     transports = args.transports.split(",")
     rounds: dict[str, list[tuple[float, float]]] = {t: [] for t in [*transports, "grpc_floor"]}
     for index in range(args.rounds):
@@ -334,6 +384,7 @@ def main() -> None:
                 statistics.median(v[1] for v in values), 1)
     result.update({
         "skip_response_headers": args.skip_response_headers,
+        "kvswitch_bootstrap": kvswitch,
         "load_average_1m": os.getloadavg()[0],
         "python": sys.version.split()[0],
     })
