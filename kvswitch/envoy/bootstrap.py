@@ -4,8 +4,8 @@ Three shapes, all from `GatewayOptions`:
 
 * **kvswitch** (default): `header_mutation` (drop any client-supplied destination header) →
   `set_metadata` (mark the request as logged to the EPP) → `ext_proc` (the EPP: request headers
-  + full-duplex request body in, the mark with them; for HTTP pools the response headers and
-  trailers too, never the response body) → `router` to the pool cluster. The access log of
+  + full-duplex request body in, the mark with them; no response message) → `router` to the
+  pool cluster. The access log of
   marked requests streams to the EPP (`http_grpc`, flushed every 50 ms): it tells the EPP how
   each request ended, so for gRPC pools the ext_proc stream closes once the request is routed
   (response trailers SKIP) and neither the response's end nor an EPP restart depends on it
@@ -82,12 +82,14 @@ _H2_OPTIONS = {
 }
 
 
-# The request headers the EPP reads (the parsers, the endpoint-picker protocol's and llm-d's
-# headers, the session-affinity-scorer's default), the only ones Envoy sends it; a trailing `*`
-# is a prefix. An ext_proc message then carries ~4 headers instead of ~11: less for Envoy to
-# serialize and for the EPP to parse and copy into a dict per request.
+# The headers the EPP reads (the parsers, the endpoint-picker protocol's and llm-d's headers,
+# the session-affinity-scorer's default; on the response side, if response messages are sent,
+# the status and usage), the only ones Envoy sends it; a trailing `*` is a prefix. An ext_proc
+# message then carries ~4 headers instead of ~11: less for Envoy to serialize and for the EPP to
+# parse and copy into a dict per request. (Envoy applies the rules to response headers and
+# trailers too.)
 EPP_HEADERS = (":path", "content-type", "content-length", "grpc-encoding", REQUEST_ID,
-               SESSION_TOKEN, "x-llm-d-*", "x-gateway-*")
+               SESSION_TOKEN, "x-llm-d-*", "x-gateway-*", ":status", "grpc-status", USAGE_TRAILER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +269,6 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
             "value": {ACCESS_LOGGED: True},
         }]},
     }
-    grpc_pool = options.pool.app_protocol == H2C
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -282,13 +283,14 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
                 # Full-duplex body mode requires trailers to be sent; gRPC clients send none,
                 # so nothing extra reaches the EPP in practice.
                 "request_trailer_mode": "SEND",
-                # gRPC pools: the access log brings status, usage and the end, so no response
-                # message at all: the ext_proc stream closes once the request is routed (~7 %
-                # less EPP CPU per streamed request; an EPP restart leaves responses in flight
-                # alone). HTTP pools: the status, from the response headers.
-                "response_header_mode": "SKIP" if grpc_pool else "SEND",
+                # The access log brings status, usage and the end, so no response message at
+                # all: the ext_proc stream closes once the request is routed (~7 % less EPP CPU
+                # per streamed request; an EPP restart leaves responses in flight alone). HTTP
+                # pools too: an HTTP response's headers come before its body, so the EPP waited
+                # for the log entry all the same, and the headers' round trip bought nothing.
+                "response_header_mode": "SKIP",
                 "response_body_mode": "NONE",
-                "response_trailer_mode": "SKIP" if grpc_pool else "SEND",
+                "response_trailer_mode": "SKIP",
             },
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": [GATEWAY_METADATA_NAMESPACE]},

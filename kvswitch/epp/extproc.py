@@ -17,8 +17,8 @@ Envoy's request body mode decides the reply order (it arrives in `protocol_confi
 Requests no parser claims (or whose parser needs no body) are routed on their headers.
 
 Response side: at most response headers and trailers (never the body; see DESIGN section 3).
-kvswitch's own bootstrap sends none for gRPC pools (the access log reports their end:
-`kvswitch.epp.access_log`) and the headers for HTTP pools; other gateways may send both. They
+kvswitch's own bootstrap sends none (the access log reports each request's end:
+`kvswitch.epp.access_log`); other gateways may send both. They
 yield the status and the usage trailer. The routed request is reported finished exactly once:
 at its trailers or at headers with end_of_stream (`seen_end`), or at `close()` (not `seen_end`:
 the router may wait for the request's log entry).
