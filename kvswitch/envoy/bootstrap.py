@@ -4,11 +4,11 @@ Three shapes, all from `GatewayOptions`:
 
 * **kvswitch** (default): `header_mutation` (drop any client-supplied destination header) →
   `set_metadata` (mark the request as logged to the EPP) → `ext_proc` (the EPP: request headers
-  + full-duplex request body in, the mark with them; no response message) → `router` to the
-  pool cluster. The access log of
-  marked requests streams to the EPP (`http_grpc`, flushed every 50 ms): it tells the EPP how
-  each request ended, so for gRPC pools the ext_proc stream closes once the request is routed
-  (response trailers SKIP) and neither the response's end nor an EPP restart depends on it
+  + full-duplex request body in, the mark with them; only the headers it reads, `EPP_HEADERS`;
+  no response message) → `router` to the pool cluster. The access log of marked requests
+  streams to the EPP (`http_grpc`, flushed every 50 ms): it tells the EPP how each request
+  ended, so the ext_proc stream closes once the request is routed (response headers and
+  trailers SKIP) and neither the response's end nor an EPP restart depends on it
   (kvswitch.epp.access_log).
 * **with a frontend**: HTTP OpenAI paths (`/v1/*`, `/health`) go to a STATIC cluster of frontend
   processes with ext_proc disabled on that route; the frontend calls back into this same listener
@@ -123,7 +123,7 @@ class GatewayOptions:
     access_log: bool = False
     frontend_paths: tuple[str, ...] = field(default=("/v1/", "/health"))
     epp_headers: tuple[str, ...] | None = EPP_HEADERS
-    """Request headers sent to the EPP (a trailing `*`: a prefix); None: all of them. Add any
+    """Headers sent to the EPP (a trailing `*`: a prefix); None: all of them. Add any request
     header an EPP plugin reads, e.g. a session-affinity-scorer's own `headerName`."""
 
 

@@ -45,7 +45,7 @@ def new_request_context(headers: Mapping[str, str], *, prefix: str, user: str | 
     client_id = body_request_id or headers.get(h.REQUEST_ID)
     request_id = f"{prefix}-{client_id or _PROCESS_ID + format(next(_COUNTER), '016x')}"
     metadata: list[tuple[str, str]] = [(h.REQUEST_ID, client_id or request_id)]
-    if model:
+    if model and model.isascii() and model.isprintable():  # (what gRPC metadata may carry)
         metadata.append((h.MODEL_NAME, model))
     for name, aliases in _FORWARDED:
         value = headers.get(name)
