@@ -34,7 +34,14 @@ from typing import Any
 
 import yaml
 
-from kvswitch.envoy import EPP_HEADERS, GatewayOptions, PoolTarget, build_bootstrap, render
+from kvswitch.envoy import (
+    EPP_HEADERS,
+    GatewayOptions,
+    PoolTarget,
+    build_bootstrap,
+    render,
+    session_headers,
+)
 from kvswitch.envoy.process import envoy_binary
 from kvswitch.supervisor import ChildExited, ChildSpec, Supervisor, http_ok, port_open
 
@@ -116,20 +123,6 @@ def engine_spec(name: str, port: int, *, profile: str | None = None,
     argv += list(extra)
     return ChildSpec(name, argv, ready=port_open(port), stop_timeout=grace_period + 5,
                      restart=restart)
-
-
-def session_headers(epp_config: Path) -> tuple[str, ...]:
-    """The `headerName`s of the config's session-affinity scorers: Envoy must send the EPP
-    those request headers too (`EPP_HEADERS` has only the default one)."""
-    names = []
-    for doc in yaml.safe_load_all(epp_config.read_text()):
-        plugins = doc.get("plugins") if isinstance(doc, dict) else None
-        for plugin in plugins if isinstance(plugins, list) else ():
-            if isinstance(plugin, dict) and plugin.get("type") == "session-affinity-scorer":
-                name = (plugin.get("parameters") or {}).get("headerName")
-                if isinstance(name, str):
-                    names.append(name)
-    return tuple(names)
 
 
 def write_pool_file(path: Path, endpoints: Sequence[str], *, name: str = "kvswitch",

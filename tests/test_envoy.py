@@ -4,6 +4,7 @@ by the destination header as documented (real Envoy, HTTP/1.1 backends on loopba
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 import urllib.error
 import urllib.request
@@ -107,6 +108,21 @@ def test_only_the_headers_the_epp_reads_are_sent_to_it() -> None:
         {"exact": ":path"}, {"exact": "x-request-id"}, {"prefix": "x-llm-d-"}]
     assert "forward_rules" not in _ext_proc_config(
         build_bootstrap(GatewayOptions(pool=pool, epp_headers=None)))
+
+
+def test_envoy_config_sends_the_epp_its_configs_session_header(
+        pool_file: Path, tmp_path: Path) -> None:
+    epp = tmp_path / "epp.yaml"
+    epp.write_text("kind: EndpointPickerConfig\nplugins:\n"
+                   "- {name: s, type: session-affinity-scorer,"
+                   " parameters: {headerName: x-user-session}}\n")
+    out = tmp_path / "envoy.json"
+    assert cli.main(["envoy-config", "--pool", str(pool_file), "--epp-config", str(epp),
+                     "-o", str(out)]) == 0
+    patterns = _ext_proc_config(json.loads(out.read_text()))["forward_rules"]["allowed_headers"]
+    assert {"exact": "x-user-session"} in patterns["patterns"]
+    result = validate_config(out)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 class _PortEcho(http.server.BaseHTTPRequestHandler):

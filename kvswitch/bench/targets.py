@@ -29,10 +29,17 @@ from kvswitch.bench.engines import EnginePool
 from kvswitch.bench.oracle import OracleRouter
 from kvswitch.bench.workloads import BenchRequest
 from kvswitch.engine.sim.profiles import get_profile
-from kvswitch.envoy import EPP_HEADERS, GatewayOptions, PoolTarget, build_bootstrap, render
+from kvswitch.envoy import (
+    EPP_HEADERS,
+    GatewayOptions,
+    PoolTarget,
+    build_bootstrap,
+    render,
+    session_headers,
+)
 from kvswitch.epp.kvindex import KvEventSubscriptions, PrefixIndex
 from kvswitch.supervisor import Child, Supervisor
-from kvswitch.up import envoy_spec, epp_spec, free_port, session_headers, write_pool_file
+from kvswitch.up import envoy_spec, epp_spec, free_port, write_pool_file
 
 
 class TargetUnavailable(Exception):

@@ -9,7 +9,7 @@ from kvswitch.envoy.bootstrap import (
     Routing,
     build_bootstrap,
 )
-from kvswitch.envoy.cli import add_arguments, read_pool, render, run
+from kvswitch.envoy.cli import add_arguments, read_pool, render, run, session_headers
 from kvswitch.envoy.process import EnvoyProcess, envoy_binary, validate_config
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "read_pool",
     "render",
     "run",
+    "session_headers",
     "validate_config",
 ]

@@ -12,7 +12,7 @@ import yaml
 
 from kvswitch.envoy.bootstrap import EPP_HEADERS, H2C, GatewayOptions, PoolTarget, build_bootstrap
 
-__all__ = ["add_arguments", "read_pool", "render", "run"]
+__all__ = ["add_arguments", "read_pool", "render", "run", "session_headers"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also send this request header to the EPP (repeatable; a trailing "
                              "* matches a prefix), e.g. a session-affinity-scorer's headerName. "
                              f"Sent by default: {', '.join(EPP_HEADERS)}")
+    parser.add_argument("--epp-config", metavar="EPP_YAML",
+                        help="the EPP's EndpointPickerConfig: its session-affinity-scorers' "
+                             "headerName headers are sent to the EPP too")
     parser.add_argument("--epp-all-headers", action="store_true",
                         help="send the EPP every request header (plugins of your own that read "
                              "headers kvswitch does not know)")
@@ -46,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
         admin_port=args.admin_port, frontends=tuple(args.frontend),
         round_robin=args.round_robin, routing=args.routing,
         message_timeout_s=args.message_timeout, access_log=args.access_log,
-        epp_headers=None if args.epp_all_headers else (*EPP_HEADERS, *args.epp_header),
+        epp_headers=None if args.epp_all_headers else (
+            *EPP_HEADERS, *args.epp_header,
+            *(session_headers(Path(args.epp_config)) if args.epp_config else ())),
     )
     text = render(build_bootstrap(options), json_format=bool(args.output and
                                                              args.output.endswith(".json")))
@@ -85,6 +90,20 @@ def read_pool(path: str | Path) -> PoolTarget:
     if not endpoints:
         raise ValueError(f"{path}: the pool lists no endpoints")
     return PoolTarget(endpoints=endpoints, app_protocol=H2C if app_protocol == H2C else "http")
+
+
+def session_headers(epp_config: Path) -> tuple[str, ...]:
+    """The `headerName`s of the config's session-affinity scorers: Envoy must send the EPP
+    those request headers too (`EPP_HEADERS` has only the default one)."""
+    names = []
+    for doc in yaml.safe_load_all(epp_config.read_text()):
+        plugins = doc.get("plugins") if isinstance(doc, dict) else None
+        for plugin in plugins if isinstance(plugins, list) else ():
+            if isinstance(plugin, dict) and plugin.get("type") == "session-affinity-scorer":
+                name = (plugin.get("parameters") or {}).get("headerName")
+                if isinstance(name, str):
+                    names.append(name)
+    return tuple(names)
 
 
 def _addresses(entry: Any, ports: list[int]) -> list[str]:

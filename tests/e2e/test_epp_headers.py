@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvswitch.up import DEFAULT_EPP_CONFIG, session_headers
+from kvswitch.envoy import session_headers
+from kvswitch.up import DEFAULT_EPP_CONFIG
 from tests.e2e.conftest import cached_on, generate, prompt, running_gateway
 
 SESSION_HEADER = "x-user-session"
