@@ -1,6 +1,6 @@
 """CPU cost of the EPP request path per request: a streaming Generate (`--prompt-tokens`, 1024).
 
-Three figures, each CPU seconds per request (not wall time):
+Five figures, each CPU seconds per request (not wall time):
 - `core`: ExtProcStream alone (headers, body, routed, response headers, trailers, close) on
   prebuilt messages -- parsing, routing bookkeeping, reply building;
 - `core_wire`: the same plus protobuf (de)serialization of every ext_proc message, as grpc does;
