@@ -177,13 +177,18 @@ class _Stream:
         self.recv_unacked = 0
 
 
+def check_stream_limit(limit: int) -> None:
+    """SETTINGS_MAX_CONCURRENT_STREAMS is a 32-bit value; 0 would refuse every stream."""
+    if not 0 < limit < 1 << 32:
+        raise ValueError(f"max_concurrent_streams {limit} is not in 1..2^32-1")
+
+
 class H2GrpcConnection:
     """The server side of one HTTP/2 connection carrying gRPC calls; no I/O."""
 
     def __init__(self, *, max_message_bytes: int = 4 << 20, stream_window: int = _STREAM_WINDOW,
                  max_concurrent_streams: int = MAX_CONCURRENT_STREAMS) -> None:
-        if not 0 < max_concurrent_streams < 1 << 32:
-            raise ValueError(f"max_concurrent_streams {max_concurrent_streams} is not in 1..2^32-1")
+        check_stream_limit(max_concurrent_streams)
         self.max_concurrent_streams = max_concurrent_streams
         self.max_message_bytes = max_message_bytes
         self.stream_window = stream_window

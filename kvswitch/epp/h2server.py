@@ -40,6 +40,7 @@ from kvswitch.epp.h2connection import (
     MessageReceived,
     StreamOpened,
     StreamReset,
+    check_stream_limit,
 )
 from kvswitch.protocol.http2 import INTERNAL_ERROR
 
@@ -197,8 +198,7 @@ class H2GrpcServer:
     def __init__(self, handlers: Mapping[str, HandlerFactory], *, host: str = "127.0.0.1",
                  port: int = 0, max_message_bytes: int = 4 << 20,
                  max_concurrent_streams: int = MAX_CONCURRENT_STREAMS) -> None:
-        if not 0 < max_concurrent_streams < 1 << 32:  # fail here, not at the first connection
-            raise ValueError(f"max_concurrent_streams {max_concurrent_streams} is not in 1..2^32-1")
+        check_stream_limit(max_concurrent_streams)  # here, not at the first connection
         self.handlers = dict(handlers)
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
