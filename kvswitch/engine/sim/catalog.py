@@ -47,7 +47,6 @@ GPUS: dict[str, GpuSpec] = {
         memory_bytes=79.22 * GIB,
         link_bandwidth=450e9,
         runtime_reserve_bytes=1.79 * GIB,
-        tp_reserve_bytes=1.79 * GIB,
     ),
 }
 

@@ -94,9 +94,7 @@ class GpuSpec:
     link_bandwidth: float
     """Bytes/s each way between two GPUs of a tensor-parallel group (NVLink)."""
     runtime_reserve_bytes: float
-    """Non-torch memory per GPU (CUDA context, cuBLAS workspace) for one GPU alone..."""
-    tp_reserve_bytes: float
-    """...and what tensor parallelism adds (NCCL / custom all-reduce buffers)."""
+    """Memory per GPU outside torch's allocator (CUDA context, cuBLAS and NCCL workspaces)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,11 +176,10 @@ class Roofline:
     ) -> int:
         """KV tokens one engine holds (the memory formula in the module docstring)."""
         g = self.gpu
-        reserve = g.runtime_reserve_bytes + (g.tp_reserve_bytes if self.tp > 1 else 0.0)
         free = (
             gpu_memory_utilization * g.memory_bytes
             - self.model.weight_bytes / self.tp
-            - reserve
+            - g.runtime_reserve_bytes
             - self.activation_peak_bytes(max_num_batched_tokens, max_num_seqs)
         )
         if free <= 0:
