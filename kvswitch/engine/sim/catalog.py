@@ -51,7 +51,7 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 EFFICIENCY = Efficiency(
-    gemm=0.70,
+    gemm=0.65,
     weights=0.85,
     attention=0.60,
     kv=0.80,
