@@ -49,16 +49,6 @@ from kvswitch.epp.request import InferenceRequest
 TYPE = "estimated-ttft-scorer"
 
 
-def estimated_work(endpoint: Endpoint, prompt: int, matched_fraction: float,
-                   running_tokens: float, pending: int = 0) -> float:
-    """est(e) of the module docstring, in prompt tokens; `pending` is Wp(e)."""
-    m = endpoint.metrics
-    queued = (m.waiting_tokens if m.waiting_tokens else m.waiting * prompt) \
-        + endpoint.unreported_tokens
-    return (max(queued, pending) + (1.0 - matched_fraction) * prompt
-            + running_tokens * m.running)
-
-
 class EstimatedTtftScorer:
     def __init__(self, name: str, running_tokens: float = 16.0) -> None:
         self.name = name
@@ -71,10 +61,20 @@ class EstimatedTtftScorer:
         blocks = len(match.hashes) if match is not None else 0
         matched = match.matched if match is not None and blocks else {}
         pending = match.pending_prefill if match is not None else None
-        work = [estimated_work(e, prompt, matched.get(e.address, 0) / blocks if blocks else 0.0,
-                               self.running_tokens,
-                               pending(e.address) if pending is not None else 0)
-                for e in endpoints]
+        running_tokens = self.running_tokens
+        work = []
+        # est(e) of the module docstring, inline (a helper call per endpoint cost ~0.3 us).
+        for e in endpoints:
+            m = e.metrics
+            queued = (m.waiting_tokens if m.waiting_tokens else m.waiting * prompt) \
+                + e.unreported_tokens
+            if pending is not None:
+                in_progress = pending(e.address)
+                if in_progress > queued:  # noqa: PLR1730 (no max() call per endpoint)
+                    queued = in_progress
+            held = matched.get(e.address, 0) if matched else 0
+            work.append(queued + (1.0 - held / blocks if held else 1.0) * prompt
+                        + running_tokens * m.running)
         least = min(work) + 1.0
         return [least / (w + 1.0) for w in work]
 
