@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                              "step or two is not a regression)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("routing-panel"))
+    parser.add_argument("--tree", default=None,
+                        help="the code version to record (default: git describe of this "
+                             "script's repository)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -334,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             panel.append(run_member(member, routers, tokenizer, args, bar))
     labels = [label for label, _ in routers]
     epp_labels = [label for label, _ in epp]
-    git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True, check=False).stdout.strip() or "?"
+    git = args.tree or subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True, text=True, check=False).stdout.strip() or "?"
     command = ["python", "benchmarks/routing_panel.py", *(argv or sys.argv[1:])]
     meta = {"command": " ".join(command),
             "replicas": args.replicas, "seed": args.seed, "scale": args.scale,
