@@ -22,6 +22,9 @@ from dataclasses import dataclass, fields
 from kvswitch.errors import InvalidRequest
 
 __all__ = [
+    "HTTP_DEFAULTS",
+    "MESSAGE_DEFAULTS",
+    "SAMPLING_DEFAULTS",
     "HttpLimits",
     "MessageLimits",
     "SamplingCounts",
@@ -123,6 +126,10 @@ class MessageLimits:
     """One gRPC request message, after decompression; larger: RESOURCE_EXHAUSTED."""
 
 
+SAMPLING_DEFAULTS = SamplingLimits()
+HTTP_DEFAULTS = HttpLimits()
+MESSAGE_DEFAULTS = MessageLimits()
+
 _HELP = {
     "max_n": "largest n (and best_of) per request",
     "max_logprobs": "largest logprobs / prompt_logprobs (top alternatives per token)",
@@ -159,7 +166,7 @@ def _from_args(kind: type, args: argparse.Namespace) -> object:
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, *,
-                       defaults: SamplingLimits = SamplingLimits()) -> None:
+                       defaults: SamplingLimits = SAMPLING_DEFAULTS) -> None:
     _add_flags(parser, "request limits (larger: INVALID_ARGUMENT / 400)", defaults)
 
 
@@ -167,7 +174,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingLimits:
     return _from_args(SamplingLimits, args)  # type: ignore[return-value]
 
 
-def add_http_flags(parser: argparse.ArgumentParser, *, defaults: HttpLimits = HttpLimits(),
+def add_http_flags(parser: argparse.ArgumentParser, *, defaults: HttpLimits = HTTP_DEFAULTS,
                    skip: Sequence[str] = ()) -> None:
     _add_flags(parser, "HTTP/1.1 limits", defaults, skip)
 
@@ -177,7 +184,7 @@ def http_from_args(args: argparse.Namespace) -> HttpLimits:
 
 
 def add_message_flags(parser: argparse.ArgumentParser, *,
-                      defaults: MessageLimits = MessageLimits()) -> None:
+                      defaults: MessageLimits = MESSAGE_DEFAULTS) -> None:
     _add_flags(parser, "gRPC message limits", defaults)
 
 

@@ -22,17 +22,17 @@ from kvswitch.engine.base import (
     TokenLogprob,
 )
 from kvswitch.errors import InvalidRequest
-from kvswitch.limits import SamplingCounts, SamplingLimits, check_sampling
+from kvswitch.limits import SAMPLING_DEFAULTS, SamplingCounts, SamplingLimits, check_sampling
 from kvswitch.protocol import vllm_engine_pb2 as pb
 
 # vLLM's default --max-logprobs (`kvswitch engine --max-logprobs`).
-MAX_LOGPROBS = SamplingLimits().max_logprobs
+MAX_LOGPROBS = SAMPLING_DEFAULTS.max_logprobs
 # A client that casts top_k = -1 ("disabled", as vLLM accepts it) to uint32 sends this.
 _UINT32_MINUS_ONE = 2**32 - 1
 
 
 def sampling_from_proto(params: pb.SamplingParams, card: ModelCard,
-                        limits: SamplingLimits = SamplingLimits()) -> SamplingOptions:
+                        limits: SamplingLimits = SAMPLING_DEFAULTS) -> SamplingOptions:
     """Convert and validate; raises `InvalidRequest` naming the bad field."""
     check_sampling(sampling_counts(params), limits)
     top_k = 0 if params.top_k == _UINT32_MINUS_ONE else int(params.top_k)

@@ -23,7 +23,7 @@ from kvswitch.engine.base import Engine
 from kvswitch.engine.metrics import EngineMetrics, MetricsHttpServer
 from kvswitch.engine.registration import add_engine_servicer
 from kvswitch.engine.servicer import VllmEngineServicer
-from kvswitch.limits import MessageLimits, SamplingLimits
+from kvswitch.limits import MESSAGE_DEFAULTS, SAMPLING_DEFAULTS, MessageLimits, SamplingLimits
 from kvswitch.protocol import SERVICE_NAME
 from kvswitch.tokenization import TokenizerBundle
 
@@ -55,8 +55,8 @@ class ServerOptions:
     tokenizer_dir: str | None = None
     description: str = ""
     """Extra words for the startup log line (profile, time scale)."""
-    sampling_limits: SamplingLimits = SamplingLimits()
-    message_limits: MessageLimits = MessageLimits()
+    sampling_limits: SamplingLimits = SAMPLING_DEFAULTS
+    message_limits: MessageLimits = MESSAGE_DEFAULTS
 
 
 class EngineServer:

@@ -40,7 +40,7 @@ from kvswitch.engine.metrics import EngineMetrics
 from kvswitch.engine.request_log import RequestLog, RequestRecord
 from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
 from kvswitch.errors import InvalidRequest, KvswitchError
-from kvswitch.limits import SamplingLimits
+from kvswitch.limits import SAMPLING_DEFAULTS, SamplingLimits
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import USAGE_TRAILER
@@ -58,7 +58,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, engine: Engine, tokenizer: TokenizerBundle, *,
                  tokenizer_dir: str | None = None, metrics: EngineMetrics | None = None,
                  request_log: RequestLog | None = None,
-                 limits: SamplingLimits = SamplingLimits()):
+                 limits: SamplingLimits = SAMPLING_DEFAULTS):
         self.engine = engine
         self.limits = limits
         self.request_log = request_log

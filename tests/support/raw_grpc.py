@@ -68,7 +68,7 @@ async def _read_status(reader: asyncio.StreamReader) -> tuple[int, str]:
     while True:
         head = await reader.readexactly(9)
         length = int.from_bytes(head[:3], "big")
-        kind, flags, stream = head[3], head[4], int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+        kind, stream = head[3], int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
         payload = await reader.readexactly(length)
         if kind == HEADERS and stream == 1:
             fields = dict(decoder.decode(payload))
