@@ -16,8 +16,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from kvswitch.errors import InvalidRequest
 
@@ -34,7 +35,9 @@ __all__ = [
     "add_sampling_flags",
     "check_sampling",
     "http_from_args",
+    "json_sampling_counts",
     "message_from_args",
+    "proto_sampling_counts",
     "sampling_from_args",
 ]
 
@@ -69,6 +72,37 @@ class SamplingCounts:
     stop_token_ids: int = 0
     logit_bias: int = 0
     max_tokens: int | None = None
+
+
+def proto_sampling_counts(params: Any) -> SamplingCounts:
+    """The counts of a vLLM gRPC `SamplingParams` message (logprobs excepted: the engine checks
+    them in vLLM's words)."""
+    return SamplingCounts(
+        n=params.n, stop=tuple(params.stop), stop_token_ids=len(params.stop_token_ids),
+        logit_bias=len(params.logit_bias),
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None)
+
+
+def json_sampling_counts(body: Mapping[str, Any]) -> SamplingCounts:
+    """The counts of an OpenAI completions / chat body; a field of the wrong type counts as
+    absent (the server that validates the body refuses it)."""
+    stop = body.get("stop")
+    stops: Sequence[str] = (stop,) if isinstance(stop, str) else (
+        [s for s in stop if isinstance(s, str)] if isinstance(stop, list) else ())
+    stop_ids, bias = body.get("stop_token_ids"), body.get("logit_bias")
+    logprobs = _count(body, "logprobs")
+    return SamplingCounts(
+        n=_count(body, "n"), best_of=_count(body, "best_of"),
+        logprobs=_count(body, "top_logprobs") if logprobs is None else logprobs,
+        prompt_logprobs=_count(body, "prompt_logprobs"), stop=stops,
+        stop_token_ids=len(stop_ids) if isinstance(stop_ids, list) else 0,
+        logit_bias=len(bias) if isinstance(bias, dict) else 0,
+        max_tokens=_count(body, "max_completion_tokens") or _count(body, "max_tokens"))
+
+
+def _count(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    return value if type(value) is int else None
 
 
 def check_sampling(counts: SamplingCounts, limits: SamplingLimits) -> None:

@@ -22,7 +22,12 @@ from kvswitch.engine.base import (
     TokenLogprob,
 )
 from kvswitch.errors import InvalidRequest
-from kvswitch.limits import SAMPLING_DEFAULTS, SamplingCounts, SamplingLimits, check_sampling
+from kvswitch.limits import (
+    SAMPLING_DEFAULTS,
+    SamplingLimits,
+    check_sampling,
+    proto_sampling_counts,
+)
 from kvswitch.protocol import vllm_engine_pb2 as pb
 
 # vLLM's default --max-logprobs (`kvswitch engine --max-logprobs`).
@@ -34,7 +39,7 @@ _UINT32_MINUS_ONE = 2**32 - 1
 def sampling_from_proto(params: pb.SamplingParams, card: ModelCard,
                         limits: SamplingLimits = SAMPLING_DEFAULTS) -> SamplingOptions:
     """Convert and validate; raises `InvalidRequest` naming the bad field."""
-    check_sampling(sampling_counts(params), limits)
+    check_sampling(proto_sampling_counts(params), limits)
     top_k = 0 if params.top_k == _UINT32_MINUS_ONE else int(params.top_k)
     options = SamplingOptions(
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
@@ -60,15 +65,6 @@ def sampling_from_proto(params: pb.SamplingParams, card: ModelCard,
     )
     validate_sampling(options, card, limits.max_logprobs)
     return options
-
-
-def sampling_counts(params: pb.SamplingParams) -> SamplingCounts:
-    """What `SamplingLimits` bounds, read off the message before anything is built from it
-    (logprobs are checked by `validate_sampling`, in vLLM's words)."""
-    return SamplingCounts(
-        n=params.n, stop=params.stop, stop_token_ids=len(params.stop_token_ids),
-        logit_bias=len(params.logit_bias),
-        max_tokens=params.max_tokens if params.HasField("max_tokens") else None)
 
 
 def _constraint(params: pb.SamplingParams) -> tuple[str, str] | None:
