@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_QUEUED = 16
 """Pipelined requests parsed ahead of the one being served before reading pauses."""
+_LINGER_SECONDS = 2.0
 
 
 
@@ -245,10 +246,25 @@ class _Connection(asyncio.Protocol):
             return
         if not keep_alive:
             assert self._transport is not None
-            self._transport.close()
+            if pending.refusal is not None:
+                self._linger()
+            else:
+                self._transport.close()
             self._task = None
             return
         self._next()
+
+    def _linger(self) -> None:
+        """Close after a refusal without losing it: closing a socket with unread request bytes
+        sends a TCP reset, which can destroy the response before the client (or a proxy
+        still sending the body: Envoy then answers 503) reads it. So, as nginx's lingering
+        close does, end the write side, read and drop what still comes for a moment, close."""
+        transport = self._transport
+        assert transport is not None
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()  # data_received drops it: the connection is broken
+        asyncio.get_running_loop().call_later(_LINGER_SECONDS, transport.close)
 
     def _write_reply(self, reply: Reply, keep_alive: bool, head: bool = False) -> None:
         assert self._transport is not None
