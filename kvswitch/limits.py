@@ -9,6 +9,8 @@
   bytes (414 / 431), header count (431), a deadline for the request head and one for the body
   (408), the keep-alive idle timeout.
 - `MessageLimits`: one gRPC message after decompression (RESOURCE_EXHAUSTED / 413).
+- `MAX_TOKENIZER_ARCHIVE_BYTES`: a tokenizer archive the frontend downloads from its target
+  (GetTokenizer), compressed and each file inflated.
 
 `add_*_flags(parser)` declares a kind's flags and `*_from_args(args)` reads them back.
 """
@@ -24,6 +26,7 @@ from kvswitch.errors import InvalidRequest
 
 __all__ = [
     "HTTP_DEFAULTS",
+    "MAX_TOKENIZER_ARCHIVE_BYTES",
     "MESSAGE_DEFAULTS",
     "SAMPLING_DEFAULTS",
     "HttpLimits",
@@ -42,6 +45,7 @@ __all__ = [
 ]
 
 _MiB = 1024 * 1024
+MAX_TOKENIZER_ARCHIVE_BYTES = 256 * _MiB
 
 
 @dataclass(frozen=True, slots=True)
