@@ -10,6 +10,7 @@ checks reach past the first length or type test.
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
 import zlib
 from collections.abc import Callable
@@ -171,7 +172,7 @@ _openai_body = st.one_of(
         {"role": st.sampled_from(["user", "system", "x"]), "content": _json}), max_size=3)},
         optional={"logprobs": _json, "top_logprobs": _json, "n": _json}),
     _json)
-_openai_bytes = _mutated(_openai_body.map(orjson.dumps))
+_openai_bytes = _mutated(_openai_body.map(lambda v: json.dumps(v).encode()))
 
 
 def check_openai(args: tuple[bytes, str]) -> None:

@@ -8,7 +8,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.fuzz.targets import TARGETS, Target
+from tests.fuzz.targets import CONFIG, TARGETS, Target
 
 EXAMPLES = int(os.environ.get("KVSWITCH_FUZZ_EXAMPLES", "150"))
 
@@ -22,3 +22,8 @@ def test_fuzz(target: Target) -> None:
         target.check(value)
 
     run()
+
+
+def test_a_yaml_escape_past_unicode_is_a_config_error() -> None:
+    # Found by the epp-config target: pyyaml raised a bare ValueError for it.
+    CONFIG.check('apiVersion: x\nkind: Other\nschedulingProfiles:\n- "\\U10010000": null\n')
