@@ -43,6 +43,7 @@ class Streams:
     threads: list[threading.Thread] = field(default_factory=list)
 
     def run(self, body: Callable[[Callable[[], None]], str], count: int) -> None:
+        """Start `count` streams; returns once each has had its first token."""
         def one() -> None:
             try:
                 outcome = body(self.started.release)
@@ -133,7 +134,8 @@ def test_kill_9_mid_stream(gateway: Gateway, victim: str) -> None:
         pytest.skip("needs the frontend")
     streams = Streams()
     make = http_stream if victim.startswith("frontend") else grpc_stream
-    streams.run(lambda first, i=iter(range(1000)): make(gateway, next(i))(first), count=6)
+    seeds = iter(range(1000))
+    streams.run(lambda first: make(gateway, next(seeds))(first), count=6)
     killed_at = time.monotonic()
     os.kill(gateway.supervisor.get(victim).pid, signal.SIGKILL)
     streams.join(killed_at + ENDED_WITHIN + 5)
