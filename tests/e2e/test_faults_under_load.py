@@ -42,9 +42,9 @@ class Streams:
     outcomes: list[tuple[float, str]] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
 
-    def run(self, body: Callable[[Callable[[], None]], str], count: int) -> None:
-        """Start `count` streams; returns once each has had its first token."""
-        def one() -> None:
+    def run(self, bodies: list[Callable[[Callable[[], None]], str]]) -> None:
+        """Start the streams; returns once each has had its first token."""
+        def one(body: Callable[[Callable[[], None]], str]) -> None:
             try:
                 outcome = body(self.started.release)
             except grpc.RpcError as exc:
@@ -55,10 +55,11 @@ class Streams:
                 outcome = f"unexpected {type(exc).__name__}: {exc}"
             self.outcomes.append((time.monotonic(), outcome))
 
-        self.threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
+        self.threads = [threading.Thread(target=one, args=(body,), daemon=True)
+                        for body in bodies]
         for thread in self.threads:
             thread.start()
-        for _ in range(count):  # every stream has its first token before the fault
+        for _ in bodies:  # every stream has its first token before the fault
             assert self.started.acquire(timeout=60), self.outcomes
 
     def join(self, deadline: float) -> None:
@@ -134,8 +135,7 @@ def test_kill_9_mid_stream(gateway: Gateway, victim: str) -> None:
         pytest.skip("needs the frontend")
     streams = Streams()
     make = http_stream if victim.startswith("frontend") else grpc_stream
-    seeds = iter(range(1000))
-    streams.run(lambda first: make(gateway, next(seeds))(first), count=6)
+    streams.run([make(gateway, seed) for seed in range(6)])
     killed_at = time.monotonic()
     os.kill(gateway.supervisor.get(victim).pid, signal.SIGKILL)
     streams.join(killed_at + ENDED_WITHIN + 5)
