@@ -15,7 +15,11 @@ Scope, on purpose: h2c (prior knowledge), unary request -> streamed responses (`
 for exactly one), no compression. Large flow-control windows are granted up front and refilled
 as they are used, so a stream can live for days. A call may carry a deadline (sent as
 `grpc-timeout`; when it passes the call fails with DEADLINE_EXCEEDED and is reset). A lost
-connection fails every open call with UNAVAILABLE at once. A call this channel cannot start (no
+connection fails every open call with UNAVAILABLE at once. With `keepalive` (seconds) a
+connection sends PINGs and drops itself, failing its calls, when one goes unanswered for an
+interval (a half-open connection to a silent peer). A frame that breaks RFC 9113's rules
+(`_check_frame`, header blocks over `MAX_HEADER_BLOCK`) is a connection error: GOAWAY, then the
+same. A call this channel cannot start (no
 connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE `StreamError`:
 the frontend then uses grpc.aio instead. HPACK is `hpack` (python-hyper); without it installed
 `available()` is False and the frontend stays on grpc.aio.
@@ -66,6 +70,7 @@ _MAX_FRAME = 1 << 20
 MAX_HEADER_BLOCK = 256 * 1024
 """Largest header block (HEADERS + CONTINUATION) read before the connection is dropped."""
 _FIXED_LENGTH = {RST_STREAM: 4, WINDOW_UPDATE: 4, PING: 8}
+_KEEPALIVE_PING = b"kvswkeep"
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _RST_CODES = {0x7: grpc.StatusCode.UNAVAILABLE, 0x8: grpc.StatusCode.CANCELLED,
               0xB: grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -334,8 +339,15 @@ def timeout_header(seconds: float) -> str:
 
 class _Connection(asyncio.Protocol):
     def __init__(self, authority: str, user_agent: str = "kvswitch-frontend",
-                 on_lost: Callable[[], None] | None = None) -> None:
+                 on_lost: Callable[[], None] | None = None,
+                 keepalive: float | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.keepalive = keepalive
+        """Seconds between keepalive PINGs; a PING not answered by the next one ends the
+        connection (a half-open TCP connection to a silent peer). None: no PINGs."""
+        self._ping_timer: asyncio.TimerHandle | None = None
+        self._ping_answered = True
+        self._last_received = self.loop.time()
         self.authority = authority
         self.user_agent = user_agent
         self.on_lost = on_lost
@@ -361,11 +373,37 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.keepalive is not None:
+            self._ping_timer = self.loop.call_later(self.keepalive, self._ping)
         settings = struct.pack(">HIHIHI", 0x2, 0, 0x4, MAX_WINDOW, 0x5, 1 << 20)
         self.transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)  # type: ignore[union-attr]
                              + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - 65535)))
 
+    def _ping(self) -> None:
+        if self.closed or self.transport is None or self.keepalive is None:
+            return
+        quiet_since = self._last_received
+        if self._ping_answered and self.loop.time() - quiet_since < self.keepalive:
+            # Frames arrived within the interval: the peer is alive, no PING needed (servers
+            # count PINGs on a busy connection as abuse less often than on an idle one).
+            self._ping_timer = self.loop.call_at(quiet_since + self.keepalive, self._ping)
+            return
+        if not self._ping_answered:
+            # No answer for a whole interval: the peer is gone, whatever TCP says. Abort (a
+            # close would wait to flush into a connection that no longer drains).
+            self._failed = True
+            self._closing()
+            self.transport.abort()
+            self.connection_lost(None)
+            return
+        self._ping_answered = False
+        self.transport.write(frame(PING, 0, 0, _KEEPALIVE_PING))
+        self._ping_timer = self.loop.call_later(self.keepalive, self._ping)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._ping_timer is not None:
+            self._ping_timer.cancel()
+            self._ping_timer = None
         self._closing()
         for call in list(self.streams.values()):
             call._finish(StreamError(grpc.StatusCode.UNAVAILABLE,
@@ -452,6 +490,7 @@ class _Connection(asyncio.Protocol):
     def _receive(self, data: bytes) -> None:
         if self._failed:
             return
+        self._last_received = self.loop.time()
         buffer = self._buffer + data if self._buffer else data
         offset, size = 0, len(buffer)
         # Plain DATA frames are gathered per stream and handed over once per read, so a stream
@@ -528,6 +567,8 @@ class _Connection(asyncio.Protocol):
             self._write(frame(SETTINGS, ACK, 0))
         elif kind == PING and not flags & ACK:
             self._write(frame(PING, ACK, 0, payload))
+        elif kind == PING:
+            self._ping_answered = True
         elif kind == WINDOW_UPDATE and stream_id == 0:
             self._send_window += U32.unpack_from(payload)[0] & 0x7FFFFFFF
             if self._send_window > MAX_WINDOW:
@@ -615,10 +656,12 @@ class H2Channel:
 
     def __init__(self, addresses: Sequence[tuple[str, int]], *,
                  user_agent: str = "kvswitch-frontend",
-                 on_lost: Callable[[], None] | None = None) -> None:
+                 on_lost: Callable[[], None] | None = None,
+                 keepalive: float | None = None) -> None:
         self._addresses = list(addresses)
         self._user_agent = user_agent
         self._on_lost = on_lost
+        self._keepalive = keepalive
         self._connections: list[_Connection | None] = [None] * len(self._addresses)
         self._connecting: list[asyncio.Task[_Connection] | None] = [None] * len(self._addresses)
         self._turn = 0
@@ -685,7 +728,8 @@ class H2Channel:
         host, port = self._addresses[index]
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(
-            lambda: _Connection(_authority(host, port), self._user_agent, self._on_lost),
+            lambda: _Connection(_authority(host, port), self._user_agent, self._on_lost,
+                                self._keepalive),
             host, port)
         self._connections[index] = conn
         return conn
