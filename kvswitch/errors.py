@@ -14,6 +14,7 @@ __all__ = [
     "GRPC_TO_HTTP",
     "Cancelled",
     "DeadlineExceeded",
+    "HeadersTooLarge",
     "InternalError",
     "InvalidRequest",
     "KvswitchError",
@@ -23,6 +24,7 @@ __all__ = [
     "RequestTimeout",
     "Unavailable",
     "Unimplemented",
+    "UriTooLong",
     "grpc_code_for_http",
     "http_status_for_grpc",
     "openai_type_for_http",
@@ -56,6 +58,17 @@ class PayloadTooLarge(KvswitchError):
     # gRPC reports an oversize message as RESOURCE_EXHAUSTED; HTTP has a status of its own.
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 413
+
+
+class HeadersTooLarge(KvswitchError):
+    # An HTTP request head over the server's limits (size or field count).
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 431
+
+
+class UriTooLong(KvswitchError):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 414
 
 
 class RateLimited(KvswitchError):
@@ -125,7 +138,9 @@ _HTTP_TO_GRPC: dict[int, grpc.StatusCode] = {
     404: grpc.StatusCode.NOT_FOUND,
     409: grpc.StatusCode.ABORTED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    414: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    431: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,
     501: grpc.StatusCode.UNIMPLEMENTED,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -140,8 +155,10 @@ _OPENAI_TYPES: dict[int, str] = {
     408: "TimeoutError",
     409: "ConflictError",
     413: "BadRequestError",
+    414: "BadRequestError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
+    431: "BadRequestError",
     499: "ClientClosedRequest",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",

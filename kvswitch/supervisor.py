@@ -12,7 +12,10 @@
 
 Children run in their own session (a Ctrl-C in the terminal reaches only the supervisor, which
 then stops them in order) and write stdout+stderr to `<log_dir>/<name>.log`. A child with
-`restart=True` is started again (same argv) after it exits, up to `max_restarts` times.
+`restart=True` is started again (same argv) after it exits, up to `max_restarts` times, with
+backoff: the n-th restart in a row waits `restart_backoff x 2^(n-1)` seconds (at most
+`max_backoff`); a child that ran `stable_after` seconds before exiting starts the count afresh.
+Each exit and each restart is logged ("exited with ...; restarting in 0.5 s", "restarted as").
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ class ChildSpec:
     """Seconds between SIGTERM and SIGKILL (an engine's grace period plus a margin)."""
     restart: bool = False
     max_restarts: int = 5
+    restart_backoff: float = 0.5
+    """Seconds before the first restart in a row; doubled for each further one."""
+    max_backoff: float = 10.0
+    stable_after: float = 30.0
+    """A child that ran this long before exiting is restarted as if for the first time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +105,10 @@ class Child:
         self.spec = spec
         self.log_path = log_path
         self.restarts = 0
+        """Restarts in a row (since the child last ran `stable_after` seconds)."""
+        self.restart_at: float | None = None
+        """When a child waiting out its backoff is started again."""
+        self.started_at = time.monotonic()
         self.reported = False
         """Its exit has been reported by `Supervisor.poll` (and it was not restarted)."""
         self._terminated_pid: int | None = None
@@ -121,8 +133,19 @@ class Child:
         return self.proc.poll() is None
 
     def respawn(self) -> None:
-        self.restarts += 1
+        self.restart_at = None
+        self.started_at = time.monotonic()
         self.proc = self._spawn()
+
+    def schedule_restart(self, now: float) -> float:
+        """Count a restart and set when it happens; returns the backoff in seconds."""
+        spec = self.spec
+        if now - self.started_at >= spec.stable_after:
+            self.restarts = 0
+        self.restarts += 1
+        backoff = min(spec.restart_backoff * 2 ** (self.restarts - 1), spec.max_backoff)
+        self.restart_at = now + backoff
+        return backoff
 
     def wait_ready(self, deadline: float) -> None:
         probe = self.spec.ready
@@ -202,19 +225,28 @@ class Supervisor:
         return [c.pid for c in self.children]
 
     def poll(self) -> list[ChildExited]:
-        """Children that exited since the last poll; restartable ones are started again."""
+        """Children that exited since the last poll and could not be restarted, and those
+        started again once their backoff passed (`restarted_pid`)."""
         events: list[ChildExited] = []
         if self._stopping:
             return events
+        now = time.monotonic()
         for child in self.children:
             if child.alive() or child.reported:
                 continue
             pid, code = child.pid, child.proc.returncode
-            if child.spec.restart and child.restarts < child.spec.max_restarts:
-                child.respawn()
-                logger.warning("%s (pid %d) exited with %d; restarted as pid %d",
-                               child.name, pid, code, child.pid)
-                events.append(ChildExited(child.name, pid, code, child.pid))
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.respawn()
+                    logger.warning("%s (pid %d) exited with %d; restarted as pid %d",
+                                   child.name, pid, code, child.pid)
+                    events.append(ChildExited(child.name, pid, code, child.pid))
+            elif child.spec.restart and (now - child.started_at >= child.spec.stable_after
+                                         or child.restarts < child.spec.max_restarts):
+                backoff = child.schedule_restart(now)
+                logger.warning("%s (pid %d) exited with %d; restarting in %.1f s (restart %d "
+                               "in a row, at most %d)", child.name, pid, code, backoff,
+                               child.restarts, child.spec.max_restarts)
             else:
                 logger.error("%s (pid %d) exited with %d", child.name, pid, code)
                 child.reported = True

@@ -2,12 +2,14 @@
 
 Starts, all on 127.0.0.1: N simulated engines, the EPP, the OpenAI frontend(s) and Envoy on the
 public `--port` (gRPC and HTTP on the same port), waits until each is ready, prints how to call
-it, and supervises. Policy when a child exits on its own: an engine is restarted on the same port
-(up to 5 times; the EPP routes around it meanwhile), and so is the EPP (responses in flight do
-not depend on it once routed; new requests get UNAVAILABLE until it is back); Envoy or a
-frontend exiting, or an engine or the EPP exiting a sixth time, stops everything and `up` exits
-1. Ctrl-C / SIGTERM stops every child by PID (engines get SIGTERM and
-their grace period) and exits 0.
+it, and supervises. Policy when a child exits on its own: it is restarted with the same argv
+and port, with backoff (0.5 s, doubling per restart in a row, up to 5 in a row; the log says
+each exit and restart): an engine (the EPP routes around it meanwhile), the EPP (responses in
+flight do not depend on it once routed; new requests get UNAVAILABLE until it is back), Envoy
+and the frontends (their clients' calls fail and are retried by the clients). One that keeps
+exiting stops everything and `up` exits 1, except an engine: the pool is then one replica
+smaller. Ctrl-C / SIGTERM stops every child by PID (engines get SIGTERM and their grace period)
+and exits 0.
 
 `launch_gateway(supervisor, GatewaySpec(...), state_dir)` and its building blocks
 (`engine_spec`, `write_pool_file`, `epp_spec`, `envoy_spec`, `frontend_spec`) are public so that
@@ -174,17 +176,18 @@ def epp_spec(config: Path, pool: Path, port: int, metrics_port: int,
 
 
 def envoy_spec(config: Path, admin_port: int, *, concurrency: int = 1,
-               name: str = "envoy") -> ChildSpec:
+               name: str = "envoy", restart: bool = False) -> ChildSpec:
     argv = [envoy_binary(), "-c", str(config), "--concurrency", str(concurrency),
             "--log-level", "warn", "--disable-hot-restart"]
     return ChildSpec(name, argv, ready=http_ok(f"http://127.0.0.1:{admin_port}/ready"),
-                     stop_timeout=10.0)
+                     stop_timeout=10.0, restart=restart)
 
 
-def frontend_spec(name: str, port: int, target: str, extra: Sequence[str] = ()) -> ChildSpec:
+def frontend_spec(name: str, port: int, target: str, extra: Sequence[str] = (), *,
+                  restart: bool = False) -> ChildSpec:
     argv = kvswitch_argv("frontend", "--target", target, "--port", str(port), *extra)
     return ChildSpec(name, argv, ready=http_ok(f"http://127.0.0.1:{port}/health"),
-                     stop_timeout=10.0)
+                     stop_timeout=10.0, restart=restart)
 
 
 def frontend_available() -> bool:
@@ -267,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         grace_period=args.grace_period, epp_config=args.epp_config,
         frontend_workers=args.frontend_workers if with_frontend else 0,
         envoy_concurrency=args.envoy_concurrency, routing=args.routing, restart_engines=True,
-        restart_epp=True,
+        restart_epp=True, restart_proxies=True,
     )
     stop_requested: list[int] = []
 
@@ -315,6 +318,8 @@ class GatewaySpec:
     routing: str = "override-host"
     restart_engines: bool = False
     restart_epp: bool = False
+    restart_proxies: bool = False
+    """Restart Envoy and the frontends when they exit (with backoff, as the others)."""
 
 
 @dataclass(frozen=True)
@@ -366,9 +371,11 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
     )
     envoy_config.write_text(render(build_bootstrap(options)))
     logger.info("starting Envoy on 127.0.0.1:%d", ports.public)
-    supervisor.start(envoy_spec(envoy_config, ports.admin, concurrency=spec.envoy_concurrency))
+    supervisor.start(envoy_spec(envoy_config, ports.admin, concurrency=spec.envoy_concurrency,
+                                restart=spec.restart_proxies))
     if ports.frontends and not stop_requested:
-        supervisor.start_all([frontend_spec(f"frontend-{i}", port, gateway.address)
+        supervisor.start_all([frontend_spec(f"frontend-{i}", port, gateway.address,
+                                            restart=spec.restart_proxies)
                               for i, port in enumerate(ports.frontends)])
     return gateway
 

@@ -12,6 +12,12 @@ from typing import Any
 
 from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.engine.server import EngineServer, ServerOptions
+from kvswitch.limits import (
+    add_message_flags,
+    add_sampling_flags,
+    message_from_args,
+    sampling_from_args,
+)
 from kvswitch.tokenization import load_tokenizer
 
 logger = logging.getLogger("kvswitch.engine")
@@ -93,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="publish KV events (SubscribeKvEvents) at most once per MS wall "
                             "milliseconds, merging steps in order (default 50; 0: every step); "
                             "a cache clear goes out at once")
+    add_sampling_flags(parser)
+    add_message_flags(parser)
     faults = parser.add_argument_group("failure injection")
     faults.add_argument("--failure-rate", type=float, default=None, metavar="F",
                         help="fraction of requests that fail (0-1)")
@@ -134,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> None:
     from kvswitch.engine.sim import SimConfig, SimEngine
 
-    config = SimConfig(**sim_config_kwargs(args))
+    config = SimConfig(**sim_config_kwargs(args), max_logprobs=args.max_logprobs)
     engine = SimEngine(config)
     tokenizer = load_tokenizer(args.tokenizer)
     description = (f"profile={getattr(config, 'profile', '?')} "
@@ -142,7 +150,8 @@ async def _serve(args: argparse.Namespace) -> None:
                    f"mode={getattr(config, 'mode', '?')}")
     options = ServerOptions(host=args.host, port=args.port, http_port=args.http_port,
                             grace_period=args.grace_period, tokenizer_dir=args.tokenizer,
-                            description=description)
+                            description=description, sampling_limits=sampling_from_args(args),
+                            message_limits=message_from_args(args))
     server = EngineServer(engine, tokenizer, options)
     request_log = None
     if args.request_log is not None:

@@ -22,16 +22,24 @@ from kvswitch.engine.base import (
     TokenLogprob,
 )
 from kvswitch.errors import InvalidRequest
+from kvswitch.limits import (
+    SAMPLING_DEFAULTS,
+    SamplingLimits,
+    check_sampling,
+    proto_sampling_counts,
+)
 from kvswitch.protocol import vllm_engine_pb2 as pb
 
-# vLLM's default --max-logprobs.
-MAX_LOGPROBS = 20
+# vLLM's default --max-logprobs (`kvswitch engine --max-logprobs`).
+MAX_LOGPROBS = SAMPLING_DEFAULTS.max_logprobs
 # A client that casts top_k = -1 ("disabled", as vLLM accepts it) to uint32 sends this.
 _UINT32_MINUS_ONE = 2**32 - 1
 
 
-def sampling_from_proto(params: pb.SamplingParams, card: ModelCard) -> SamplingOptions:
+def sampling_from_proto(params: pb.SamplingParams, card: ModelCard,
+                        limits: SamplingLimits = SAMPLING_DEFAULTS) -> SamplingOptions:
     """Convert and validate; raises `InvalidRequest` naming the bad field."""
+    check_sampling(proto_sampling_counts(params), limits)
     top_k = 0 if params.top_k == _UINT32_MINUS_ONE else int(params.top_k)
     options = SamplingOptions(
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
@@ -55,7 +63,7 @@ def sampling_from_proto(params: pb.SamplingParams, card: ModelCard) -> SamplingO
         logit_bias=dict(params.logit_bias),
         constraint=_constraint(params),
     )
-    validate_sampling(options, card)
+    validate_sampling(options, card, limits.max_logprobs)
     return options
 
 
@@ -70,7 +78,8 @@ def _constraint(params: pb.SamplingParams) -> tuple[str, str] | None:
     return kind, str(getattr(params, kind))
 
 
-def validate_sampling(o: SamplingOptions, card: ModelCard) -> None:
+def validate_sampling(o: SamplingOptions, card: ModelCard,
+                      max_logprobs: int = MAX_LOGPROBS) -> None:
     """vLLM's `SamplingParams._verify_args` plus the engine's logprob and logit-bias limits."""
     _require(-2.0 <= o.presence_penalty <= 2.0, "presence_penalty",
              f"presence_penalty must be in [-2, 2], got {o.presence_penalty}.")
@@ -91,8 +100,8 @@ def validate_sampling(o: SamplingOptions, card: ModelCard) -> None:
         _require(o.min_tokens <= o.max_tokens, "min_tokens",
                  f"min_tokens must be less than or equal to max_tokens={o.max_tokens}, "
                  f"got {o.min_tokens}.")
-    _check_logprobs(o.logprobs, "logprobs", "sample", card)
-    _check_logprobs(o.prompt_logprobs, "prompt_logprobs", "prompt", card)
+    _check_logprobs(o.logprobs, "logprobs", "sample", card, max_logprobs)
+    _check_logprobs(o.prompt_logprobs, "prompt_logprobs", "prompt", card, max_logprobs)
     _require(all(o.stop), "stop", "stop cannot contain an empty string.")
     bad_stop_ids = [t for t in o.stop_token_ids if t >= card.vocab_size]
     _require(not bad_stop_ids, "stop_token_ids",
@@ -104,15 +113,16 @@ def validate_sampling(o: SamplingOptions, card: ModelCard) -> None:
              f"Vocabulary size: {card.vocab_size}")
 
 
-def _check_logprobs(value: int | None, field: str, what: str, card: ModelCard) -> None:
+def _check_logprobs(value: int | None, field: str, what: str, card: ModelCard,
+                    max_logprobs: int) -> None:
     if value is None:
         return
     _require(value >= -1, field, f"{field} must be non-negative or -1, got {value}.")
     # -1 asks for the whole vocabulary, which vLLM refers to --max-logprobs like any number.
     wanted = card.vocab_size if value == -1 else value
-    _require(wanted <= MAX_LOGPROBS, field,
+    _require(wanted <= max_logprobs, field,
              f"Requested {what} logprobs of {wanted}, which is greater than max allowed: "
-             f"{MAX_LOGPROBS} ({field}).")
+             f"{max_logprobs} ({field}).")
 
 
 def _require(ok: bool, field: str, message: str) -> None:

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvswitch.engine.base import Engine
+from kvswitch.limits import HTTP_DEFAULTS, HttpLimits
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,11 @@ class MetricsHttpServer:
     """GET /metrics and GET /health over HTTP/1.1 on asyncio streams, one request per
     connection; deliberately tiny so the engine process carries no web framework."""
 
-    def __init__(self, render_metrics: Callable[[], bytes], is_healthy: Callable[[], bool]):
+    def __init__(self, render_metrics: Callable[[], bytes], is_healthy: Callable[[], bool],
+                 limits: HttpLimits = HTTP_DEFAULTS):
         self._render = render_metrics
         self._healthy = is_healthy
+        self._limits = limits
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -144,12 +147,12 @@ class MetricsHttpServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request_line = await asyncio.wait_for(reader.readline(), 10.0)
-            while (await asyncio.wait_for(reader.readline(), 10.0)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request_line.decode("latin-1").split()
-            method, path = (parts[0], parts[1].split("?", 1)[0]) if len(parts) >= 2 else ("", "")
-            status, ctype, body = self._respond(method, path)
+            try:
+                method, path = await self._read_head(reader)
+                status, ctype, body = self._respond(method, path)
+            except ValueError:  # a line over the reader's 64 KiB, or too many of them
+                method, status, ctype, body = ("", "431 Request Header Fields Too Large",
+                                               "text/plain", b"request head too large\n")
             head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
             writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
@@ -158,6 +161,19 @@ class MetricsHttpServer:
             pass
         finally:
             writer.close()
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str]:
+        """The request's method and path; the whole head within `HttpLimits.head_timeout` and
+        `max_headers` lines (TimeoutError, ValueError)."""
+        async with asyncio.timeout(self._limits.head_timeout):
+            request_line = await reader.readline()
+            for _ in range(self._limits.max_headers + 1):
+                if await reader.readline() in (b"\r\n", b"\n", b""):
+                    break
+            else:
+                raise ValueError("too many header lines")
+        parts = request_line.decode("latin-1").split()
+        return (parts[0], parts[1].split("?", 1)[0]) if len(parts) >= 2 else ("", "")
 
     def _respond(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):

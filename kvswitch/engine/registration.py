@@ -1,9 +1,12 @@
-"""Registers the VllmEngine servicer with a grpc.aio server, its handlers parsing the requests.
+"""Registers the VllmEngine servicer with a grpc.aio server, its handlers reading the requests.
 
 grpcio parses a request before the handler runs, and a parse error there can only end the call
-as UNKNOWN ("Unexpected DecodeError"). Here each handler is given the raw bytes and parses them
-itself, the same one parse moved inside, so a request that does not decode ends its call with
-INVALID_ARGUMENT instead. The handler table is the generated one
+as UNKNOWN ("Unexpected DecodeError"). And when a unary request's body ends inside a message (a
+length prefix longer than what follows it), grpc core never completes the read, so a unary
+handler never runs and the call hangs. Here every handler is registered as request-streaming:
+it reads the request's raw bytes itself (grpc core ends that stream at the body's end, dropping a
+partial message) and parses them, so a request that does not decode, or has no whole message,
+ends its call with INVALID_ARGUMENT. The handler table is the generated one
 (`add_VllmEngineServicer_to_server`), so every RPC the service defines is covered.
 """
 
@@ -53,27 +56,26 @@ class _HandlerTable:
 
 
 def _parsing_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The same RPC, with no request deserializer: its behaviour parses the bytes first."""
-    if handler.request_streaming:  # VllmEngine has none; their reads would still say UNKNOWN
+    """The same RPC, request-streaming on the wire with no deserializer: its behaviour reads
+    and parses the one request message first."""
+    if handler.request_streaming:  # VllmEngine has none
         raise TypeError(f"{method}: request-streaming RPCs are not supported")
     parse = handler.request_deserializer
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(
+        return grpc.stream_stream_rpc_method_handler(
             _parse_then_stream(method, parse, handler.unary_stream),
             response_serializer=handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(
+    return grpc.stream_unary_rpc_method_handler(
         _parse_then_call(method, parse, handler.unary_unary),
         response_serializer=handler.response_serializer)
 
 
 def _parse_then_call(method: str, parse: _Parse,
                      behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-                     ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            request = parse(raw)
-        except DecodeError as exc:
-            await _refuse(method, exc, context)
+                     ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext],
+                                   Awaitable[Any]]:
+    async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        request = await _read_request(method, parse, requests, context)
         return await behaviour(request, context)
 
     return handle
@@ -81,22 +83,31 @@ def _parse_then_call(method: str, parse: _Parse,
 
 def _parse_then_stream(method: str, parse: _Parse,
                        behaviour: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
-                       ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[None]]:
+                       ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext],
+                                     Awaitable[None]]:
     # A coroutine that writes each message, not a generator re-yielding them: grpc.aio's own
     # loop over a generator handler makes the same writes, so no message costs more.
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> None:
-        try:
-            request = parse(raw)
-        except DecodeError as exc:
-            await _refuse(method, exc, context)
+    async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        request = await _read_request(method, parse, requests, context)
         async for message in behaviour(request, context):
             await context.write(message)
 
     return handle
 
 
-async def _refuse(method: str, exc: DecodeError, context: grpc.aio.ServicerContext) -> None:
-    """Ends the call with INVALID_ARGUMENT (context.abort raises)."""
-    logger.info("%s request refused: %s", method, exc)
+async def _read_request(method: str, parse: _Parse, requests: AsyncIterator[bytes],
+                        context: grpc.aio.ServicerContext) -> Any:
+    """The call's one request, parsed; INVALID_ARGUMENT (context.abort raises) when the body
+    holds no whole message or the message does not decode. Only the first message is read, as
+    a unary handler reads it."""
+    async for raw in requests:
+        try:
+            return parse(raw)
+        except DecodeError as exc:
+            logger.info("%s request refused: %s", method, exc)
+            await context.abort(InvalidRequest.grpc_code,
+                                f"The {method} request could not be parsed: {exc}")
+    logger.info("%s request refused: no whole message", method)
     await context.abort(InvalidRequest.grpc_code,
-                        f"The {method} request could not be parsed: {exc}")
+                        f"The {method} request holds no whole message (a gRPC frame's length "
+                        "prefix is longer than the body that follows it)")

@@ -23,6 +23,7 @@ from kvswitch.engine.base import Engine
 from kvswitch.engine.metrics import EngineMetrics, MetricsHttpServer
 from kvswitch.engine.registration import add_engine_servicer
 from kvswitch.engine.servicer import VllmEngineServicer
+from kvswitch.limits import MESSAGE_DEFAULTS, SAMPLING_DEFAULTS, MessageLimits, SamplingLimits
 from kvswitch.protocol import SERVICE_NAME
 from kvswitch.tokenization import TokenizerBundle
 
@@ -30,9 +31,9 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1024 * 1024
 GRPC_OPTIONS: list[tuple[str, int]] = [
-    # Long prompts (100k+ token ids) and embeddings exceed gRPC's 4 MiB default.
+    # Embeddings of long prompts exceed gRPC's 4 MiB default. The receive limit comes from
+    # `MessageLimits` (grpc core applies it to a compressed message's inflated size too).
     ("grpc.max_send_message_length", 256 * _MiB),
-    ("grpc.max_receive_message_length", 256 * _MiB),
     # Fail on a port someone else holds instead of silently sharing it.
     ("grpc.so_reuseport", 0),
     # Proxies (Envoy) keep long-lived HTTP/2 connections with pings; allow them.
@@ -54,6 +55,8 @@ class ServerOptions:
     tokenizer_dir: str | None = None
     description: str = ""
     """Extra words for the startup log line (profile, time scale)."""
+    sampling_limits: SamplingLimits = SAMPLING_DEFAULTS
+    message_limits: MessageLimits = MESSAGE_DEFAULTS
 
 
 class EngineServer:
@@ -65,9 +68,11 @@ class EngineServer:
         self.options = options
         self.metrics = EngineMetrics(engine)
         self.servicer = VllmEngineServicer(engine, tokenizer, tokenizer_dir=options.tokenizer_dir,
-                                           metrics=self.metrics)
+                                           metrics=self.metrics, limits=options.sampling_limits)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=[
+            *GRPC_OPTIONS,
+            ("grpc.max_receive_message_length", options.message_limits.max_message_bytes)])
         self.http = MetricsHttpServer(self.metrics.render, self._serving)
         self.port = 0
         self.http_port = 0

@@ -40,6 +40,7 @@ from kvswitch.engine.metrics import EngineMetrics
 from kvswitch.engine.request_log import RequestLog, RequestRecord
 from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
 from kvswitch.errors import InvalidRequest, KvswitchError
+from kvswitch.limits import SAMPLING_DEFAULTS, SamplingLimits
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import USAGE_TRAILER
@@ -56,8 +57,10 @@ _PACE_MAX = 0.05
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, engine: Engine, tokenizer: TokenizerBundle, *,
                  tokenizer_dir: str | None = None, metrics: EngineMetrics | None = None,
-                 request_log: RequestLog | None = None):
+                 request_log: RequestLog | None = None,
+                 limits: SamplingLimits = SAMPLING_DEFAULTS):
         self.engine = engine
+        self.limits = limits
         self.request_log = request_log
         """When set, one record per ended Generate (`kvswitch engine --request-log`)."""
         self.card = engine.model
@@ -86,8 +89,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(exc.grpc_code, exc.message)
         builder = conversion.ResponseBuilder(prompt, sampling, request.stream)
         timer = _Timer(self.metrics, self._clock, track=self.request_log is not None)
-        updates = self.engine.generate(GenerationRequest(request_id, prompt, sampling, received,
-                                                         incremental=request.stream))
+        try:  # the backend checks the request against its model (max_model_len) here
+            updates = self.engine.generate(GenerationRequest(
+                request_id, prompt, sampling, received, incremental=request.stream))
+        except KvswitchError as exc:
+            await context.abort(exc.grpc_code, exc.message)
         failure: KvswitchError | None = None
         self.active_requests += 1
         loop = asyncio.get_running_loop()
@@ -143,7 +149,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                  param="mm_inputs")
         prompt = conversion.truncate_prompt(prompt, request.sampling_params, self.card)
         conversion.check_prompt(prompt, self.card)
-        return prompt, conversion.sampling_from_proto(request.sampling_params, self.card)
+        return prompt, conversion.sampling_from_proto(request.sampling_params, self.card,
+                                                      self.limits)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
                     ) -> pb.EmbedResponse:

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvswitch.limits import HTTP_DEFAULTS, HttpLimits
 from kvswitch.protocol.headers import (
     ACCESS_LOGGED,
     DESTINATION_ENDPOINT,
@@ -125,6 +126,13 @@ class GatewayOptions:
     epp_headers: tuple[str, ...] | None = EPP_HEADERS
     """Headers sent to the EPP (a trailing `*`: a prefix); None: all of them. Add any request
     header an EPP plugin reads, e.g. a session-affinity-scorer's own `headerName`."""
+    http_limits: HttpLimits = HTTP_DEFAULTS
+    """Downstream limits, as the frontend applies them: the head's size (KiB, rounded up) and
+    field count (431), `head_timeout` for the whole head (Envoy's request_headers_timeout: 408)
+    and `idle_timeout` for a connection with no stream."""
+    request_timeout_s: float = 120.0
+    """Envoy's request_timeout: the whole request must be received (routing, and so the EPP's
+    flow-control wait, included) within it; a response already started disarms it."""
 
 
 def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
@@ -158,6 +166,7 @@ def _split(address: str) -> tuple[str, int]:
 
 
 def _listener(options: GatewayOptions) -> dict[str, Any]:
+    limits = options.http_limits
     hcm: dict[str, Any] = {
         "@type": _HCM,
         "stat_prefix": "kvswitch",
@@ -166,7 +175,11 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         "http2_protocol_options": _H2_OPTIONS,
         # Token streams may sit idle through a long prefill; only a dead peer should end them.
         "stream_idle_timeout": "3600s",
-        "request_timeout": "0s",
+        "request_timeout": f"{options.request_timeout_s:g}s",
+        "request_headers_timeout": f"{limits.head_timeout:g}s",
+        "max_request_headers_kb": -(-limits.max_header_bytes // 1024),
+        "common_http_protocol_options": {"max_headers_count": limits.max_headers,
+                                         "idle_timeout": f"{limits.idle_timeout:g}s"},
         "route_config": _route_config(options),
         "http_filters": _http_filters(options),
         # The request id the EPP and engines log; Envoy generates it when the client sends none.

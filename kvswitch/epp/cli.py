@@ -22,6 +22,7 @@ from typing import Any
 
 from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.epp.request import EndpointPicker
+from kvswitch.limits import add_sampling_flags, sampling_from_args
 
 __all__ = ["add_arguments", "run"]
 
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ext_proc server: h2 = kvswitch's lean HTTP/2 gRPC server (Process "
                              "and grpc.health.v1 Health Check/Watch; several times less CPU per "
                              "request); grpcio = grpc.aio (adds server reflection)")
+    add_sampling_flags(parser)
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="debug logs one line per request")
@@ -85,7 +87,8 @@ def build_picker(args: argparse.Namespace) -> EndpointPicker:
     if args.refresh_interval is not None:
         config = _with_refresh_interval(args.config, args.refresh_interval)
     picker = build_endpoint_picker(config, args.pool)
-    return dataclasses.replace(picker, max_body_bytes=args.max_body_bytes)
+    return dataclasses.replace(picker, max_body_bytes=args.max_body_bytes,
+                               sampling_limits=sampling_from_args(args))
 
 
 async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:

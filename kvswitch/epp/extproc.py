@@ -66,6 +66,7 @@ from kvswitch.epp.request import (
     response_ok,
 )
 from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, PayloadTooLarge
+from kvswitch.limits import check_sampling
 from kvswitch.protocol import headers as h
 
 __all__ = ["Action", "ExtProcStream", "NeedRouting", "RequestFinished", "SerializedResponse"]
@@ -272,6 +273,8 @@ class ExtProcStream:
         self._chunks = [body] if body else []
         assert self._parser is not None
         parsed = self._parser.parse(self._path, self._headers, body)
+        if parsed.sampling is not None:
+            check_sampling(parsed.sampling, self._picker.sampling_limits)
         return self._need_routing(parsed)
 
     def _need_routing(self, parsed: ParsedBody) -> list[Action]:

@@ -6,7 +6,10 @@ does HTTP/2 flow control both ways (inbound: large windows, topped up as data ar
 outbound: data waits per stream for WINDOW_UPDATE), and gRPC message framing (5-byte prefix;
 compressed messages are refused: no encoding is negotiated). A stream opened past
 `max_concurrent_streams` (advertised in SETTINGS) is refused with RST_STREAM REFUSED_STREAM.
-Malformed input is a connection error: GOAWAY with the error code, then `closed`.
+Malformed input is a connection error: GOAWAY with the error code, then `closed`. Floods are
+too: more than `MAX_IDLE_FRAMES` frames in a row that cost work but carry nothing (PING,
+SETTINGS, PRIORITY, unknown types, empty DATA frames that do not end their stream) end the
+connection with ENHANCE_YOUR_CALM; the header list is bounded (`MAX_HEADER_LIST`, advertised).
 `kvswitch.epp.h2server` drives it.
 
 Scope, on purpose: unary and bidi calls, no compression, no server push, no priorities,
@@ -72,6 +75,13 @@ logger = logging.getLogger(__name__)
 OK, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 5, 8, 12, 13
 
 _MAX_FRAME = 1 << 20  # what we accept; Envoy sends up to this once told
+MAX_HEADER_LIST = 1 << 20
+"""A header block's bytes (HEADERS + CONTINUATION), advertised as SETTINGS_MAX_HEADER_LIST_SIZE."""
+MAX_IDLE_FRAMES = 10_000
+"""Frames in a row that carry nothing (no data, no new stream, no end of stream) before the
+connection counts as a flood. WINDOW_UPDATE and RST_STREAM do not count: a proxy reading many
+responses, or cancelling many calls, sends long runs of them."""
+_IDLE_KINDS = frozenset({PING, SETTINGS, PRIORITY})
 _STREAM_WINDOW = 4 << 20
 _REFILL_CONNECTION_AT = 1 << 30
 # Streams one client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). Envoy multiplexes
@@ -204,6 +214,7 @@ class H2GrpcConnection:
         self._out: list[bytes] = []
         self._partial: list[bytes] = []  # an incomplete frame, joined once whole (as above)
         self._have = self._need = 0
+        self._idle_frames = 0
         self._preface = False
         self._settings_seen = False
         self._decoder = Decoder()
@@ -219,8 +230,8 @@ class H2GrpcConnection:
     def initiate(self) -> None:
         """Queue our SETTINGS (no push, the stream limit, big stream window and frames) and open
         the connection window."""
-        settings = struct.pack(">HIHIHIHI", 0x2, 0, 0x3, self.max_concurrent_streams,
-                               0x4, self.stream_window, 0x5, _MAX_FRAME)
+        settings = struct.pack(">HIHIHIHIHI", 0x2, 0, 0x3, self.max_concurrent_streams,
+                               0x4, self.stream_window, 0x5, _MAX_FRAME, 0x6, MAX_HEADER_LIST)
         self._out.append(frame(SETTINGS, 0, 0, settings))
         self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
         self._recv_window = MAX_WINDOW
@@ -271,6 +282,14 @@ class H2GrpcConnection:
                 stream_id &= 0x7FFFFFFF
                 payload = buffer[offset + 9:end]
                 offset = end
+                if (kind in _IDLE_KINDS or kind > CONTINUATION
+                        or (kind == DATA and not length and not flags & END_STREAM)):
+                    self._idle_frames += 1
+                    if self._idle_frames > MAX_IDLE_FRAMES:
+                        raise H2ConnectionError(ENHANCE_YOUR_CALM, "a flood of frames that "
+                                                "carry nothing")
+                elif kind != WINDOW_UPDATE and kind != RST_STREAM:
+                    self._idle_frames = 0
                 if kind == DATA and self._header_block is None and self._settings_seen:
                     self._on_data(flags, stream_id, payload, events)  # most frames: one call less
                 else:
@@ -508,7 +527,7 @@ class H2GrpcConnection:
             raise H2ConnectionError(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
         block = self._header_block[2]
         block += payload
-        if len(block) > 1 << 20:
+        if len(block) > MAX_HEADER_LIST:
             raise H2ConnectionError(ENHANCE_YOUR_CALM, "header block over 1 MiB")
         if flags & END_HEADERS:
             _, first_flags, _ = self._header_block

@@ -106,6 +106,16 @@ class _Protocol(asyncio.Protocol):
             self.conn.drain()
         self.flush()
 
+    def pause_writing(self) -> None:
+        # The peer is not reading what we write (replies, PING and SETTINGS ACKs): stop reading
+        # what it sends until it does, so its frames cannot pile our answers up in memory.
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def data_received(self, data: bytes) -> None:
         self.receiving = True
         for event in self.conn.receive(data):

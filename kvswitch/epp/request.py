@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from kvswitch.limits import SAMPLING_DEFAULTS, SamplingCounts, SamplingLimits
+
 Protocol_ = Literal["grpc", "http"]
 
 
@@ -41,6 +43,9 @@ class ParsedBody:
     max_tokens: int | None = None
     request_id: str | None = None
     """The id the body carries (GenerateRequest.request_id), if any."""
+    sampling: SamplingCounts | None = field(default=None, compare=False)
+    """The counts the EPP bounds (`EndpointPicker.sampling_limits`); None: nothing to bound.
+    Not part of the body's value (equality, hash): only checked once, before routing."""
 
 
 @runtime_checkable
@@ -146,3 +151,5 @@ class EndpointPicker:
     parsers: Sequence[Parser]
     router: Router
     max_body_bytes: int = 16 * 1024 * 1024
+    sampling_limits: SamplingLimits = SAMPLING_DEFAULTS
+    """Checked on every parsed body before it is routed (INVALID_ARGUMENT / 400)."""

@@ -16,6 +16,7 @@ import sys
 from types import FrameType
 
 from kvswitch.frontend.app import DEFAULT_MAX_BODY_BYTES, FrontendSettings
+from kvswitch.limits import HttpLimits, add_http_flags, http_from_args
 
 __all__ = ["add_arguments", "run"]
 
@@ -36,8 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="names clients may use (default: the target's served_model_name)")
     parser.add_argument("--user-as-fairness-id", action="store_true",
                         help="use the OpenAI `user` field as x-llm-d-inference-fairness-id")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="larger request bodies are refused with 413")
+    add_http_flags(parser, defaults=HttpLimits(max_body_bytes=DEFAULT_MAX_BODY_BYTES))
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
 
@@ -79,7 +79,7 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> None:
     from kvswitch.frontend.http_server import Server
 
     app = Frontend(_settings(args))
-    server = Server(app, max_body_bytes=args.max_body_bytes)
+    server = Server(app, http_from_args(args))
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.stop)

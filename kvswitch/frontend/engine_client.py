@@ -35,6 +35,7 @@ from kvswitch.errors import (
     Unavailable,
     Unimplemented,
 )
+from kvswitch.limits import MAX_TOKENIZER_ARCHIVE_BYTES
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, parse_target
@@ -190,6 +191,10 @@ class EngineClient:
             call = self.stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout)
             async for chunk in call:
                 data.write(chunk.data)
+                if data.tell() > MAX_TOKENIZER_ARCHIVE_BYTES:
+                    call.cancel()
+                    raise InternalError(f"the target's tokenizer archive is over "
+                                        f"{MAX_TOKENIZER_ARCHIVE_BYTES} bytes")
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return None
@@ -203,7 +208,13 @@ def _unzip(data: bytes) -> Path:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
                 if name in archive.namelist():
-                    (directory / name).write_bytes(archive.read(name))
+                    # Read no more than the limit, whatever size the archive declares.
+                    with archive.open(name) as member:
+                        content = member.read(MAX_TOKENIZER_ARCHIVE_BYTES + 1)
+                    if len(content) > MAX_TOKENIZER_ARCHIVE_BYTES:
+                        raise InternalError(f"the target's {name} inflates past "
+                                            f"{MAX_TOKENIZER_ARCHIVE_BYTES} bytes")
+                    (directory / name).write_bytes(content)
     except zipfile.BadZipFile as exc:
         raise InternalError(f"the target sent a tokenizer archive that is not a zip: {exc}") \
             from exc

@@ -8,9 +8,13 @@ answer straight to its transport.
 - Keep-alive and pipelining: requests are parsed as they arrive and served one at a time in
   order (a connection with many queued requests stops reading until it catches up).
 - Bodies: Content-Length or chunked (httptools decodes chunks); over `max_body_bytes` → 413,
-  malformed HTTP → 400, both answered in turn and followed by closing the connection.
+  malformed HTTP → 400, both answered in turn and followed by closing the connection. A
+  `transfer-encoding` other than chunked (e.g. `gzip, chunked`) is refused with 501 rather than
+  read as plain bytes.
+- Limits on the head and deadlines (`HttpLimits`, applied by `http_guard.RequestGuard`): 414,
+  431, 408, each answered, then the connection closes.
 - HEAD gets the headers of the app's answer (to the same request), without its body.
-- Every response carries a `date` header (as uvicorn and Envoy send).
+- Every response carries a `date` header (as uvicorn and Envoy send; `http_types`).
 - Streams: chunked transfer encoding, one `transport.write` per event (the status line and
   headers go with the first event, the terminating chunk with the last); `pause_writing`
   holds the stream until the client reads again.
@@ -24,14 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import email.utils
-import http
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import cast
 
 import httptools
 
@@ -39,9 +41,12 @@ from kvswitch.errors import (
     InvalidRequest,
     KvswitchError,
     PayloadTooLarge,
-    RequestTimeout,
     Unavailable,
+    Unimplemented,
 )
+from kvswitch.frontend.http_guard import RequestGuard
+from kvswitch.frontend.http_types import App, HttpRequest, Reply, StreamReply, status_line
+from kvswitch.limits import HTTP_DEFAULTS, HttpLimits
 
 __all__ = ["App", "HttpRequest", "Reply", "Server", "StreamReply"]
 
@@ -49,74 +54,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_QUEUED = 16
 """Pipelined requests parsed ahead of the one being served before reading pauses."""
+_LINGER_SECONDS = 2.0
 
-
-@dataclass(slots=True)
-class HttpRequest:
-    method: str
-    path: str
-    """The URL path, without the query string."""
-    headers: dict[str, str]
-    """Lower-case names; a repeated header keeps its last value."""
-    body: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A whole response."""
-
-    status: int
-    body: bytes = b""
-    content_type: bytes = b"application/json"
-
-
-@dataclass(frozen=True, slots=True)
-class StreamReply:
-    """A 200 whose body is written event by event as `events` yields them."""
-
-    events: AsyncIterator[bytes]
-    content_type: bytes = b"text/event-stream; charset=utf-8"
-    last: bytes | None = None
-    """An event ending with this is the last one (written with the terminating chunk); an
-    iterator that ends without it gets it written for it."""
-    on_error: Callable[[Exception], bytes] | None = None
-    """The in-band bytes that end a stream whose iterator raised (the 200 is already out)."""
-    headers: bytes = b"cache-control: no-cache\r\nx-accel-buffering: no\r\n"
-
-
-class App(Protocol):
-    def handle(self, request: HttpRequest) -> Awaitable[Reply | StreamReply]: ...
-
-    def refuse(self, error: KvswitchError) -> Reply:
-        """The response for a request the server refuses itself (400, 413)."""
-        ...
-
-
-_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
-
-
-class _DateHeader:
-    """The `date` header line (RFC 9110 §6.6.1: a server with a clock sends it), formatted once
-    per second rather than per response."""
-
-    def __init__(self) -> None:
-        self._second = -1
-        self._line = b""
-
-    def __call__(self) -> bytes:
-        now = time.time()
-        if int(now) != self._second:
-            self._second = int(now)
-            self._line = b"date: %s\r\n" % email.utils.formatdate(now, usegmt=True).encode()
-        return self._line
-
-
-_date_header = _DateHeader()
-
-
-def _status_line(status: int) -> bytes:
-    """The status line and the headers every response carries."""
-    return b"HTTP/1.1 %d %s\r\n%s" % (status, _REASONS.get(status, b""), _date_header())
 
 
 @dataclass(slots=True)
@@ -134,7 +73,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self._server = server
         self._app = server.app
-        self._limit = server.max_body_bytes
+        self._limit = server.limits.max_body_bytes
+        self.guard = RequestGuard(server.limits, time.monotonic())
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -144,15 +84,12 @@ class _Connection(asyncio.Protocol):
         self._writable = True
         self._broken = False  # no more parsing: a refusal is queued, then the connection closes
         self.lost = False
-        self.idle_since = time.monotonic()
         # The request being parsed.
         self._url = b""
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
         self._size = 0
         self._refused = False
-        self._receiving = False
-        """Part of a request has arrived, not all of it."""
 
     # --- asyncio.Protocol -------------------------------------------------------------------
 
@@ -179,30 +116,52 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._broken:
             return
-        self.idle_since = time.monotonic()  # a slow upload is not an idle connection
+        self.guard.received(len(data), time.monotonic())
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             pass  # an Upgrade we do not take: the request is served as plain HTTP/1.1
         except httptools.HttpParserError as exc:
-            self._refuse(InvalidRequest(f"malformed HTTP request: {exc}"))
+            if not self._broken:
+                self._refuse(InvalidRequest(f"malformed HTTP request: {exc}"))
+            return
+        if not self._broken and (error := self.guard.parsed()) is not None:
+            self._refuse(error)
 
     # --- httptools callbacks ----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", {}, [], 0
         self._refused = False
-        self._receiving = True
+        self.guard.begin(time.monotonic())
 
     def on_url(self, url: bytes) -> None:
+        if self._refused:
+            return
+        if (error := self.guard.url(len(url))) is not None:
+            self._refuse(error)
+            return
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
+        if (error := self.guard.header(len(name) + len(value))) is not None:
+            self._refuse(error)
+            return
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self.guard.headers_done(time.monotonic())
+        if self._refused:
+            return
         declared = self._headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self._limit:
+        coding = self._headers.get("transfer-encoding", "").lower().replace(" ", "")
+        if coding not in ("", "chunked"):
+            # httptools de-chunks `gzip, chunked` and hands over the gzip bytes as if plain.
+            self._refuse(Unimplemented(f"transfer-encoding {coding!r} is not supported "
+                                       "(only chunked)"))
+        elif declared is not None and declared.isdigit() and int(declared) > self._limit:
             self._refuse(PayloadTooLarge(
                 f"request body of {declared} bytes is over the limit of {self._limit}"))
         elif (self._headers.get("expect", "").lower() == "100-continue" and not self._queue
@@ -220,7 +179,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        self._receiving = False
+        self.guard.complete(time.monotonic())
         if self._refused:
             return
         path = self._url.partition(b"?")[0].decode("latin-1")
@@ -258,7 +217,7 @@ class _Connection(asyncio.Protocol):
                 self._transport.resume_reading()
         else:
             self._task = None
-            self.idle_since = time.monotonic()
+            self.guard.served(time.monotonic())
             if self._server.stopping and self._transport is not None:
                 self._transport.close()
 
@@ -287,15 +246,30 @@ class _Connection(asyncio.Protocol):
             return
         if not keep_alive:
             assert self._transport is not None
-            self._transport.close()
+            if pending.refusal is not None:
+                self._linger()
+            else:
+                self._transport.close()
             self._task = None
             return
         self._next()
 
+    def _linger(self) -> None:
+        """Close after a refusal without losing it: closing a socket with unread request bytes
+        sends a TCP reset, which can destroy the response before the client (or a proxy
+        still sending the body: Envoy then answers 503) reads it. So, as nginx's lingering
+        close does, end the write side, read and drop what still comes for a moment, close."""
+        transport = self._transport
+        assert transport is not None
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()  # data_received drops it: the connection is broken
+        asyncio.get_running_loop().call_later(_LINGER_SECONDS, transport.close)
+
     def _write_reply(self, reply: Reply, keep_alive: bool, head: bool = False) -> None:
         assert self._transport is not None
         self._transport.write(b"%scontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (
-            _status_line(reply.status), reply.content_type, len(reply.body),
+            status_line(reply.status), reply.content_type, len(reply.body),
             b"" if keep_alive else b"connection: close\r\n", b"" if head else reply.body))
 
     async def _write_stream(self, reply: StreamReply, keep_alive: bool, chunked: bool) -> bool:
@@ -306,7 +280,7 @@ class _Connection(asyncio.Protocol):
         keep_alive = keep_alive and chunked
         events, last = reply.events, reply.last
         head: bytes | None = b"%scontent-type: %s\r\n%s%s%s\r\n" % (
-            _status_line(200), reply.content_type,
+            status_line(200), reply.content_type,
             b"transfer-encoding: chunked\r\n" if chunked else b"", reply.headers,
             b"" if keep_alive else b"connection: close\r\n")
         term = b"0\r\n\r\n" if chunked else b""
@@ -345,24 +319,24 @@ class _Connection(asyncio.Protocol):
         finally:
             self._drain = None
 
-    def close_if_idle(self, now: float, idle_timeout: float) -> None:
-        """Close a connection nothing happened on for `idle_timeout` (0: the server stops). A
-        client that stopped half-way through a request gets a 408 first (as nginx's
-        client_body_timeout does), or a 503 when the server stops; an idle keep-alive
-        connection is closed silently."""
-        if (self._task is None and not self._queue and self._transport is not None
-                and now - self.idle_since >= idle_timeout):
-            if self._receiving and not self._broken:
+    def check_timeouts(self, now: float, stopping: bool = False) -> None:
+        """Close a connection whose request ran out of time (`RequestGuard.expired`: a 408
+        first, as nginx's client_header_timeout and client_body_timeout do) or that idled past
+        the idle timeout (silently). When the server stops (`stopping`), every connection not
+        serving a request closes, a half-received request answered 503."""
+        if self._task is not None or self._queue or self._transport is None:
+            return
+        guard = self.guard
+        error: KvswitchError | None = (
+            Unavailable("the server is shutting down") if stopping and guard.receiving
+            else guard.expired(now))
+        if error is not None:
+            if not self._broken:
                 self._broken = True
-                error: KvswitchError
-                if idle_timeout > 0:
-                    logger.info("closing a connection: no data for %.0f s in the middle of a "
-                                "request", now - self.idle_since)
-                    error = RequestTimeout(f"the request was not completed within "
-                                           f"{idle_timeout:g} s of inactivity")
-                else:
-                    error = Unavailable("the server is shutting down")
+                logger.info("closing a connection: %s", error.message)
                 self._write_reply(self._app.refuse(error), keep_alive=False)
+            self._transport.close()
+        elif stopping or guard.idle(now):
             self._transport.close()
 
     def abort(self) -> None:
@@ -375,8 +349,7 @@ class Server:
     """Serves `app` on listening sockets until `stop()`."""
 
     app: App
-    max_body_bytes: int
-    keep_alive_timeout: float = 30.0
+    limits: HttpLimits = HTTP_DEFAULTS
     grace_period: float = 10.0
     """How long `stop()` waits for requests in flight before aborting their connections."""
     connections: set[_Connection] = field(default_factory=set)
@@ -402,16 +375,20 @@ class Server:
             await self._drain_connections()
 
     async def _sweep(self) -> None:
+        limits = self.limits
+        # Often enough that a deadline is kept to within a quarter of the shortest one.
+        period = max(0.01, min(1.0, limits.head_timeout / 4, limits.body_timeout / 4,
+                               limits.idle_timeout / 4))
         while True:
-            await asyncio.sleep(min(5.0, self.keep_alive_timeout))
+            await asyncio.sleep(period)
             now = time.monotonic()
             for conn in list(self.connections):
-                conn.close_if_idle(now, self.keep_alive_timeout)
+                conn.check_timeouts(now)
 
     async def _drain_connections(self) -> None:
         now = time.monotonic()
         for conn in list(self.connections):
-            conn.close_if_idle(now, 0.0)
+            conn.check_timeouts(now, stopping=True)
         deadline = now + self.grace_period
         while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -7,7 +7,7 @@ window leaves after the prompt; a prompt that fills the window is refused with v
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -16,7 +16,7 @@ from kvswitch.errors import InvalidRequest
 from kvswitch.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from kvswitch.protocol import vllm_engine_pb2 as pb
 
-__all__ = ["build_sampling_params", "max_tokens_for"]
+__all__ = ["build_sampling_params", "check_token_ids", "max_tokens_for"]
 
 # Request field -> the proto field it fills when the model's defaults name it.
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -64,10 +64,31 @@ def _logit_bias(bias: Mapping[str, float], vocab_size: int) -> dict[int, float]:
     return out
 
 
+_UINT32_MAX = 2**32 - 1
+
+
+def _uint32(name: str, value: int) -> int:
+    # The proto's uint32 fields: a larger value would fail the assignment with a ValueError.
+    if not 0 <= value <= _UINT32_MAX:
+        raise InvalidRequest(f"'{name}' is out of range: {value}", param=name)
+    return value
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    """Every id in [0, vocab_size), as vLLM's input processor requires (400 otherwise)."""
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"Token id {token_id} is out of vocabulary (size "
+                                 f"{vocab_size}).", param=param)
+
+
 def build_sampling_params(request: ChatCompletionRequest | CompletionRequest, *,
                           max_tokens: int | None, vocab_size: int,
                           defaults: Mapping[str, Any] | None = None) -> pb.SamplingParams:
     """Map the request's sampling fields; `max_tokens` is already capped (`max_tokens_for`)."""
+    _uint32("min_tokens", request.min_tokens)
+    for token_id in request.stop_token_ids or ():
+        _uint32("stop_token_ids", token_id)
     params = pb.SamplingParams(
         min_tokens=request.min_tokens,
         n=request.n,
@@ -92,7 +113,7 @@ def build_sampling_params(request: ChatCompletionRequest | CompletionRequest, *,
     if chosen["top_p"] is not None:
         params.top_p = float(chosen["top_p"])
     if chosen["top_k"] is not None and chosen["top_k"] > 0:
-        params.top_k = int(chosen["top_k"])  # -1 and 0 both mean "disabled": proto 0
+        params.top_k = _uint32("top_k", int(chosen["top_k"]))  # -1, 0: "disabled" (proto 0)
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if chosen[name] is not None:
             setattr(params, name, float(chosen[name]))

@@ -16,7 +16,7 @@ from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
 from kvswitch.frontend.metrics import FrontendMetrics
 from kvswitch.frontend.protocol import CompletionRequest, parse_request
-from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
+from kvswitch.frontend.sampling import build_sampling_params, check_token_ids, max_tokens_for
 from kvswitch.frontend.serving_chat import token_bytes
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
 from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
@@ -64,6 +64,7 @@ class CompletionServing:
                                             add_special_tokens=request.add_special_tokens)
                 prompts.append((raw, ids))
             else:
+                check_token_ids(raw, model.vocab_size)  # before the tokenizer decodes them
                 prompts.append((model.tokenizer.decode(list(raw)), list(raw)))
         grpc_requests = []
         for i, (_, ids) in enumerate(prompts):

@@ -12,6 +12,7 @@ from kvswitch.errors import InvalidRequest
 from kvswitch.frontend.context import new_request_context
 from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.protocol import EmbeddingRequest, parse_request
+from kvswitch.frontend.sampling import check_token_ids
 from kvswitch.frontend.serving_models import ModelRegistry
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.offload import encode_off_loop
@@ -39,6 +40,7 @@ class EmbeddingServing:
                    if isinstance(item, str) else list(item))
             if not ids:
                 raise InvalidRequest("input cannot be empty", param="input")
+            check_token_ids(ids, model.vocab_size, param="input")
             if len(ids) > model.max_model_len:
                 raise InvalidRequest(
                     f"This model's maximum context length is {model.max_model_len} tokens. "

@@ -15,7 +15,11 @@ Scope, on purpose: h2c (prior knowledge), unary request -> streamed responses (`
 for exactly one), no compression. Large flow-control windows are granted up front and refilled
 as they are used, so a stream can live for days. A call may carry a deadline (sent as
 `grpc-timeout`; when it passes the call fails with DEADLINE_EXCEEDED and is reset). A lost
-connection fails every open call with UNAVAILABLE at once. A call this channel cannot start (no
+connection fails every open call with UNAVAILABLE at once. With `keepalive` (seconds) a
+connection sends PINGs and drops itself, failing its calls, when one goes unanswered for an
+interval (a half-open connection to a silent peer). A frame that breaks RFC 9113's rules
+(`_check_frame`, header blocks over `MAX_HEADER_BLOCK`) is a connection error: GOAWAY, then the
+same. A call this channel cannot start (no
 connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE `StreamError`:
 the frontend then uses grpc.aio instead. HPACK is `hpack` (python-hyper); without it installed
 `available()` is False and the frontend stays on grpc.aio.
@@ -34,10 +38,13 @@ import grpc
 
 from kvswitch.protocol.http2 import (
     ACK,
+    COMPRESSION_ERROR,
     CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
     MAX_WINDOW,
@@ -45,6 +52,7 @@ from kvswitch.protocol.http2 import (
     PING,
     PREFACE,
     PRIORITY_FLAG,
+    PROTOCOL_ERROR,
     RST_STREAM,
     SETTINGS,
     U32,
@@ -57,6 +65,12 @@ __all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamE
            "timeout_header"]
 
 _REFILL_AT = 2**30
+_MAX_FRAME = 1 << 20
+"""SETTINGS_MAX_FRAME_SIZE we advertise; a longer frame is a connection error."""
+MAX_HEADER_BLOCK = 256 * 1024
+"""Largest header block (HEADERS + CONTINUATION) read before the connection is dropped."""
+_FIXED_LENGTH = {RST_STREAM: 4, WINDOW_UPDATE: 4, PING: 8}
+_KEEPALIVE_PING = b"kvswkeep"
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _RST_CODES = {0x7: grpc.StatusCode.UNAVAILABLE, 0x8: grpc.StatusCode.CANCELLED,
               0xB: grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -274,6 +288,33 @@ MessageCallback = Callable[[Any], bool]
 """Takes one parsed message as it arrives; returns False to end the call (it is cancelled)."""
 
 
+class _ConnectionError(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+def _check_frame(kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+    """RFC 9113's frame-level rules for what this client reads (`_ConnectionError` if broken):
+    fixed lengths, padding within the frame, SETTINGS in whole entries."""
+    size = len(payload)
+    fixed = _FIXED_LENGTH.get(kind)
+    if fixed is not None and size != fixed:
+        raise _ConnectionError(FRAME_SIZE_ERROR, f"frame type {kind} of {size} bytes")
+    if kind in (DATA, HEADERS) and flags & PADDED:
+        reserved = 1 + (5 if kind == HEADERS and flags & PRIORITY_FLAG else 0)
+        if size < reserved or payload[0] > size - reserved:
+            raise _ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
+    elif kind == HEADERS and flags & PRIORITY_FLAG and size < 5:
+        raise _ConnectionError(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+    elif kind == SETTINGS and (size % 6 or (flags & ACK and size)):
+        raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS not in whole entries")
+    elif kind == GOAWAY and size < 8:
+        raise _ConnectionError(FRAME_SIZE_ERROR, "GOAWAY too short")
+    if kind in (DATA, HEADERS, CONTINUATION, RST_STREAM) and stream_id == 0:
+        raise _ConnectionError(PROTOCOL_ERROR, f"frame type {kind} on stream 0")
+
+
 def _http_status_code(status: str) -> grpc.StatusCode:
     # gRPC's HTTP-to-status mapping (doc/http-grpc-status-mapping.md).
     return {"400": grpc.StatusCode.INTERNAL, "401": grpc.StatusCode.UNAUTHENTICATED,
@@ -298,8 +339,15 @@ def timeout_header(seconds: float) -> str:
 
 class _Connection(asyncio.Protocol):
     def __init__(self, authority: str, user_agent: str = "kvswitch-frontend",
-                 on_lost: Callable[[], None] | None = None) -> None:
+                 on_lost: Callable[[], None] | None = None,
+                 keepalive: float | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.keepalive = keepalive
+        """Seconds between keepalive PINGs; a PING not answered by the next one ends the
+        connection (a half-open TCP connection to a silent peer). None: no PINGs."""
+        self._ping_timer: asyncio.TimerHandle | None = None
+        self._ping_answered = True
+        self._last_received = self.loop.time()
         self.authority = authority
         self.user_agent = user_agent
         self.on_lost = on_lost
@@ -319,16 +367,43 @@ class _Connection(asyncio.Protocol):
         self._peer_max_frame = 16384
         self._peer_max_streams = 2**31
         self._received = 0
+        self._failed = False
         self._out: list[bytes] = []
         self._decoded: dict[bytes, list[tuple[str, str]]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.keepalive is not None:
+            self._ping_timer = self.loop.call_later(self.keepalive, self._ping)
         settings = struct.pack(">HIHIHI", 0x2, 0, 0x4, MAX_WINDOW, 0x5, 1 << 20)
         self.transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)  # type: ignore[union-attr]
                              + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - 65535)))
 
+    def _ping(self) -> None:
+        if self.closed or self.transport is None or self.keepalive is None:
+            return
+        quiet_since = self._last_received
+        if self._ping_answered and self.loop.time() - quiet_since < self.keepalive:
+            # Frames arrived within the interval: the peer is alive, no PING needed (servers
+            # count PINGs on a busy connection as abuse less often than on an idle one).
+            self._ping_timer = self.loop.call_at(quiet_since + self.keepalive, self._ping)
+            return
+        if not self._ping_answered:
+            # No answer for a whole interval: the peer is gone, whatever TCP says. Abort (a
+            # close would wait to flush into a connection that no longer drains).
+            self._failed = True
+            self._closing()
+            self.transport.abort()
+            self.connection_lost(None)
+            return
+        self._ping_answered = False
+        self.transport.write(frame(PING, 0, 0, _KEEPALIVE_PING))
+        self._ping_timer = self.loop.call_later(self.keepalive, self._ping)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._ping_timer is not None:
+            self._ping_timer.cancel()
+            self._ping_timer = None
         self._closing()
         for call in list(self.streams.values()):
             call._finish(StreamError(grpc.StatusCode.UNAVAILABLE,
@@ -399,6 +474,23 @@ class _Connection(asyncio.Protocol):
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._receive(data)
+        except _ConnectionError as exc:
+            self._fail(exc.code, exc.reason)
+
+    def _fail(self, code: int, reason: str) -> None:
+        """A connection error: GOAWAY, close, every open call UNAVAILABLE."""
+        self._failed = True
+        self._write(frame(GOAWAY, 0, 0, U32.pack(0) + U32.pack(code) + reason.encode()))
+        self._closing()
+        self.close()
+        self.connection_lost(None)
+
+    def _receive(self, data: bytes) -> None:
+        if self._failed:
+            return
+        self._last_received = self.loop.time()
         buffer = self._buffer + data if self._buffer else data
         offset, size = 0, len(buffer)
         # Plain DATA frames are gathered per stream and handed over once per read, so a stream
@@ -406,6 +498,8 @@ class _Connection(asyncio.Protocol):
         gathered: dict[int, list[bytes]] = {}
         while size - offset >= 9:
             length = U32.unpack_from(buffer, offset)[0] >> 8
+            if length > _MAX_FRAME:
+                raise _ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
             end = offset + 9 + length
             if end > size:
                 break
@@ -413,6 +507,8 @@ class _Connection(asyncio.Protocol):
             stream_id = U32.unpack_from(buffer, offset + 5)[0] & 0x7FFFFFFF
             payload = buffer[offset + 9:end]
             offset = end
+            if self._header_block is not None and kind != CONTINUATION:
+                raise _ConnectionError(PROTOCOL_ERROR, "a header block left unfinished")
             if kind == DATA and not flags:
                 self._received += length
                 parts = gathered.get(stream_id)
@@ -424,6 +520,7 @@ class _Connection(asyncio.Protocol):
             if gathered:  # in order: what came before this frame first
                 self._deliver(gathered)
                 gathered = {}
+            _check_frame(kind, flags, stream_id, payload)
             if kind == DATA:
                 self._received += length
                 self._on_data(stream_id, flags, payload)
@@ -470,8 +567,12 @@ class _Connection(asyncio.Protocol):
             self._write(frame(SETTINGS, ACK, 0))
         elif kind == PING and not flags & ACK:
             self._write(frame(PING, ACK, 0, payload))
+        elif kind == PING:
+            self._ping_answered = True
         elif kind == WINDOW_UPDATE and stream_id == 0:
             self._send_window += U32.unpack_from(payload)[0] & 0x7FFFFFFF
+            if self._send_window > MAX_WINDOW:
+                raise _ConnectionError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
         elif kind == RST_STREAM:
             call = self.streams.get(stream_id)
             if call is not None:
@@ -496,19 +597,20 @@ class _Connection(asyncio.Protocol):
             if pad:
                 payload = payload[:-pad]
             self._header_block = (stream_id, flags, bytearray(payload))
-        elif self._header_block is not None:
+        elif self._header_block is None or self._header_block[0] != stream_id:
+            raise _ConnectionError(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+        else:
             self._header_block[2].extend(payload)
-        if not flags & END_HEADERS or self._header_block is None:
+        if len(self._header_block[2]) > MAX_HEADER_BLOCK:
+            raise _ConnectionError(PROTOCOL_ERROR, f"header block over {MAX_HEADER_BLOCK} bytes")
+        if not flags & END_HEADERS:
             return
         sid, first_flags, block = self._header_block
         self._header_block = None
         try:  # always, to keep HPACK state in step
             headers = self._decode(bytes(block))
-        except Exception:  # noqa: BLE001 - any HPACK error breaks the connection (RFC 7540 §4.3)
-            self._closing()
-            self.close()
-            self.connection_lost(None)
-            return
+        except Exception as exc:
+            raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from exc
         call = self.streams.get(sid)
         if call is not None:
             call._headers(headers, bool(first_flags & END_STREAM))
@@ -554,10 +656,12 @@ class H2Channel:
 
     def __init__(self, addresses: Sequence[tuple[str, int]], *,
                  user_agent: str = "kvswitch-frontend",
-                 on_lost: Callable[[], None] | None = None) -> None:
+                 on_lost: Callable[[], None] | None = None,
+                 keepalive: float | None = None) -> None:
         self._addresses = list(addresses)
         self._user_agent = user_agent
         self._on_lost = on_lost
+        self._keepalive = keepalive
         self._connections: list[_Connection | None] = [None] * len(self._addresses)
         self._connecting: list[asyncio.Task[_Connection] | None] = [None] * len(self._addresses)
         self._turn = 0
@@ -624,7 +728,8 @@ class H2Channel:
         host, port = self._addresses[index]
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(
-            lambda: _Connection(_authority(host, port), self._user_agent, self._on_lost),
+            lambda: _Connection(_authority(host, port), self._user_agent, self._on_lost,
+                                self._keepalive),
             host, port)
         self._connections[index] = conn
         return conn

@@ -16,6 +16,7 @@ import pytest
 from kvswitch.errors import KvswitchError, Unavailable
 from kvswitch.frontend.http_server import HttpRequest, Reply, Server, StreamReply
 from kvswitch.frontend.sse import DONE, error_reply, sse_reply
+from kvswitch.limits import HttpLimits
 
 
 @dataclass
@@ -68,7 +69,7 @@ Client = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter
 @pytest.fixture()
 async def served() -> AsyncIterator[tuple[FakeApp, Server, Client]]:
     app = FakeApp()
-    server = Server(app, max_body_bytes=1000, grace_period=2.0)
+    server = Server(app, HttpLimits(max_body_bytes=1000), grace_period=2.0)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -303,7 +304,7 @@ async def test_every_response_carries_the_current_date(served) -> None:
 
 
 async def test_a_request_stalled_half_way_gets_408_then_close() -> None:
-    server = Server(FakeApp(), max_body_bytes=1000, keep_alive_timeout=0.3)
+    server = Server(FakeApp(), HttpLimits(max_body_bytes=1000, idle_timeout=0.3))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()

@@ -4,7 +4,8 @@ The calls go over `kvswitch.protocol.h2client` (not grpc.aio: no poller thread, 
 message). Each batch is decoded and applied straight from the connection's `data_received`
 (the call's `on_message`), not in a task woken once per read.
 
-`KvEventSubscriber` follows one endpoint: it reads `GetServerInfo.block_size` (an engine whose
+`KvEventSubscriber` follows one endpoint (its connection sends keepalive PINGs, so a silent
+engine's stream ends within two `KEEPALIVE` intervals): it reads `GetServerInfo.block_size` (an engine whose
 block size differs from the index's is never indexed: its blocks could not match), opens the
 stream at `SequenceTracker.resume_from()` (after an engine restart, seen as a new start time
 from GetServerInfo's uptime, from an empty index), converts and applies every batch as the tracker says,
@@ -47,6 +48,9 @@ _SERVER_INFO = method_path("GetServerInfo")
 _SERVER_INFO_REQUEST = vllm_engine_pb2.GetServerInfoRequest().SerializeToString()
 _KV_EVENTS = method_path("SubscribeKvEvents")
 USER_AGENT = "kvswitch-epp"
+KEEPALIVE = 5.0
+"""Seconds between HTTP/2 PINGs on a KV-event connection: an engine that stops answering
+(half-open TCP) has its stream ended within two intervals instead of never."""
 
 
 class KvEventSubscriber:
@@ -54,8 +58,9 @@ class KvEventSubscriber:
 
     def __init__(self, address: str, index: PrefixIndex, *, on_load: LoadCallback | None = None,
                  retry_delay: float = 0.1, max_retry_delay: float = 2.0,
-                 rpc_timeout: float = 2.0) -> None:
+                 rpc_timeout: float = 2.0, keepalive: float | None = KEEPALIVE) -> None:
         self.address = address
+        self.keepalive = keepalive
         self.index = index
         self.on_load = on_load
         self.retry_delay = retry_delay
@@ -93,7 +98,8 @@ class KvEventSubscriber:
             self._channel = None
 
     async def _run(self) -> None:
-        self._channel = channel = H2Channel.to(self.address, user_agent=USER_AGENT)
+        self._channel = channel = H2Channel.to(self.address, user_agent=USER_AGENT,
+                                               keepalive=self.keepalive)
         delay = self.retry_delay
         while True:
             self._delivered = False

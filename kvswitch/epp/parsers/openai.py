@@ -18,6 +18,7 @@ import orjson
 
 from kvswitch.epp.request import ParsedBody
 from kvswitch.errors import InvalidRequest
+from kvswitch.limits import json_sampling_counts
 
 __all__ = ["PATHS", "TYPE", "OpenAIParser", "create"]
 
@@ -54,6 +55,7 @@ class OpenAIParser:
             stream=bool(_optional(data, "stream", bool)),
             max_tokens=_max_tokens(data),
             request_id=_optional(data, "request_id", str),
+            sampling=json_sampling_counts(data),
         )
 
 

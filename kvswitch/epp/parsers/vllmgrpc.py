@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from kvswitch.epp.request import ParsedBody
 from kvswitch.errors import InvalidRequest
+from kvswitch.limits import proto_sampling_counts
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, vllm_engine_pb2
 from kvswitch.protocol.frames import decode_all, single_message
 from kvswitch.protocol.packed import EmbedRequestView, GenerateRequestView, PackedTokenIds
@@ -69,6 +70,7 @@ def _parse_generate(message: bytes) -> ParsedBody:
         stream=request.stream,
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
         request_id=request.request_id or None,
+        sampling=proto_sampling_counts(params),
     )
 
 

@@ -1,0 +1,426 @@
+"""Fuzz targets: every parser of bytes from outside, each with the inputs to draw and what must
+come out. A target's `check` asserts the outcome is a valid result or an error of the right
+kind (anything else raised is a finding). tests/fuzz/test_fuzz.py runs each briefly;
+benchmarks/fuzz_long.py runs them long and reports crashes, hangs and peak memory.
+
+Inputs mix raw bytes with well-formed inputs that are then cut, spliced or mutated, so the
+checks reach past the first length or type test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import yaml
+from google.protobuf.message import DecodeError
+from hypothesis import strategies as st
+
+from kvswitch.epp import h2connection
+from kvswitch.epp.config import build_endpoint_picker, static_pool
+from kvswitch.epp.framework import ConfigError
+from kvswitch.epp.kvindex.events import batch_from_proto
+from kvswitch.epp.kvindex.index import PrefixIndex
+from kvswitch.epp.parsers.openai import OpenAIParser
+from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
+from kvswitch.epp.request import ParsedBody
+from kvswitch.errors import InvalidRequest, KvswitchError, PayloadTooLarge
+from kvswitch.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvswitch.limits import SAMPLING_DEFAULTS, check_sampling
+from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2
+from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.protocol.frames import FrameDecoder, decode_all
+from kvswitch.protocol.http2 import PREFACE, frame, hpack_literal
+
+__all__ = ["TARGETS", "Target"]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    inputs: st.SearchStrategy[Any]
+    check: Callable[[Any], None]
+
+
+# ---- shared input shapes -------------------------------------------------------------------
+
+def _mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    """Valid bytes cut short, with bytes flipped, or with junk spliced in."""
+
+    @st.composite
+    def mutate(draw: st.DrawFn) -> bytes:
+        data = bytearray(draw(valid))
+        for _ in range(draw(st.integers(0, 3))):
+            kind = draw(st.sampled_from(["cut", "flip", "splice"]))
+            at = draw(st.integers(0, len(data)))
+            if kind == "cut":
+                del data[at:]
+            elif kind == "flip" and at < len(data):
+                data[at] ^= draw(st.integers(1, 255))
+            else:
+                data[at:at] = draw(st.binary(max_size=16))
+        return bytes(data)
+
+    return st.one_of(valid, mutate(), st.binary(max_size=256))
+
+
+_token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=64)
+_sampling = st.builds(
+    pb.SamplingParams,
+    max_tokens=st.integers(0, 2**32 - 1), n=st.integers(0, 2**32 - 1),
+    stop=st.lists(st.text(max_size=8), max_size=4),
+    stop_token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=4),
+    logprobs=st.integers(-2**31, 2**31 - 1),
+    logit_bias=st.dictionaries(st.integers(-2**31, 2**31 - 1), st.floats(width=32), max_size=4))
+_generate = st.one_of(
+    st.builds(lambda ids, s, stream: pb.GenerateRequest(
+        request_id="r", tokenized=pb.TokenizedInput(input_ids=ids), sampling_params=s,
+        stream=stream), _token_ids, _sampling, st.booleans()),
+    st.builds(lambda text, s: pb.GenerateRequest(text=text, sampling_params=s),
+              st.text(max_size=64), _sampling),
+).map(lambda m: m.SerializeToString())
+
+
+def _grpc_body(message: bytes, compressed: bool, declared_delta: int) -> bytes:
+    payload = message
+    if compressed:
+        compressor = zlib.compressobj(6, zlib.DEFLATED, 31)
+        payload = compressor.compress(message) + compressor.flush()
+    length = max(0, len(payload) + declared_delta)
+    return bytes([1 if compressed else 0]) + struct.pack(">I", length) + payload
+
+
+_grpc_bodies = _mutated(st.builds(_grpc_body, _generate, st.booleans(),
+                                  st.sampled_from([0, 0, 0, -1, 1, 2**20])))
+
+
+# ---- gRPC framing and gzip -----------------------------------------------------------------
+
+def check_grpc_frames(args: tuple[bytes, str | None, int, int]) -> None:
+    body, encoding, limit, split = args
+    try:
+        messages = decode_all(body, encoding=encoding, max_message_bytes=limit)
+    except (InvalidRequest, PayloadTooLarge):
+        messages = None
+    assert messages is None or all(len(m) <= limit for m in messages)
+    # Fed in two pieces, the incremental decoder agrees with the whole-body decoder.
+    try:
+        decoder = FrameDecoder(encoding=encoding, max_message_bytes=limit)
+        pieces = decoder.feed(body[:split]) + decoder.feed(body[split:])
+        decoder.close()
+    except (InvalidRequest, PayloadTooLarge):
+        pieces = None
+    assert (pieces is None) == (messages is None) and (pieces is None or pieces == messages)
+
+
+GRPC_FRAMES = Target("grpc-frames", st.tuples(
+    _grpc_bodies, st.sampled_from([None, "identity", "gzip", "deflate", "br"]),
+    st.sampled_from([16, 1024, 16 << 20]), st.integers(0, 64)), check_grpc_frames)
+
+
+# ---- protobuf requests (the EPP's vllmgrpc parser) -----------------------------------------
+
+def check_vllmgrpc(args: tuple[bytes, str, str | None]) -> None:
+    body, path, encoding = args
+    headers = {"grpc-encoding": encoding} if encoding else {}
+    try:
+        parsed = VllmGrpcParser(max_message_bytes=1 << 16).parse(path, headers, body)
+    except (InvalidRequest, PayloadTooLarge):
+        return
+    assert isinstance(parsed, ParsedBody)
+    messages = decode_all(body, encoding=encoding, max_message_bytes=1 << 16)
+    request = (pb.EmbedRequest if path == EMBED_PATH else pb.GenerateRequest).FromString(
+        messages[0])
+    if parsed.prompt_token_ids is not None:  # the packed view reads what protobuf reads
+        assert list(parsed.prompt_token_ids) == list(request.tokenized.input_ids)
+    if parsed.sampling is not None:
+        try:
+            check_sampling(parsed.sampling, SAMPLING_DEFAULTS)
+        except InvalidRequest:
+            pass
+
+
+VLLMGRPC = Target("vllmgrpc-parser", st.tuples(
+    _grpc_bodies, st.sampled_from([GENERATE_PATH, EMBED_PATH]),
+    st.sampled_from([None, "gzip"])), check_vllmgrpc)
+
+
+# ---- OpenAI JSON bodies (the EPP's parser and the frontend's models) -----------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                  max_size=4),
+    max_leaves=12)
+_fields = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
+                           "n", "best_of", "logprobs", "top_logprobs", "stop", "stream",
+                           "logit_bias", "stop_token_ids", "temperature", "top_k", "seed",
+                           "request_id", "echo", "min_tokens", "response_format"])
+_openai_body = st.one_of(
+    st.dictionaries(_fields, _json, max_size=6),
+    st.fixed_dictionaries({"model": st.just("m"), "prompt": st.one_of(
+        st.text(max_size=16), _token_ids, st.lists(_token_ids, max_size=3))},
+        optional={"n": _json, "stop": _json, "max_tokens": _json, "logit_bias": _json}),
+    st.fixed_dictionaries({"model": st.just("m"), "messages": st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "x"]), "content": _json}), max_size=3)},
+        optional={"logprobs": _json, "top_logprobs": _json, "n": _json}),
+    _json)
+_openai_bytes = _mutated(_openai_body.map(lambda v: json.dumps(v).encode()))
+
+
+def check_openai(args: tuple[bytes, str]) -> None:
+    body, path = args
+    try:
+        parsed = OpenAIParser().parse(path, {}, body)
+    except InvalidRequest:
+        parsed = None
+    if parsed is not None:
+        assert parsed.prompt_token_ids is None or all(
+            0 <= t < 2**32 for t in parsed.prompt_token_ids)
+        if parsed.sampling is not None:
+            try:
+                check_sampling(parsed.sampling, SAMPLING_DEFAULTS)
+            except InvalidRequest:
+                pass
+    try:
+        decoded = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return
+    model = ChatCompletionRequest if path.endswith("chat/completions") else CompletionRequest
+    try:
+        parse_request(model, decoded)
+    except InvalidRequest as exc:
+        assert exc.message
+
+
+OPENAI = Target("openai-json", st.tuples(
+    _openai_bytes, st.sampled_from(["/v1/completions", "/v1/chat/completions"])), check_openai)
+
+
+# ---- EPP config files ----------------------------------------------------------------------
+
+_plugin = st.fixed_dictionaries({"type": st.sampled_from([
+    "queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "max-score-picker",
+    "random-picker", "low-queue-filter", "session-affinity-scorer", "vllmgrpc-parser",
+    "precise-prefix-cache-scorer", "nope"])}, optional={
+    "name": st.text(max_size=6), "parameters": st.dictionaries(st.sampled_from([
+        "threshold", "blockSize", "maxMessageBytes", "headerName", "hashBlockSize",
+        "maxNumOfEndpoints", "lruCapacityPerServer"]), _json, max_size=3)})
+_config = st.fixed_dictionaries({
+    "apiVersion": st.sampled_from(["llm-d.ai/v1alpha1", "x"]),
+    "kind": st.sampled_from(["EndpointPickerConfig", "Other"])}, optional={
+    "plugins": st.one_of(st.lists(_plugin, max_size=4), _json),
+    "schedulingProfiles": st.one_of(st.lists(st.fixed_dictionaries(
+        {"name": st.text(max_size=4)}, optional={"plugins": st.lists(st.fixed_dictionaries(
+            {"pluginRef": st.text(max_size=6)}, optional={"weight": _json}), max_size=3)}),
+        max_size=2), _json),
+    "saturationDetector": _json, "featureGates": _json, "flowControl": _json,
+    "dataLayer": _json, "requestHandler": _json})
+_config_text = st.one_of(_config.map(yaml.safe_dump), _mutated(_config.map(
+    lambda c: yaml.safe_dump(c).encode())).map(lambda b: b.decode("utf-8", "replace")))
+
+
+def check_config(text: str) -> None:
+    try:
+        picker = build_endpoint_picker(text + "\n", static_pool(["127.0.0.1:1"]))
+    except ConfigError as exc:
+        assert str(exc)
+        return
+    assert picker.parsers
+
+
+CONFIG = Target("epp-config", _config_text, check_config)
+
+
+# ---- KV events -----------------------------------------------------------------------------
+
+_block = st.builds(lambda h, ids, size: common_pb2.KvBlock(block_hash=h, token_ids=ids,
+                                                           block_size=size),
+                   st.integers(-2**63, 2**63 - 1), st.lists(st.integers(0, 2**32 - 1),
+                                                            max_size=20), st.integers(0, 32))
+_event = st.one_of(
+    st.builds(lambda blocks, parent: common_pb2.KvCacheEvent(stored=common_pb2.KvBlocksStored(
+        blocks=blocks, parent_block_hash=parent)), st.lists(_block, max_size=4),
+        st.integers(-2**63, 2**63 - 1)),
+    st.builds(lambda hashes: common_pb2.KvCacheEvent(removed=common_pb2.KvBlocksRemoved(
+        block_hashes=hashes)), st.lists(st.integers(-2**63, 2**63 - 1), max_size=4)),
+    st.just(common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared())))
+_batch = st.builds(lambda seq, events: common_pb2.KvEventBatch(
+    sequence_number=seq, events=events), st.integers(0, 2**63 - 1),
+    st.lists(_event, max_size=6)).map(lambda m: m.SerializeToString())
+
+
+def check_kv_events(batches: list[bytes]) -> None:
+    index = PrefixIndex(block_size=16)
+    index.add_endpoint("e")
+    for raw in batches:
+        try:
+            message = common_pb2.KvEventBatch.FromString(raw)
+        except DecodeError:
+            continue
+        batch = batch_from_proto(message)
+        stats = index.apply("e", batch.events)
+        assert min(stats) >= 0
+        assert index.num_blocks("e") >= 0
+
+
+KV_EVENTS = Target("kv-events", st.lists(_mutated(_batch), max_size=4), check_kv_events)
+
+
+# ---- HTTP/2 frames -------------------------------------------------------------------------
+
+_frame = st.builds(
+    lambda kind, flags, sid, payload: frame(kind, flags, sid, payload),
+    st.integers(0, 11), st.sampled_from([0, 1, 4, 5, 8, 0x20, 0x2D, 255]),
+    st.sampled_from([0, 1, 3, 5, 2, 2**31 - 1]), st.binary(max_size=40))
+_PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+_request_headers = st.just(frame(1, 4, 1, b"".join(hpack_literal(k, v) for k, v in (
+    (":method", "POST"), (":scheme", "http"), (":path", _PROCESS),
+    ("content-type", "application/grpc"), ("te", "trailers")))))
+_h2_input = st.lists(st.one_of(_frame, _request_headers, _mutated(_frame)), max_size=8).map(
+    b"".join)
+
+
+def _frames_out(data: bytes) -> list[int]:
+    """The types of the frames in `data`, which must be whole, well-formed frames."""
+    kinds, offset = [], 0
+    while offset < len(data):
+        length = int.from_bytes(data[offset:offset + 3], "big")
+        assert offset + 9 + length <= len(data), "a frame written in part"
+        kinds.append(data[offset + 3])
+        offset += 9 + length
+    return kinds
+
+
+def check_h2_server(args: tuple[bytes, int]) -> None:
+    data, split = args
+    conn = h2connection.H2GrpcConnection(max_message_bytes=1 << 16)
+    conn.initiate()
+    out = conn.data_to_send()
+    stream = PREFACE + frame(4, 0, 0) + data
+    for piece in (stream[:split], stream[split:]):
+        events = conn.receive(piece)  # never raises
+        assert all(type(e).__module__ == h2connection.__name__ for e in events)
+        out += conn.data_to_send()
+    kinds = _frames_out(out)
+    if conn.closed:
+        assert 7 in kinds  # GOAWAY says why
+        assert conn.receive(b"\x00" * 9) == []  # and nothing more is read
+
+
+H2_SERVER = Target("h2-server", st.tuples(_h2_input, st.integers(0, 80)), check_h2_server)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def check_h2_client(args: tuple[bytes, int]) -> None:
+    from kvswitch.protocol import h2client
+
+    data, split = args
+
+    async def run() -> None:
+        conn = h2client._Connection("test:1")
+        transport = _Transport()
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        call = conn.start(GENERATE_PATH, (), b"x", pb.GenerateResponse.FromString)
+        response = frame(1, 4, 1, hpack_literal(":status", "200")
+                         + hpack_literal("content-type", "application/grpc"))
+        stream = frame(4, 0, 0) + response + data
+        conn.data_received(stream[:split])
+        conn.data_received(stream[split:])
+        conn.connection_lost(None)
+        try:
+            await asyncio.wait_for(call.read_batch(), 1)
+        except h2client.StreamError:
+            pass
+        except asyncio.CancelledError:
+            raise
+        written = b"".join(transport.out)
+        assert written.startswith(PREFACE)
+        _frames_out(written[len(PREFACE):])
+
+    asyncio.run(run())
+
+
+H2_CLIENT = Target("h2-client", st.tuples(_h2_input, st.integers(0, 80)), check_h2_client)
+
+
+# ---- HTTP/1.1 requests (the frontend's server) ---------------------------------------------
+
+_REFUSALS = {400, 408, 413, 414, 431, 501, 503}
+_http_request = st.builds(
+    lambda method, target, headers, body: (
+        f"{method} {target} HTTP/1.1\r\n".encode() + b"".join(
+            f"{k}: {v}\r\n".encode() for k, v in headers) + b"\r\n" + body),
+    st.sampled_from(["GET", "POST", "HEAD", "PUT", "X"]),
+    st.sampled_from(["/echo", "/", "/v1/x?y=1", "*", "/" + "a" * 300]),
+    st.lists(st.tuples(st.sampled_from(["content-length", "transfer-encoding", "host",
+                                        "expect", "connection", "x-a"]),
+                       st.sampled_from(["0", "5", "chunked", "gzip, chunked", "100-continue",
+                                        "close", "-1", "99999999999", "a" * 200])),
+             max_size=5),
+    st.binary(max_size=40))
+_http_input = st.lists(_mutated(_http_request), min_size=1, max_size=3).map(b"".join)
+
+
+def check_http1(args: tuple[bytes, int]) -> None:
+    from kvswitch.frontend.http_server import HttpRequest, Reply, Server, _Connection
+    from kvswitch.limits import HttpLimits
+
+    data, split = args
+
+    class App:
+        async def handle(self, request: HttpRequest) -> Reply:
+            return Reply(200, request.body)
+
+        def refuse(self, error: KvswitchError) -> Reply:
+            return Reply(error.http_status, error.message.encode())
+
+    async def run() -> bytes:
+        server = Server(App(), HttpLimits(max_url_bytes=200, max_header_bytes=400,
+                                          max_headers=4, max_body_bytes=30))
+        conn = _Connection(server)
+        transport = _Transport()
+        transport.pause_reading = transport.resume_reading = lambda: None  # type: ignore[attr-defined]
+        transport.can_write_eof = lambda: False  # type: ignore[attr-defined]
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        conn.data_received(data[:split])
+        conn.data_received(data[split:])
+        for _ in range(20):  # let the queued requests be served (bounded)
+            await asyncio.sleep(0)
+        conn.connection_lost(None)
+        await asyncio.sleep(0)
+        return b"".join(transport.out)
+
+    out = asyncio.run(run())
+    for line in out.split(b"\r\n"):
+        if line.startswith(b"HTTP/1.1 ") and line[9:12].isdigit():
+            status = int(line[9:12])
+            assert status in _REFUSALS | {100, 200}, line
+
+
+HTTP1 = Target("http1-requests", st.tuples(_http_input, st.integers(0, 200)), check_http1)
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    GRPC_FRAMES, VLLMGRPC, OPENAI, CONFIG, KV_EVENTS, H2_SERVER, H2_CLIENT, HTTP1)}
