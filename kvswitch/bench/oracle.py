@@ -11,7 +11,7 @@ The bench client itself routes (no gateway in the path) and knows, per engine:
   prompt's last full block (the step that computes it also samples the first token); a prompt
   whose last block was already cached when it was sent has no such event, and is taken as
   prefilled at its estimated TTFT;
-- the engine's cost model: the simulator profile's step-time formula (DESIGN §4)
+- the engine's cost model: the simulator profile's step-time formula (docs/simulator.md)
       step = base + prefill_us * prefill_tokens + decode_us * decode_tokens
   with chunked prefill at `max_num_batched_tokens` tokens per step.
 

@@ -5,7 +5,7 @@ A scheduler step that runs `p` uncached prefill tokens and `d` decode tokens tak
     step_s = (base_us + prefill_us * p + decode_us * d) / 1e6
 
 simulated seconds. That linear form is the published fit for Llama-3.1-8B on one H100 with vLLM
-0.8.4 (DESIGN §4): base 5,753 µs (weight reads + launch overhead, paid once per step), 17.25 µs
+0.8.4 (docs/simulator.md): base 5,753 µs (weight reads + launch overhead, paid once per step), 17.25 µs
 per prefill token (compute-bound GEMMs) and 6.0 µs per decode token (KV reads + sampling).
 """
 
@@ -67,7 +67,7 @@ PROFILES: dict[str, SimProfile] = {
     # - decode: KV bytes per token per GPU are the same as 8B (64 layers x 8 KV heads x 128,
     #   split over 2 GPUs vs 32 layers on one), but per-token MLP/attention work doubles in
     #   part -> 1.5 x 6.0 = 9 µs;
-    # - KV: ~307k tokens per instance (DESIGN §4) = 19,200 blocks of 16.
+    # - KV: ~307k tokens per instance (docs/simulator.md) = 19,200 blocks of 16.
     "qwen3-32b-2xh100": SimProfile(
         name="qwen3-32b-2xh100",
         description="Qwen3-32B, TP=2 on 2x H100 (scaled from the 8B fit)",

@@ -1,7 +1,7 @@
 """The precise prefix index: which full KV blocks each endpoint holds, fed by KV events.
 
 Sans-IO. Per endpoint, a stored block's token ids are folded into kvswitch's own chained content
-hash, so the index never depends on the engine's hash function (DESIGN §4):
+hash, so the index never depends on the engine's hash function:
 
     own(block i) = hash((own(block i-1), packed(token_ids[i*B:(i+1)*B])))
     own(block -1) = root(ns)

@@ -2,7 +2,7 @@
 
 A prefix hit on an overloaded replica is not a win: what a request waits for is the prefill
 work queued ahead of it plus its own uncached prefill. Per endpoint e, in prompt tokens
-(prefill cost per token, ~17 us on the H100 fit of DESIGN section 4, is the same on every
+(prefill cost per token, ~17 us on the H100 fit in docs/simulator.md, is the same on every
 replica and cancels out):
 
     P        = the prompt's tokens (token ids; else full blocks x block size)
