@@ -1,10 +1,10 @@
 """A minimal asyncio HTTP/2 client for gRPC: unary request -> streamed (or one) responses.
 
 Used for the frontend's Generate hot path and the EPP's engine telemetry (SubscribeKvEvents,
-GetLoads, HealthCheck, GetServerInfo). Why not grpc.aio: on 2 cores its per-message cost (a
+GetLoads, HealthCheck, GetServerInfo). Why not grpc.aio: its per-message cost (a
 completion-queue poller thread handing each received message to the event loop, one batch op
-and one future per read) measured ≈ 25–38 µs of CPU per streamed token, more than the whole of
-SMG's transcoding. Here a connection is an `asyncio.Protocol` that parses frames straight out of
+and one future per read) exceeds the whole of the frontend's transcoding
+(docs/benchmarks/transports.md). Here a connection is an `asyncio.Protocol` that parses frames straight out of
 `data_received`; every gRPC message already received for a stream is handed over in one
 `read_batch()`, so a slow reader gets several engine messages at once. A call started with
 `on_message` instead hands each message to that callback straight from `data_received` (no
