@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM's names and labels, and the small HTTP server that serves them.
+"""Prometheus metrics with vLLM's names and labels, and the HTTP server that serves them.
 
 Gauges and counters are read from the engine (`load()`, `counters()`) at scrape time, so the
 request path pays nothing for them; the latency histograms are observed by the servicer, once
@@ -16,11 +16,16 @@ engine without a clock is timed in wall seconds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvswitch.engine.base import Engine
@@ -28,6 +33,8 @@ from kvswitch.engine.base import Engine
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_SCRAPE_TIMEOUT = 10.0  # seconds a scrape waits for the event loop
+T = TypeVar("T")
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read ours unchanged.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -125,47 +132,63 @@ class EngineMetrics:
         return bytes(generate_latest(self.registry))
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # one line per scrape on stderr is noise
+
+
 class MetricsHttpServer:
-    """GET /metrics and GET /health over HTTP/1.1 on asyncio streams, one request per
-    connection; deliberately tiny so the engine process carries no web framework."""
+    """GET /metrics and GET /health on prometheus_client's threaded WSGI server.
+
+    The server thread only speaks HTTP: a scrape renders on the event loop, which owns the
+    engine's state, so the engine is never read while the loop changes it."""
 
     def __init__(self, render_metrics: Callable[[], bytes], is_healthy: Callable[[], bool]):
         self._render = render_metrics
         self._healthy = is_healthy
-        self._server: asyncio.Server | None = None
+        self._server: WSGIServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.port = 0
+        """The bound port, once started."""
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
+        self._loop = asyncio.get_running_loop()
+        self._server = make_server(host, port, self._app, ThreadingWSGIServer,
+                                   handler_class=_QuietHandler)
+        self.port = self._server.server_port
+        # A short poll interval keeps stop() quick: shutdown waits for the server's next poll.
+        threading.Thread(target=self._server.serve_forever, args=(0.1,),
+                         name="engine-metrics-http", daemon=True).start()
 
     async def stop(self) -> None:
         if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+            server, self._server = self._server, None
+            await asyncio.to_thread(server.shutdown)
+            server.server_close()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request_line = await asyncio.wait_for(reader.readline(), 10.0)
-            while (await asyncio.wait_for(reader.readline(), 10.0)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request_line.decode("latin-1").split()
-            method, path = (parts[0], parts[1].split("?", 1)[0]) if len(parts) >= 2 else ("", "")
-            status, ctype, body = self._respond(method, path)
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-            writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
-            await writer.drain()
-        except (TimeoutError, OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        async def call() -> T:
+            return fn()
+
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(_SCRAPE_TIMEOUT)
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        method, path = environ["REQUEST_METHOD"], environ["PATH_INFO"]
+        status, ctype, body = self._respond(method, path)
+        start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
+        return [b"" if method == "HEAD" else body]
 
     def _respond(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
-        if path == "/metrics":
-            return "200 OK", CONTENT_TYPE, self._render()
-        if path == "/health":
-            if self._healthy():
-                return "200 OK", "text/plain", b"ok\n"
-            return "503 Service Unavailable", "text/plain", b"unhealthy\n"
+        try:
+            if path == "/metrics":
+                return "200 OK", CONTENT_TYPE, self._on_loop(self._render)
+            if path == "/health":
+                if self._on_loop(self._healthy):
+                    return "200 OK", "text/plain", b"ok\n"
+                return "503 Service Unavailable", "text/plain", b"unhealthy\n"
+        except (concurrent.futures.TimeoutError, RuntimeError):  # a stalled or closed loop
+            return "503 Service Unavailable", "text/plain", b"unavailable\n"
         return "404 Not Found", "text/plain", b"not found\n"

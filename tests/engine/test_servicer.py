@@ -296,7 +296,7 @@ async def test_metrics_endpoint(served: Served) -> None:
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
     body = (await reader.read()).decode()
     writer.close()
-    assert body.startswith("HTTP/1.1 200")
+    assert body.startswith(("HTTP/1.0 200", "HTTP/1.1 200"))
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
