@@ -7,10 +7,9 @@ gRPC failures become kvswitch errors here, at the boundary (`error_from_rpc`).
 Generate, the per-token hot path, goes over `h2client.H2Channel` (a lean HTTP/2 client) when
 the target is a list of addresses; the other calls, and any Generate that channel cannot take
 (no connection, a request larger than the peer's window), use grpc.aio. grpc.aio stays because
-it covers what the lean client leaves out on purpose (name resolution and balancing of a
-`dns:`/`ipv4:` target, requests larger than a flow-control window, the rarely used RPCs), at a
-per-message cost that matters only per token (docs/benchmarks/transports.md). Both hand back a
-`GenerateStream`: `read_batch()` returns every response already received.
+it covers what the lean client leaves out on purpose (`dns:` and `unix:` targets, requests
+larger than a flow-control window, the rarely used RPCs), at a per-message cost that matters
+only per token (docs/benchmarks/transports.md). Both hand back a `GenerateStream`: `read_batch()` returns every response already received.
 """
 
 from __future__ import annotations
