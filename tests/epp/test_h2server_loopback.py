@@ -33,9 +33,9 @@ from kvswitch.protocol.http2 import (
     frame,
 )
 from kvswitch.up import write_pool_file
-from tests.epp.test_extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
-from tests.epp.test_server import FakeRouter
+from tests.support.extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
 from tests.support.processes import free_port, kvswitch_argv, running
+from tests.support.router import FakeRouter
 
 
 class GatedRouter(FakeRouter):
