@@ -44,9 +44,19 @@ class GatedRouter(FakeRouter):
     def __init__(self) -> None:
         super().__init__()
         self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.task: asyncio.Task[object] | None = None
+        """The task a cancelled route ran in (the server's)."""
 
     async def route(self, request: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
-        await self.gate.wait()
+        self.entered.set()
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.task = asyncio.current_task()
+            self.cancelled.set()
+            raise
         return await super().route(request, subset)
 
 
@@ -140,9 +150,12 @@ async def test_reset_while_routing_releases_a_late_decision() -> None:
             call = ep_grpc.ExternalProcessorStub(channel).Process()
             await call.write(grpc_headers())
             await call.write(body(GENERATE, eos=True))
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(router.entered.wait(), 5)
             call.cancel()
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(router.cancelled.wait(), 5)  # the server cancels the route
+            assert router.task is not None
+            # Its done callbacks, the server's first, have run once `wait` returns.
+            await asyncio.wait({router.task}, timeout=5)
         assert router.routed == [] and router.finished == []  # cancelled before deciding
     finally:
         await server.stop(grace=0.1)
