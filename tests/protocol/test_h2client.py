@@ -21,6 +21,7 @@ from kvswitch.protocol.http2 import (
     END_HEADERS,
     END_STREAM,
     HEADERS,
+    PREFACE,
     RST_STREAM,
     U32,
     WINDOW_UPDATE,
@@ -190,10 +191,18 @@ async def test_closing_while_connecting_leaves_no_connection_open() -> None:
 
 async def test_lost_connection_fails_every_open_call_at_once_and_tells_the_owner() -> None:
     accepted: list[asyncio.StreamWriter] = []
+    all_sent = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accepted.append(writer)
-        await reader.read(1 << 16)  # the client's preface and requests; never answered
+        await reader.readexactly(len(PREFACE))
+        opened = 0
+        while opened < 4:  # read frames, never answered, until all four calls have started
+            header = await reader.readexactly(9)
+            await reader.readexactly(int.from_bytes(header[:3], "big"))
+            opened += header[3] == HEADERS
+        all_sent.set()
+        await reader.read()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -204,9 +213,7 @@ async def test_lost_connection_fails_every_open_call_at_once_and_tells_the_owner
                                      common_pb2.KvEventBatch.FromString) for _ in range(3)]
         unary = asyncio.create_task(
             channel.unary(LOADS, b"", pb.GetLoadsResponse.FromString, timeout=30))
-        while not accepted:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(all_sent.wait(), 5)
         accepted[0].transport.abort()  # the engine died: its socket is reset
         dropped = time.monotonic()
         for call in calls:
