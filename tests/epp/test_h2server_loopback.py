@@ -36,6 +36,7 @@ from kvswitch.up import write_pool_file
 from tests.support.extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
 from tests.support.processes import free_port, kvswitch_argv, running
 from tests.support.router import FakeRouter
+from tests.support.waiting import until
 
 
 class GatedRouter(FakeRouter):
@@ -209,9 +210,9 @@ async def test_graceful_stop_lets_an_open_stream_finish(router: FakeRouter) -> N
         await call.read()
         await call.read()
         stopping = asyncio.create_task(server.stop(grace=10))
-        await asyncio.sleep(0.1)
-        assert not stopping.done()  # waiting for the open stream
-        assert server.health_status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+        await until(lambda: server.health_status("readiness")
+                    == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert not stopping.done()  # waiting for the open stream (the reply below comes)
         await call.write(response_trailers(("grpc-status", "0")))
         assert (await call.read()).HasField("response_trailers")
         await call.done_writing()
