@@ -15,14 +15,7 @@ from kvswitch.epp.request import EndpointPicker
 from kvswitch.epp.server import EppServer
 from tests.support.extproc import GENERATE, body, grpc_headers
 from tests.support.router import ADDRS, NoBackground, config, make_router, prompt, request, set_load
-
-
-async def until(predicate, limit: int = 500) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(limit):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+from tests.support.waiting import until
 
 
 async def test_stream_reset_while_queued_releases_the_queue_slot() -> None:
