@@ -13,8 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-QWEN3_DIR = SHARED / "assets" / "tokenizers" / "qwen3"
 
 
 def free_port() -> int:
