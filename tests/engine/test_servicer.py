@@ -308,6 +308,23 @@ async def test_metrics_endpoint(served: Served) -> None:
         assert name in body, name
 
 
+async def test_metrics_server_answers_health_head_and_unknown_paths(served: Served) -> None:
+    async def ask(request: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.server.http_port)
+        writer.write(request)
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return reply
+
+    health = await ask(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert health.split(b"\r\n", 1)[0].endswith(b"200 OK") and health.endswith(b"ok\n")
+    head = await ask(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n", 1)[0] and head.endswith(b"\r\n\r\n")  # no body
+    assert b" 404 " in (await ask(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")).split(b"\r\n")[0]
+    post = await ask(b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    assert b" 405 " in post.split(b"\r\n")[0]
+
+
 async def test_stop_drains_then_goes_not_serving(served: Served) -> None:
     served.engine.step_seconds = 0.01
     call = served.stub.Generate(pb.GenerateRequest(
