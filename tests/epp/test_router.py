@@ -16,6 +16,7 @@ from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.request import RequestOutcome, RoutingDecision
 from kvswitch.epp.router import EppRouter
 from tests.support.router import ADDRS, config, make_router, prompt, request, set_load
+from tests.support.waiting import until
 
 
 async def test_same_prefix_sticks_while_different_prefixes_spread() -> None:
@@ -224,7 +225,7 @@ async def test_start_and_stop_with_unreachable_endpoints() -> None:
     router = build_endpoint_picker(None, static_pool(["127.0.0.1:1"]), metrics=EppMetrics()).router
     await router.start()
     try:
-        await asyncio.sleep(0.1)
+        await until(lambda: any(e.failures for e in router.datalayer.all()))  # a refresh failed
         decision = await router.route(request(prompt(9)), None)
         assert (decision.status, decision.reason) == (503, "no ready endpoint")
     finally:
