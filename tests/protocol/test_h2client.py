@@ -154,9 +154,12 @@ async def test_a_connect_its_caller_gave_up_on_leaves_no_unretrieved_error() -> 
         caller.cancel()  # ... and is cancelled before it fails
         with pytest.raises(asyncio.CancelledError):
             await caller
-        await asyncio.sleep(0.05)  # the connect has failed by now
+        connecting = channel._connecting[0]  # the connect the cancelled caller left running
+        assert connecting is not None
+        await asyncio.wait({connecting}, timeout=5)  # refused: it has failed now
+        assert connecting.done()
         channel.close()
-        del channel, caller
+        del channel, caller, connecting
         gc.collect()  # an unretrieved task error is reported when the task is collected
         await asyncio.sleep(0)
     finally:
