@@ -40,7 +40,6 @@ from kvswitch.errors import (
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, parse_target
-from kvswitch.protocol.h2client import available as h2_available
 
 __all__ = ["EngineClient", "GenerateStream", "Metadata", "error_from_rpc", "error_from_status"]
 
@@ -130,10 +129,7 @@ class EngineClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: vllm_engine_pb2_grpc.VllmEngineStub | None = None
         addresses = parse_target(target)
-        self._h2 = H2Channel(addresses) if addresses and h2_available() else None
-        if addresses and self._h2 is None:
-            logger.warning("the hpack package is not installed: Generate uses grpc.aio "
-                           "(about 3x the CPU per streamed token)")
+        self._h2 = H2Channel(addresses) if addresses else None
 
     @property
     def stub(self) -> vllm_engine_pb2_grpc.VllmEngineStub:

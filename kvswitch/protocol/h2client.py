@@ -17,20 +17,19 @@ as they are used, so a stream can live for days. A call may carry a deadline (se
 `grpc-timeout`; when it passes the call fails with DEADLINE_EXCEEDED and is reset). A lost
 connection fails every open call with UNAVAILABLE at once. A call this channel cannot start (no
 connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE `StreamError`:
-the frontend then uses grpc.aio instead. HPACK is `hpack` (python-hyper); without it installed
-`available()` is False and the frontend stays on grpc.aio.
+the frontend then uses grpc.aio instead. HPACK decoding is `hpack` (python-hyper).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
+from hpack import Decoder
 
 from kvswitch.protocol.http2 import (
     ACK,
@@ -53,8 +52,8 @@ from kvswitch.protocol.http2 import (
     hpack_literal,
 )
 
-__all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target",
-           "timeout_header"]
+__all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError",
+           "parse_target", "timeout_header"]
 
 _REFILL_AT = 2**30
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -75,10 +74,6 @@ class NotAccepted(StreamError):
 
     def __init__(self, details: str = "call not accepted") -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, details)
-
-
-def available() -> bool:
-    return importlib.util.find_spec("hpack") is not None
 
 
 def parse_target(target: str) -> list[tuple[str, int]] | None:
@@ -309,8 +304,6 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._next_id = 1
         self._buffer = b""
-        from hpack import Decoder
-
         self._decoder = Decoder()
         self._fixed_headers: dict[tuple[str, float | None], bytes] = {}
         self._header_block: tuple[int, int, bytearray] | None = None
