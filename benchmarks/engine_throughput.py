@@ -24,7 +24,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import grpc
 
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc
+from kvswitch.up import free_port
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -45,11 +45,6 @@ def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _client(target: str, streams: int, channels: int, max_tokens: int, prompt_len: int,

@@ -80,7 +80,7 @@ from kvswitch.protocol.http2 import (
     WINDOW_UPDATE,
     frame,
 )
-from tests.epp.test_extproc import (
+from tests.support.extproc import (
     body,
     grpc_headers,
     header_map,

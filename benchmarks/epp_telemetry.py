@@ -40,15 +40,10 @@ import yaml
 
 from kvswitch.epp.config import static_pool
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
-from kvswitch.up import DEFAULT_EPP_CONFIG
+from kvswitch.up import DEFAULT_EPP_CONFIG, free_port
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:

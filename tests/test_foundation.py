@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import pytest
 from kvswitch import errors
 from kvswitch.cli import build_parser
 from kvswitch.tokenization import load_tokenizer
-from tests.support.processes import QWEN3_DIR
+from kvswitch.tokenization.bundle import bundled_tokenizer_dir
 
 
 def test_cli_help_lists_every_subcommand() -> None:
@@ -61,9 +63,13 @@ def test_every_error_class_maps_consistently() -> None:
         assert errors.http_status_for_grpc(cls.grpc_code) == cls.http_status, cls
 
 
-def test_bundled_tokenizer_matches_the_shared_one() -> None:
+def test_bundled_tokenizer_reads_the_same_unpacked(tmp_path) -> None:
     bundled = load_tokenizer()
-    shared = load_tokenizer(str(QWEN3_DIR))
+    source = bundled_tokenizer_dir()
+    (tmp_path / "tokenizer.json").write_bytes(
+        gzip.decompress((source / "tokenizer.json.gz").read_bytes()))
+    shutil.copy(source / "tokenizer_config.json", tmp_path)
+    shared = load_tokenizer(str(tmp_path))
     text = "Hello, wörld! 你好 <|im_start|>user"
     assert bundled.encode("Hello") == [9707]
     assert bundled.encode(text) == shared.encode(text)

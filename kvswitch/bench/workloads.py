@@ -85,7 +85,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     # precise routing still holds (~30).
     Preset("shared-prefix-150x5-6000-1200-1000",
            SharedPrefixShape(150, 5, 6000, 1200, 1000), (6, 12, 18, 24, 30), 60.0,
-           "llm-d's precise-prefix benchmark shape (DESIGN §5)"),
+           "llm-d's precise-prefix benchmark shape"),
     Preset("shared-prefix-150x5-1000-6200-1000",
            SharedPrefixShape(150, 5, 1000, 6200, 1000), (3, 10, 20, 30, 40, 60), 50.0,
            "long unique questions behind a short shared prefix"),

@@ -123,8 +123,7 @@ class EngineServer:
         except OSError as exc:
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
             raise OSError(f"cannot bind the /metrics HTTP server to {address}: {reason}") from exc
-        sockets = self.http._server.sockets if self.http._server else []
-        self.http_port = sockets[0].getsockname()[1] if sockets else 0
+        self.http_port = self.http.port
 
     async def _undo_start(self) -> None:
         # A grpc.aio server dropped without stop() complains from __del__ once the loop closed.

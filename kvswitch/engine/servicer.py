@@ -10,15 +10,15 @@ servicer, each on purpose:
 - A request that does not parse ends INVALID_ARGUMENT, not grpcio's UNKNOWN (the handlers
   parse it: `registration`).
 
-Pacing: grpc.aio accepts a new RPC once per two event-loop iterations, and an iteration runs
-every stream that has something to write, so with hundreds of streams writing every engine step
-new RPCs starve (measured: ~40 accepted/s with 400 busy streams; with 128 streams at time scale
-100 and no pacing, new calls were not admitted at all). Under load (from 8 active requests on)
-each stream therefore reads the engine at most once per `active_requests x 20 µs` (1 to 50 ms);
-the backend merges the deltas meanwhile, so tokens/s holds while messages/s, and the loop's
-iteration length, stay bounded. Pacing is adaptive: a stream sleeps only for what is left of
-that interval since its previous read, so when the engine's steps are slower than the interval
-(e.g. time scale 1 with up to a few hundred streams) no token is held back at all.
+Pacing: grpc.aio accepts a new RPC once per two event-loop iterations, so hundreds of streams
+writing at every engine step would starve new calls. From 8 active requests on, each stream
+reads the engine at most once per
+
+    interval = min(max(active_requests x 20 µs, 1 ms), 50 ms)
+
+sleeping only for what is left of it since its previous read; the backend merges the deltas
+meanwhile, so tokens/s holds while messages/s stay bounded, and when engine steps are slower
+than the interval no token is held back.
 """
 
 from __future__ import annotations

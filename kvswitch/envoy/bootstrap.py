@@ -24,7 +24,7 @@ How the pool cluster honours the EPP's pick (`routing`), as measured on Envoy 1.
   fallbacks; the route's retry policy (connect failure / refused stream / reset before request)
   moves to the next fallback on each retry, then to round robin. Endpoints must be known up
   front (the pool file); a pick outside the cluster falls back to round robin.
-* `original-dst` (DESIGN §3): ORIGINAL_DST + CLUSTER_PROVIDED +
+* `original-dst`: ORIGINAL_DST + CLUSTER_PROVIDED +
   `original_dst_lb_config.use_http_header` on the same header; any `ip:port` works, no endpoint
   list needed. Envoy parses the header as exactly one address: a comma list does not parse
   (`original_dst_host_invalid`) and the request fails with 503 "no healthy upstream", so with

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvswitch.epp.config_fields import ConfigError, duration, fields, typed
 from kvswitch.epp.datalayer.pool import ObjectiveSpec, parse_objective
 from kvswitch.epp.flowcontrol import FlowControlConfig, SaturationConfig
-from kvswitch.epp.framework import ConfigError, duration, fields, known_types, typed
+from kvswitch.epp.framework import known_types
 
 __all__ = [
     "CONFIG_API_VERSIONS", "ConfigSpec", "DataLayerSpec", "PluginSpec", "ProfilePluginRef",

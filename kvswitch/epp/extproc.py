@@ -16,7 +16,7 @@ Envoy's request body mode decides the reply order (it arrives in `protocol_confi
   carries the destination.
 Requests no parser claims (or whose parser needs no body) are routed on their headers.
 
-Response side: at most response headers and trailers (never the body; see DESIGN section 3).
+Response side: at most response headers and trailers (never the body: docs/architecture.md).
 kvswitch's own bootstrap sends none (the access log reports each request's end:
 `kvswitch.epp.access_log`); other gateways may send both. They
 yield the status and the usage trailer. The routed request is reported finished exactly once:

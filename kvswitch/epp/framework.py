@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import re
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+# Plugins take what they need for their parameters from here, the plugin API.
+from kvswitch.epp.config_fields import ConfigError, duration  # noqa: F401
 from kvswitch.epp.datalayer import Datalayer, Endpoint
 from kvswitch.epp.request import InferenceRequest, RequestOutcome
 
@@ -34,10 +35,6 @@ ENTRY_POINT_GROUP = "kvswitch.epp.plugins"
 
 CycleState = dict[str, Any]
 """Per-request scratch space shared by the plugins of one scheduling cycle."""
-
-
-class ConfigError(ValueError):
-    """A configuration is invalid; the message starts with the field path at fault."""
 
 
 @runtime_checkable
@@ -334,47 +331,3 @@ def max_endpoints_param(parameters: Mapping[str, Any]) -> int:
     if n < 1:
         raise ConfigError(f"parameters.maxNumOfEndpoints: must be >= 1, got {n}")
     return n
-
-
-# ---- strict reading of config documents (used by kvswitch.epp.config and datalayer.pool) ------
-def fields(value: object, path: str, required: Sequence[str] = (),
-           optional: Sequence[str] = ()) -> Mapping[str, Any]:
-    """`value` as a mapping with only the allowed keys; ConfigError naming the path otherwise."""
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-    allowed = set(required) | set(optional)
-    for key in value:
-        if key not in allowed:
-            where = f"{path}.{key}" if path else str(key)
-            raise ConfigError(f"{where}: unknown field (allowed: {', '.join(sorted(allowed))})")
-    for key in required:
-        if key not in value:
-            raise ConfigError(f"{path + '.' if path else ''}{key}: required")
-    return value
-
-
-def typed(value: object, path: str, kind: type[T] | tuple[type, ...]) -> T:
-    """`value` if it has type `kind` (bools are not numbers); ConfigError otherwise."""
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        raise ConfigError(f"{path}: expected {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
-    if not isinstance(value, kinds):
-        raise ConfigError(f"{path}: expected {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
-    return value  # type: ignore[return-value]
-
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|us|s|m|h)")
-_UNITS = {"ms": 0.001, "us": 1e-6, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def duration(value: object, path: str) -> float:
-    """Seconds from a number or a Go-style duration string: "50ms", "2s", "1m", "1.5s"."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise ConfigError(f"{path}: expected a duration, got {value!r}")
-    if seconds < 0:
-        raise ConfigError(f"{path}: must not be negative")
-    return seconds

@@ -1,8 +1,8 @@
 """A lean gRPC server over HTTP/2 (h2c, prior knowledge): just what Envoy needs from the EPP.
 
-Why not grpc.aio: its floor is ≈ 0.6 ms of CPU per ext_proc stream on this machine (a
-completion-queue thread handing each message to the event loop, a batch op and a future per
-read and write; benchmarks/epp_request_path.py), several times the EPP's own work per request.
+Why not grpc.aio: its CPU floor per ext_proc stream (a completion-queue thread handing each
+message to the event loop, a batch op and a future per read and write) is several times the
+EPP's own work per request (docs/benchmarks/transports.md).
 
 Two layers, h2-style:
 - `kvswitch.epp.h2connection.H2GrpcConnection` is the sans-IO core (frames, streams, flow

@@ -11,10 +11,9 @@ filters/scorers/pickers, the data layer) meet only through the types here:
 EndpointPickerConfig and an InferencePool.
 
 `ParsedBody`, `InferenceRequest` and `RequestOutcome` are read-only for plugins and the router,
-but not frozen: they are built for every request, and a frozen dataclass's __init__ stores each
-field through object.__setattr__ (~1.7 us for an InferenceRequest, ~4 us per request for the
-three). `unsafe_hash` keeps them hashable by value, as frozen ones were; derive changed copies
-with `dataclasses.replace`.
+but not frozen, because a frozen dataclass's __init__ stores each field through
+object.__setattr__, a cost paid on every request. `unsafe_hash` keeps them hashable by value;
+derive changed copies with `dataclasses.replace`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ Two transports serve the same streams (`EppServer(transport=...)`, `kvswitch epp
   drives `ExtProcStream` straight from its frames. `router.route()` is stepped eagerly: only a
   request that really waits (flow control queued it) gets a task; messages that arrive
   meanwhile wait behind it, in order. Health Check and Watch; no reflection.
-- `grpcio`: grpc.aio with `ExtProcServicer`, health (Check and Watch) and reflection.
+- `grpcio`: grpc.aio with `ExtProcServicer`, health (Check and Watch) and reflection. It is
+  kept as the reference: the server tests run every behaviour on both transports, so grpc.aio
+  is the oracle for the lean one, and it serves reflection for grpcurl; it costs about three
+  times the CPU per request (docs/benchmarks/transports.md).
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ gRPC failures become kvswitch errors here, at the boundary (`error_from_rpc`).
 
 Generate, the per-token hot path, goes over `h2client.H2Channel` (a lean HTTP/2 client) when
 the target is a list of addresses; the other calls, and any Generate that channel cannot take
-(no connection, a request larger than the peer's window), use grpc.aio. Both hand back a
-`GenerateStream`: `read_batch()` returns every response already received.
+(no connection, a request larger than the peer's window), use grpc.aio. grpc.aio stays because
+it covers what the lean client leaves out on purpose (`dns:` and `unix:` targets, requests
+larger than a flow-control window, the rarely used RPCs), at a per-message cost that matters
+only per token (docs/benchmarks/transports.md). Both hand back a `GenerateStream`: `read_batch()` returns every response already received.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from kvswitch.limits import MAX_TOKENIZER_ARCHIVE_BYTES
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, parse_target
-from kvswitch.protocol.h2client import available as h2_available
 
 __all__ = ["EngineClient", "GenerateStream", "Metadata", "error_from_rpc", "error_from_status"]
 
@@ -129,10 +130,7 @@ class EngineClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: vllm_engine_pb2_grpc.VllmEngineStub | None = None
         addresses = parse_target(target)
-        self._h2 = H2Channel(addresses) if addresses and h2_available() else None
-        if addresses and self._h2 is None:
-            logger.warning("the hpack package is not installed: Generate uses grpc.aio "
-                           "(about 3x the CPU per streamed token)")
+        self._h2 = H2Channel(addresses) if addresses else None
 
     @property
     def stub(self) -> vllm_engine_pb2_grpc.VllmEngineStub:

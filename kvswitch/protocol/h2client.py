@@ -1,10 +1,10 @@
 """A minimal asyncio HTTP/2 client for gRPC: unary request -> streamed (or one) responses.
 
 Used for the frontend's Generate hot path and the EPP's engine telemetry (SubscribeKvEvents,
-GetLoads, HealthCheck, GetServerInfo). Why not grpc.aio: on 2 cores its per-message cost (a
+GetLoads, HealthCheck, GetServerInfo). Why not grpc.aio: its per-message cost (a
 completion-queue poller thread handing each received message to the event loop, one batch op
-and one future per read) measured ≈ 25–38 µs of CPU per streamed token, more than the whole of
-SMG's transcoding. Here a connection is an `asyncio.Protocol` that parses frames straight out of
+and one future per read) exceeds the whole of the frontend's transcoding
+(docs/benchmarks/transports.md). Here a connection is an `asyncio.Protocol` that parses frames straight out of
 `data_received`; every gRPC message already received for a stream is handed over in one
 `read_batch()`, so a slow reader gets several engine messages at once. A call started with
 `on_message` instead hands each message to that callback straight from `data_received` (no
@@ -21,20 +21,19 @@ interval (a half-open connection to a silent peer). A frame that breaks RFC 9113
 (`_check_frame`, header blocks over `MAX_HEADER_BLOCK`) is a connection error: GOAWAY, then the
 same. A call this channel cannot start (no
 connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE `StreamError`:
-the frontend then uses grpc.aio instead. HPACK is `hpack` (python-hyper); without it installed
-`available()` is False and the frontend stays on grpc.aio.
+the frontend then uses grpc.aio instead. HPACK decoding is `hpack` (python-hyper).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
+from hpack import Decoder
 
 from kvswitch.protocol.http2 import (
     ACK,
@@ -61,8 +60,8 @@ from kvswitch.protocol.http2 import (
     hpack_literal,
 )
 
-__all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target",
-           "timeout_header"]
+__all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError",
+           "parse_target", "timeout_header"]
 
 _REFILL_AT = 2**30
 _MAX_FRAME = 1 << 20
@@ -89,10 +88,6 @@ class NotAccepted(StreamError):
 
     def __init__(self, details: str = "call not accepted") -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, details)
-
-
-def available() -> bool:
-    return importlib.util.find_spec("hpack") is not None
 
 
 def parse_target(target: str) -> list[tuple[str, int]] | None:
@@ -357,8 +352,6 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._next_id = 1
         self._buffer = b""
-        from hpack import Decoder
-
         self._decoder = Decoder()
         self._fixed_headers: dict[tuple[str, float | None], bytes] = {}
         self._header_block: tuple[int, int, bytearray] | None = None

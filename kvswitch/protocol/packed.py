@@ -5,8 +5,8 @@ A `repeated uint32` field (a prompt's `TokenizedInput.input_ids`, a KV block's
 varints. On the wire that is exactly what a `bytes` field with the same number looks like. So
 the EPP reads these messages through *views*: copies of the real schemas in a private package
 in which those two fields are declared `bytes`. upb then hands over each field's payload as one
-bytes object instead of an int per token (for the KV events of a streamed request, ~0.9 ->
-~0.3 us per stored block in process), and the precise prefix index hashes those bytes
+bytes object instead of an int per token (a third of the conversion cost per stored block),
+and the precise prefix index hashes those bytes
 (`kvswitch.epp.kvindex.index.block_hashes`). Both sides are the same varints of the same ids,
 so a prompt's blocks and an engine's stored blocks hash alike (encoders write each varint in
 its shortest form; a client that pads them is still served, it only gets no prefix matches).

@@ -9,7 +9,7 @@ import pytest
 
 from kvswitch.envoy import session_headers
 from kvswitch.up import DEFAULT_EPP_CONFIG
-from tests.e2e.conftest import cached_on, generate, prompt, running_gateway
+from tests.support.gateway import cached_on, generate, prompt, running_gateway
 
 SESSION_HEADER = "x-user-session"
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvswitch.protocol.headers import DESTINATION_SUBSET, DROPPED_REASON, OBJECTIVE
 from kvswitch.up import DEFAULT_EPP_CONFIG
-from tests.e2e.conftest import (
+from tests.support.gateway import (
     CALL_TIMEOUT,
     Gateway,
     epp_samples,

@@ -12,7 +12,7 @@ import pytest
 
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import FAIRNESS_ID, OBJECTIVE
-from tests.e2e.conftest import (
+from tests.support.gateway import (
     BLOCK,
     CALL_TIMEOUT,
     Gateway,

@@ -23,7 +23,7 @@ from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from kvswitch.tokenization import load_tokenizer
 from kvswitch.tokenization.chat_template import ChatTemplate
-from tests.e2e.conftest import Gateway, epp_samples, running_gateway
+from tests.support.gateway import Gateway, epp_samples, running_gateway
 from tests.support.processes import free_port, kvswitch_argv, running
 
 BUNDLE = load_tokenizer(None)

@@ -16,7 +16,7 @@ import httpx
 
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from kvswitch.up import frontend_available
-from tests.e2e.conftest import generate, prompt
+from tests.support.gateway import generate, prompt
 from tests.support.processes import REPO, free_port
 
 

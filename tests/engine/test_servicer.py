@@ -296,7 +296,7 @@ async def test_metrics_endpoint(served: Served) -> None:
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
     body = (await reader.read()).decode()
     writer.close()
-    assert body.startswith("HTTP/1.1 200")
+    assert body.startswith(("HTTP/1.0 200", "HTTP/1.1 200"))
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
@@ -306,6 +306,23 @@ async def test_metrics_endpoint(served: Served) -> None:
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds",
                  "vllm:cache_config_info{"):
         assert name in body, name
+
+
+async def test_metrics_server_answers_health_head_and_unknown_paths(served: Served) -> None:
+    async def ask(request: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.server.http_port)
+        writer.write(request)
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return reply
+
+    health = await ask(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert health.split(b"\r\n", 1)[0].endswith(b"200 OK") and health.endswith(b"ok\n")
+    head = await ask(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n", 1)[0] and head.endswith(b"\r\n\r\n")  # no body
+    assert b" 404 " in (await ask(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")).split(b"\r\n")[0]
+    post = await ask(b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    assert b" 405 " in post.split(b"\r\n")[0]
 
 
 async def test_stop_drains_then_goes_not_serving(served: Served) -> None:

@@ -19,9 +19,8 @@ from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.request import EndpointPicker, InferenceRequest, RequestOutcome
 from kvswitch.epp.server import EppServer
 from kvswitch.protocol.headers import ACCESS_LOGGED, GATEWAY_METADATA_NAMESPACE, USAGE_TRAILER
-from tests.epp.test_cancellation import NoBackground
-from tests.epp.test_extproc import GENERATE, body, grpc_headers, make_stream, route_generate
-from tests.epp.test_router import make_router, prompt, request
+from tests.support.extproc import GENERATE, body, grpc_headers, make_stream, route_generate
+from tests.support.router import NoBackground, make_router, prompt, request
 
 
 def entry(request_id: str, *, code: int | None = 200, trailers: dict[str, str] | None = None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -12,38 +11,11 @@ from kvswitch.epp.datalayer import Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.flowcontrol import FlowGate, SaturationConfig
 from kvswitch.epp.flowcontrol.core import DISPATCH
 from kvswitch.epp.parsers import default_parsers
-from kvswitch.epp.request import EndpointPicker, InferenceRequest, RequestOutcome, RoutingDecision
-from kvswitch.epp.router import EppRouter
+from kvswitch.epp.request import EndpointPicker
 from kvswitch.epp.server import EppServer
-from tests.epp.test_extproc import GENERATE, body, grpc_headers
-from tests.epp.test_router import ADDRS, config, make_router, prompt, request, set_load
-
-
-class NoBackground:
-    """The real router's route/finish, without its refresher (the test sets the load)."""
-
-    def __init__(self, router: EppRouter) -> None:
-        self.router = router
-
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        return None
-
-    async def route(self, req: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
-        return await self.router.route(req, subset)
-
-    def request_finished(self, req: InferenceRequest, outcome: RequestOutcome) -> None:
-        self.router.request_finished(req, outcome)
-
-
-async def until(predicate, limit: int = 500) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(limit):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+from tests.support.extproc import GENERATE, body, grpc_headers
+from tests.support.router import ADDRS, NoBackground, config, make_router, prompt, request, set_load
+from tests.support.waiting import until
 
 
 async def test_stream_reset_while_queued_releases_the_queue_slot() -> None:

@@ -12,7 +12,7 @@ from kvswitch.epp.extproc_messages import (
     streamed_body,
     streamed_body_chunks,
 )
-from tests.epp.test_extproc import destination_headers_reply, header_map
+from tests.support.extproc import destination_headers_reply, header_map
 
 
 def streamed(data: bytes, end: bool, *, response: bool = False) -> ep.ProcessingResponse:

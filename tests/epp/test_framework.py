@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvswitch.epp import framework
+from kvswitch.epp.config_fields import duration
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import (
     ConfigError,
@@ -15,7 +16,6 @@ from kvswitch.epp.framework import (
     ProfileResult,
     Scheduler,
     SchedulerProfile,
-    duration,
     load_factory,
 )
 from kvswitch.epp.plugins.max_score_picker import MaxScorePicker

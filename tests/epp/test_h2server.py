@@ -32,6 +32,7 @@ from kvswitch.protocol.http2 import (
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
+    INTERNAL_ERROR,
     NO_ERROR,
     PADDED,
     PING,
@@ -466,15 +467,30 @@ def test_unknown_frame_types_are_ignored() -> None:
     assert not peer.conn.closed
 
 
-def test_random_garbage_never_raises() -> None:
+def test_random_garbage_ends_the_connection_with_a_protocol_error_not_a_bug() -> None:
+    """Garbage after a good preface gives well-formed events; when it ends the connection, that
+    is one ConnectionEnded naming an HTTP/2 error the input caused (never INTERNAL_ERROR, the
+    code of a caught bug) and a GOAWAY with the same code; afterwards nothing is read."""
     rng = random.Random(7)
+    ended = 0
     for _ in range(300):
         peer = Peer()
         peer.open(1)
         garbage = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+        events: list[Any] = []
         for i in range(0, len(garbage), 13):
-            peer.send(garbage[i:i + 13])
-        peer.read()
+            events += peer.send(garbage[i:i + 13])
+        assert all(isinstance(e, (StreamOpened, MessageReceived, InputEnded, StreamReset,
+                                  ConnectionEnded)) for e in events), events
+        endings = [e for e in events if isinstance(e, ConnectionEnded)]
+        assert len(endings) == (1 if peer.conn.closed else 0), garbage
+        if endings:
+            ended += 1
+            assert endings[0].error_code != INTERNAL_ERROR, (garbage, endings[0].reason)
+            assert events[-1] is endings[0]
+            assert goaway_code(peer.read()) == endings[0].error_code
+            assert peer.send(b"\x00" * 9) == []
+    assert ended > 250  # random bytes are almost never a valid frame sequence
 
 
 def test_cached_blocks_follow_dynamic_table_changes() -> None:

@@ -33,9 +33,10 @@ from kvswitch.protocol.http2 import (
     frame,
 )
 from kvswitch.up import write_pool_file
-from tests.epp.test_extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
-from tests.epp.test_server import FakeRouter
+from tests.support.extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
 from tests.support.processes import free_port, kvswitch_argv, running
+from tests.support.router import FakeRouter
+from tests.support.waiting import until
 
 
 class GatedRouter(FakeRouter):
@@ -44,9 +45,19 @@ class GatedRouter(FakeRouter):
     def __init__(self) -> None:
         super().__init__()
         self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.task: asyncio.Task[object] | None = None
+        """The task a cancelled route ran in (the server's)."""
 
     async def route(self, request: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
-        await self.gate.wait()
+        self.entered.set()
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.task = asyncio.current_task()
+            self.cancelled.set()
+            raise
         return await super().route(request, subset)
 
 
@@ -140,9 +151,12 @@ async def test_reset_while_routing_releases_a_late_decision() -> None:
             call = ep_grpc.ExternalProcessorStub(channel).Process()
             await call.write(grpc_headers())
             await call.write(body(GENERATE, eos=True))
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(router.entered.wait(), 5)
             call.cancel()
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(router.cancelled.wait(), 5)  # the server cancels the route
+            assert router.task is not None
+            # Its done callbacks, the server's first, have run once `wait` returns.
+            await asyncio.wait({router.task}, timeout=5)
         assert router.routed == [] and router.finished == []  # cancelled before deciding
     finally:
         await server.stop(grace=0.1)
@@ -196,9 +210,9 @@ async def test_graceful_stop_lets_an_open_stream_finish(router: FakeRouter) -> N
         await call.read()
         await call.read()
         stopping = asyncio.create_task(server.stop(grace=10))
-        await asyncio.sleep(0.1)
-        assert not stopping.done()  # waiting for the open stream
-        assert server.health_status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+        await until(lambda: server.health_status("readiness")
+                    == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert not stopping.done()  # waiting for the open stream (the reply below comes)
         await call.write(response_trailers(("grpc-status", "0")))
         assert (await call.read()).HasField("response_trailers")
         await call.done_writing()

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections import Counter
-from collections.abc import Mapping
-from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -16,44 +13,10 @@ from prometheus_client import generate_latest
 from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.metrics import EppMetrics
-from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
+from kvswitch.epp.request import RequestOutcome, RoutingDecision
 from kvswitch.epp.router import EppRouter
-
-ADDRS = [f"127.0.0.1:{9000 + i}" for i in range(4)]
-
-
-def config(**extra: Any) -> dict[str, Any]:
-    return {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig", **extra}
-
-
-def make_router(cfg: Mapping[str, Any] | None = None, addrs: list[str] = ADDRS,
-                objectives: list[dict[str, Any]] | None = None) -> EppRouter:
-    router = build_endpoint_picker(cfg, [*static_pool(addrs), *(objectives or [])],
-                                   metrics=EppMetrics()).router
-    assert isinstance(router, EppRouter)
-    router.datalayer.set_endpoints(router.refresher.discovery.endpoints)  # type: ignore[union-attr]
-    router.datalayer.staleness = 1e9
-    for a in addrs:
-        set_load(router, a)
-    return router
-
-
-def set_load(router: EppRouter, address: str, **metrics: Any) -> None:
-    router.datalayer.update(address, Metrics(updated_at=router.datalayer.clock(), **metrics))
-
-
-_ids = iter(range(10**9))
-
-
-def request(tokens: tuple[int, ...], objective: str | None = None,
-            fairness_id: str = "default-flow") -> InferenceRequest:
-    return InferenceRequest(f"r{next(_ids)}", "grpc", "/p", ParsedBody(prompt_token_ids=tokens),
-                            objective=objective, fairness_id=fairness_id)
-
-
-def prompt(seed: int, n: int = 1024) -> tuple[int, ...]:
-    rnd = random.Random(seed)
-    return tuple(rnd.randrange(150_000) for _ in range(n))
+from tests.support.router import ADDRS, config, make_router, prompt, request, set_load
+from tests.support.waiting import until
 
 
 async def test_same_prefix_sticks_while_different_prefixes_spread() -> None:
@@ -262,7 +225,7 @@ async def test_start_and_stop_with_unreachable_endpoints() -> None:
     router = build_endpoint_picker(None, static_pool(["127.0.0.1:1"]), metrics=EppMetrics()).router
     await router.start()
     try:
-        await asyncio.sleep(0.1)
+        await until(lambda: any(e.failures for e in router.datalayer.all()))  # a refresh failed
         decision = await router.route(request(prompt(9)), None)
         assert (decision.status, decision.reason) == (503, "no ready endpoint")
     finally:

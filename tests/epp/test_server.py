@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -12,35 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvswitch.epp.parsers import default_parsers
-from kvswitch.epp.request import EndpointPicker, InferenceRequest, RequestOutcome, RoutingDecision
+from kvswitch.epp.request import EndpointPicker
 from kvswitch.epp.server import EXT_PROC_SERVICE, EppServer
-from tests.epp.test_extproc import GENERATE, body, grpc_headers, response_headers, response_trailers
-
-
-class FakeRouter:
-    def __init__(self, decision: RoutingDecision | None = None, fail: bool = False) -> None:
-        self.decision = decision or RoutingDecision(endpoints=("10.0.0.1:8000",))
-        self.fail = fail
-        self.started = self.stopped = False
-        self.routed: list[tuple[InferenceRequest, Sequence[str] | None]] = []
-        self.finished: list[tuple[InferenceRequest, RequestOutcome]] = []
-        self.finished_event = asyncio.Event()
-
-    async def start(self) -> None:
-        self.started = True
-
-    async def stop(self) -> None:
-        self.stopped = True
-
-    async def route(self, request: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
-        if self.fail:
-            raise RuntimeError("scheduler exploded")
-        self.routed.append((request, subset))
-        return self.decision
-
-    def request_finished(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
-        self.finished.append((request, outcome))
-        self.finished_event.set()
+from tests.support.extproc import GENERATE, body, grpc_headers, response_headers, response_trailers
+from tests.support.router import FakeRouter
 
 
 @pytest.fixture

@@ -3,49 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import Process, free_port, kvswitch_argv, running
-
-
-@dataclass
-class Stack:
-    engine_port: int
-    frontend_port: int
-    engine: Process
-    frontend: Process
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.frontend_port}"
-
-
-def _engine_argv(port: int, *extra: str) -> list[str]:
-    return kvswitch_argv("engine", "--port", str(port), "--mode", "echo", "--profile", "tiny",
-                         "--log-level", "WARNING", *extra)
-
-
-def _frontend_argv(port: int, target: str, *extra: str) -> list[str]:
-    return kvswitch_argv("frontend", "--target", target, "--port", str(port),
-                         "--log-level", "warning", *extra)
-
-
-def _wait_ready(base_url: str) -> None:
-    import time
-
-    import httpx
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{base_url} never became healthy")
+from tests.support.frontend_stack import Stack, engine_argv, frontend_argv, wait_ready
+from tests.support.processes import free_port, running
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +16,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A fast echo engine and a frontend in front of it (bodies over 200 kB get 413)."""
     logs: Path = tmp_path_factory.mktemp("frontend")
     engine_port, frontend_port = free_port(), free_port()
-    with running(_engine_argv(engine_port, "--time-scale", "1000", "--max-num-seqs", "64",
+    with running(engine_argv(engine_port, "--time-scale", "1000", "--max-num-seqs", "64",
                               "--max-model-len", "4096", "--num-gpu-blocks", "2048"),
                  engine_port, logs / "engine.log", timeout=60) as engine:
-        with running(_frontend_argv(frontend_port, f"127.0.0.1:{engine_port}",
+        with running(frontend_argv(frontend_port, f"127.0.0.1:{engine_port}",
                                     "--max-body-bytes", "200000", "--user-as-fairness-id"),
                      frontend_port, logs / "frontend.log", timeout=60) as frontend:
             stack = Stack(engine_port, frontend_port, engine, frontend)
-            _wait_ready(stack.base_url)
+            wait_ready(stack.base_url)
             yield stack
 
 
@@ -68,10 +31,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def slow_stack(tmp_path: Path) -> Iterator[Stack]:
     """An engine slowed to real time (a few ms per token) and a frontend: streams last."""
     engine_port, frontend_port = free_port(), free_port()
-    with running(_engine_argv(engine_port, "--time-scale", "0.2"), engine_port,
+    with running(engine_argv(engine_port, "--time-scale", "0.2"), engine_port,
                  tmp_path / "engine.log", timeout=60) as engine:
-        with running(_frontend_argv(frontend_port, f"127.0.0.1:{engine_port}"),
+        with running(frontend_argv(frontend_port, f"127.0.0.1:{engine_port}"),
                      frontend_port, tmp_path / "frontend.log", timeout=60) as frontend:
             stack = Stack(engine_port, frontend_port, engine, frontend)
-            _wait_ready(stack.base_url)
+            wait_ready(stack.base_url)
             yield stack

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.frontend.conftest import Stack, _frontend_argv, _wait_ready
+from tests.support.frontend_stack import Stack, frontend_argv, wait_ready
 from tests.support.processes import free_port, running
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -17,10 +17,10 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 def test_workers_share_the_port_and_stop_on_sigterm(stack: Stack, tmp_path: Path) -> None:
     port = free_port()
-    argv = _frontend_argv(port, f"127.0.0.1:{stack.engine_port}", "--workers", "2")
+    argv = frontend_argv(port, f"127.0.0.1:{stack.engine_port}", "--workers", "2")
     with running(argv, port, tmp_path / "frontend.log", timeout=60) as frontend:
         base = f"http://127.0.0.1:{port}"
-        _wait_ready(base)
+        wait_ready(base)
         pids = set()
         for _ in range(24):  # a new connection each time: the kernel spreads them
             reply = httpx.post(base + "/v1/chat/completions", timeout=30,

@@ -15,7 +15,7 @@ import pytest
 
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc
-from tests.frontend.conftest import Stack
+from tests.support.frontend_stack import Stack
 from tests.support.processes import free_port, kvswitch_argv, running
 
 MESSAGES = [{"role": "user", "content": "count slowly"}]

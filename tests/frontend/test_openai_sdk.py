@@ -16,7 +16,7 @@ import pytest
 
 from kvswitch.tokenization import load_tokenizer
 from kvswitch.tokenization.chat_template import ChatTemplate
-from tests.frontend.conftest import Stack
+from tests.support.frontend_stack import Stack
 
 BUNDLE = load_tokenizer(None)
 TEMPLATE = ChatTemplate.from_bundle(BUNDLE)

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2
 from kvswitch.protocol import SERVICE_NAME, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import FAIRNESS_ID, OBJECTIVE
-from tests.e2e.conftest import prompt, start_gateway
+from tests.support.gateway import prompt, start_gateway
 from tests.support.processes import free_port, kvswitch_argv, running
 
 NODE_DIR = Path(__file__).parent / "node"

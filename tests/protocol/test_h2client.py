@@ -21,6 +21,7 @@ from kvswitch.protocol.http2 import (
     END_HEADERS,
     END_STREAM,
     HEADERS,
+    PREFACE,
     RST_STREAM,
     U32,
     WINDOW_UPDATE,
@@ -153,9 +154,12 @@ async def test_a_connect_its_caller_gave_up_on_leaves_no_unretrieved_error() -> 
         caller.cancel()  # ... and is cancelled before it fails
         with pytest.raises(asyncio.CancelledError):
             await caller
-        await asyncio.sleep(0.05)  # the connect has failed by now
+        connecting = channel._connecting[0]  # the connect the cancelled caller left running
+        assert connecting is not None
+        await asyncio.wait({connecting}, timeout=5)  # refused: it has failed now
+        assert connecting.done()
         channel.close()
-        del channel, caller
+        del channel, caller, connecting
         gc.collect()  # an unretrieved task error is reported when the task is collected
         await asyncio.sleep(0)
     finally:
@@ -190,10 +194,18 @@ async def test_closing_while_connecting_leaves_no_connection_open() -> None:
 
 async def test_lost_connection_fails_every_open_call_at_once_and_tells_the_owner() -> None:
     accepted: list[asyncio.StreamWriter] = []
+    all_sent = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accepted.append(writer)
-        await reader.read(1 << 16)  # the client's preface and requests; never answered
+        await reader.readexactly(len(PREFACE))
+        opened = 0
+        while opened < 4:  # read frames, never answered, until all four calls have started
+            header = await reader.readexactly(9)
+            await reader.readexactly(int.from_bytes(header[:3], "big"))
+            opened += header[3] == HEADERS
+        all_sent.set()
+        await reader.read()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -204,9 +216,7 @@ async def test_lost_connection_fails_every_open_call_at_once_and_tells_the_owner
                                      common_pb2.KvEventBatch.FromString) for _ in range(3)]
         unary = asyncio.create_task(
             channel.unary(LOADS, b"", pb.GetLoadsResponse.FromString, timeout=30))
-        while not accepted:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(all_sent.wait(), 5)
         accepted[0].transport.abort()  # the engine died: its socket is reset
         dropped = time.monotonic()
         for call in calls:

@@ -12,15 +12,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+# The ports and command lines kvswitch's own launcher uses.
+from kvswitch.up import free_port, kvswitch_argv
+
+__all__ = ["REPO", "Process", "free_port", "kvswitch_argv", "running", "wait_for_port"]
+
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-QWEN3_DIR = SHARED / "assets" / "tokenizers" / "qwen3"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -76,10 +73,6 @@ class Process:
                 self.proc.wait(timeout=5)
         self._log.close()
         return self.proc.returncode
-
-
-def kvswitch_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvswitch", *args]
 
 
 @contextmanager

@@ -1,47 +1,23 @@
 """KV event batches: numbering, a bounded history for replay, and live followers.
 
 Every published batch gets the next sequence number (from 0). The log keeps the last
-`capacity` batches holding at most `max_events` block events (stored + removed) between them,
-the newest batch always; `follow(start)` replays those numbered >= start (from the oldest still
-held if start is older), then yields new ones as they are published. All followers share one
-future that the next `publish` resolves, so a batch costs O(1) regardless of the follower count.
-
-Why both bounds: batches are coalesced per 50 ms window, so under load one batch holds hundreds
-of events, each stored block with its token ids (~0.7 kB in Python). 4,096 batches alone let an
-engine's replay history grow to ~1 GB (measured at --time-scale 10000: RSS rose ~6 kB per request
-for minutes); the event bound keeps it near 45 MB. A follower that falls further behind sees a
-gap in the numbering and resyncs, as it would after any lost batch (vLLM's replay buffer is
-bounded too, by steps).
+`capacity` batches holding at most `max_events` block events between them (the newest batch
+always); `follow(start)` replays those numbered >= start (from the oldest still held if start
+is older), then yields new ones as they are published. All followers share one future that the
+next `publish` resolves, so a batch costs O(1) whatever the follower count. The event bound
+keeps replay memory near 45 MB under load; a follower that falls further behind sees a gap in
+the numbering and resyncs, as after any lost batch.
 
 Within a batch no block hash is both stored and removed: events are folded to their net effect
 (the last event per hash wins), so a consumer may apply `removed` and `stored` in either order.
 
-Coalescing (`coalesce_seconds`, default 50 ms; 0 publishes every call): the engine publishes
-once per scheduler step (~10-30 ms), and every batch costs each subscriber (the EPP) a message
-to decode and apply. A call made at least `coalesce_seconds` (by its timestamp) after the
-previous batch is published at once (a quiet engine's news are not delayed); later calls inside
-that window are merged, in order, into one pending batch that a timer publishes when the window
-ends, with the latest load. A clear is published at once all the same (it drops the pending
-events it supersedes). Numbering stays contiguous (a merged batch takes one number), so replay
-is unchanged. So a subscriber gets at most one batch per window from each engine, however the
-engine's load moves.
-
-Load moves inside a window wait for it, like block events: the load the EPP scores with is then
-at most 50 ms old, which is what upstream's EPP gets from its default 50 ms metrics refresh, and
-the EPP's speculative index entries cover the requests it routed meanwhile. Two earlier rules
-published sooner and bought no routing quality:
-- every large load move at once (running or waiting moved by max(2, a quarter), or KV usage by
-  5%): about one batch per request under load (~115/s per engine at 125 req/s), ~0.03-0.06 ms
-  EPP CPU per streamed request in the gateway benchmark (three alternating runs each:
-  0.384-0.452 against 0.355-0.362 ms); on the 8-replica 150x5 shared-prefix ladder
-  (docs/benchmarks/, 6 -> 30 QPS) TTFT p90, output tok/s and cache hit stayed within 3% of the
-  published run at every step without it;
-- an engine that went idle (nothing running or waiting) at once: an engine with a few requests
-  in flight empties between them, so under the gateway benchmark's load it still sent ~57
-  batches/s instead of 20, and the EPP used ~6% more CPU per streamed request (three
-  alternating runs each: 0.224-0.231 against 0.201-0.216 ms). Without it the ladder's TTFT p90,
-  output tok/s and cache hit stayed within 2% of the published run at every step
-  (benchmarks/results/ladder_kv_no_idle_flush.json).
+Coalescing (`coalesce_seconds`, default 50 ms; 0 publishes every call): a call at least
+`coalesce_seconds` after the previous batch is published at once; later calls inside that
+window, load moves included, merge in order into one pending batch that a timer publishes when
+the window ends, with the latest load. A clear is published at once (dropping the pending
+events it supersedes). A merged batch takes one number, so each subscriber gets at most one
+batch per window from each engine and the load it sees is at most one window old
+(docs/benchmarks/epp-cpu.md has the measurements behind the window).
 """
 
 from __future__ import annotations

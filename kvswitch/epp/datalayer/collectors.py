@@ -8,9 +8,10 @@
   sum(num_used_tokens) / sum(max_total_num_tokens) when capacity is known, else the mean of
   `token_usage`.
 - `PrometheusCollector` (http pools): `GET /metrics` over a plain asyncio stream (HTTP/1.1,
-  `Connection: close`), vLLM names: vllm:num_requests_running, vllm:num_requests_waiting,
-  vllm:kv_cache_usage_perc (older vllm:gpu_cache_usage_perc), vllm:cache_config_info
-  {block_size, num_gpu_blocks}. Series with several label sets (models) are summed; kv usage
+  `Connection: close`; httpx costs 2.5 times the CPU per scrape: docs/benchmarks/epp-cpu.md),
+  read by prometheus_client's parser. vLLM names: vllm:num_requests_running,
+  vllm:num_requests_waiting, vllm:kv_cache_usage_perc (older vllm:gpu_cache_usage_perc),
+  vllm:cache_config_info {block_size, num_gpu_blocks}. Series with several label sets (models) are summed; kv usage
   takes the max.
 A collector raises on any failure; the refresher marks the endpoint failed.
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from typing import Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.epp.datalayer.endpoint import Metrics
 from kvswitch.protocol import method_path, vllm_engine_pb2
@@ -100,45 +103,43 @@ class GrpcCollector:
         self._channel.close()
 
 
+_WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+           "vllm:gpu_cache_usage_perc", "vllm:cache_config_info")
+
+
 def parse_prometheus(text: str, now: float) -> Metrics:
     """vLLM's Prometheus exposition -> Metrics (see module docstring)."""
+    # Only the few series read here go to the parser: it costs ~10 us a line, and a vLLM's
+    # /metrics holds hundreds of histogram lines.
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED))
     running = waiting = 0.0
     usage = 0.0
     block_size = num_blocks = 0
     seen = False
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        head, _, value_text = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        try:
-            value = float(value_text)
-        except ValueError:
-            continue
-        if name == "vllm:num_requests_running":
-            running += value
+    try:
+        samples = [s for family in text_string_to_metric_families(wanted) for s in family.samples]
+    except ValueError as exc:
+        raise CollectorError(f"unreadable /metrics: {exc}") from exc
+    for sample in samples:
+        if sample.name == "vllm:num_requests_running":
+            running += sample.value
             seen = True
-        elif name == "vllm:num_requests_waiting":
-            waiting += value
-        elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-            usage = max(usage, value)
-        elif name == "vllm:cache_config_info":
-            block_size, num_blocks = _cache_config(labels, block_size, num_blocks)
+        elif sample.name == "vllm:num_requests_waiting":
+            waiting += sample.value
+        elif sample.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            usage = max(usage, sample.value)
+        elif sample.name == "vllm:cache_config_info":
+            block_size = _int_label(sample.labels, "block_size", block_size)
+            num_blocks = _int_label(sample.labels, "num_gpu_blocks", num_blocks)
     if not seen:
         raise CollectorError("no vllm:num_requests_running in /metrics")
     return Metrics(running=int(running), waiting=int(waiting), kv_usage=min(max(usage, 0.0), 1.0),
                    max_tokens=block_size * num_blocks, block_size=block_size, updated_at=now)
 
 
-def _cache_config(labels: str, block_size: int, num_blocks: int) -> tuple[int, int]:
-    for pair in labels.rstrip("}").split(","):
-        key, _, raw = pair.partition("=")
-        raw = raw.strip().strip('"')
-        if key.strip() == "block_size" and raw.isdigit():
-            block_size = int(raw)
-        elif key.strip() == "num_gpu_blocks" and raw.isdigit():
-            num_blocks = int(raw)
-    return block_size, num_blocks
+def _int_label(labels: dict[str, str], key: str, default: int) -> int:
+    raw = labels.get(key, "")
+    return int(raw) if raw.isdigit() else default
 
 
 class PrometheusCollector:

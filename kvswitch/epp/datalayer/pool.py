@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvswitch.epp.config_fields import ConfigError, fields, typed
 from kvswitch.epp.datalayer.endpoint import H2C, HTTP, AppProtocol, EndpointSpec
-from kvswitch.epp.framework import ConfigError, fields, typed
 
 POOL_API_VERSIONS = ("inference.networking.k8s.io/v1", "inference.networking.x-k8s.io/v1alpha2")
 OBJECTIVE_API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha2",

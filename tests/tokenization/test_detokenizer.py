@@ -74,6 +74,16 @@ def test_random_id_sequences_match_decode(use_table: bool, skip: bool) -> None:
         assert joined == TOKENIZER.decode(ids, skip_special_tokens=skip), ids
 
 
+@pytest.mark.parametrize("use_table", [True, False])
+def test_a_sequence_ending_inside_a_character_ends_as_decode_does(use_table: bool) -> None:
+    ids = BUNDLE.encode("ab \U0001d11e")[:-1]  # the last token would complete the character
+    detok = new_detokenizer(TOKENIZER, TABLE if use_table else None, skip_special_tokens=True)
+    sent = "".join(detok.push([i]) for i in ids)
+    full = TOKENIZER.decode(ids, skip_special_tokens=True)
+    assert full.endswith("\ufffd") and "\ufffd" not in sent  # held back while it could complete
+    assert sent + detok.flush() == full  # and sent at the end, as decode has it
+
+
 def test_out_of_vocabulary_ids_decode_to_nothing() -> None:
     ids = BUNDLE.encode("ab") + [151900] + BUNDLE.encode("c")
     joined, _ = _stream(ids, True, True, random.Random(0))

@@ -116,6 +116,14 @@ async def test_prometheus_collector_reads_vllm_metrics(
         await PrometheusCollector(address).collect(5.0)
 
 
+def test_prometheus_parser_reads_label_values_with_commas_and_quotes() -> None:
+    text = ('vllm:num_requests_running{model_name="a,b=\\"c\\""} 2.0\n'
+            'vllm:cache_config_info{block_size="16",cache_dtype="x,block_size=99",'
+            'num_gpu_blocks="10"} 1.0\n')
+    metrics = parse_prometheus(text, 0.0)
+    assert (metrics.running, metrics.block_size, metrics.max_tokens) == (2, 16, 160)
+
+
 def test_prometheus_parser_sums_models_and_rejects_non_vllm() -> None:
     text = METRICS + 'vllm:num_requests_running{engine="0",model_name="lora"} 1.0\n'
     assert parse_prometheus(text, 0.0).running == 5
