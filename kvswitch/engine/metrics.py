@@ -136,9 +136,12 @@ class MetricsHttpServer:
         self._healthy = is_healthy
         self._limits = limits
         self._server: asyncio.Server | None = None
+        self.port = 0
+        """The bound port, once started."""
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._handle, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         if self._server is not None:
