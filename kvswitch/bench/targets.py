@@ -98,7 +98,7 @@ class GatewayTarget:
         state = ctx.state_dir / label
         state.mkdir(parents=True, exist_ok=True)
         port, admin = free_port(), free_port()
-        epp_address = None
+        epps: tuple[str, ...] = ()
         epp_headers: tuple[str, ...] = EPP_HEADERS
         if self.epp_config is not None:
             pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses)
@@ -110,9 +110,9 @@ class GatewayTarget:
             spec = type(spec)(f"epp-{label}", spec.argv, spec.ready, spec.env,
                               spec.stop_timeout)
             self._children.append(ctx.supervisor.start(spec, timeout=60.0))
-            epp_address = f"127.0.0.1:{epp_port}"
+            epps = (f"127.0.0.1:{epp_port}",)
             epp_headers = (*EPP_HEADERS, *session_headers(config))
-        options = GatewayOptions(pool=PoolTarget(tuple(ctx.pool.addresses)), epp=epp_address,
+        options = GatewayOptions(pool=PoolTarget(tuple(ctx.pool.addresses)), epps=epps,
                                  port=port, admin_port=admin,
                                  round_robin=self.epp_config is None, epp_headers=epp_headers)
         envoy_config = state / "envoy.yaml"

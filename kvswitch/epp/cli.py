@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ext_proc server: h2 = kvswitch's lean HTTP/2 gRPC server (Process "
                              "and grpc.health.v1 Health Check/Watch; several times less CPU per "
                              "request); grpcio = grpc.aio (adds server reflection)")
+    parser.add_argument("--replica-name", default="", metavar="HOST:PORT",
+                        help="with several EPPs behind one kvswitch Envoy: this EPP's ext_proc "
+                             "address as the Envoy bootstrap lists it; the EPP signs the requests "
+                             "it routes with it, so the gateway's access log sends it the entries "
+                             "of its own requests (kvswitch up sets it)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="debug logs one line per request")
@@ -85,7 +90,8 @@ def build_picker(args: argparse.Namespace) -> EndpointPicker:
     if args.refresh_interval is not None:
         config = _with_refresh_interval(args.config, args.refresh_interval)
     picker = build_endpoint_picker(config, args.pool)
-    return dataclasses.replace(picker, max_body_bytes=args.max_body_bytes)
+    return dataclasses.replace(picker, max_body_bytes=args.max_body_bytes,
+                               replica_name=args.replica_name)
 
 
 async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:

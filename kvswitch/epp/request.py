@@ -146,3 +146,6 @@ class EndpointPicker:
     parsers: Sequence[Parser]
     router: Router
     max_body_bytes: int = 16 * 1024 * 1024
+    replica_name: str = ""
+    """Signed on every routed request (`envoy.lb` metadata) when several EPPs share a gateway,
+    so its access log sends this EPP the entries of its own requests; empty: not signed."""
