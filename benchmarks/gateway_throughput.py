@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from kvswitch.up import (
     GatewaySpec,
     LaunchedGateway,
     envoy_spec,
+    epp_name,
     epp_spec,
     free_port,
     launch_gateway,
@@ -213,8 +215,10 @@ def idle_cpu_rate(pid: int, seconds: float) -> float:
 
 
 def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Namespace,
-             envoy_pid: int | None, epp: tuple[int, int] | None,
+             envoy_pid: int | None, epps: Sequence[tuple[int, int]],
              epp_idle_rate: float = 0.0) -> CellResult:
+    """One cell; `epps` are the target's EPPs as (pid, metrics port), their CPU added up and
+    their scheduling histograms merged."""
     max_tokens = args.stream_tokens if workload == "stream" else args.unary_tokens
     per_client = max(1, args.concurrency // args.clients)
     queue: mp.Queue = mp.Queue()  # type: ignore[type-arg]
@@ -224,11 +228,11 @@ def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Na
     for p in procs:
         p.start()
     time.sleep(args.warmup)
-    cpu_before = {pid: cpu_seconds(pid) for pid in (envoy_pid, epp and epp[0]) if pid}
-    hist_before = scrape_histogram(epp[1], SCHEDULING_METRIC) if epp else {}
+    cpu_before = {pid: cpu_seconds(pid) for pid in (envoy_pid, *(e[0] for e in epps)) if pid}
+    hist_before = _merged_histogram([e[1] for e in epps])
     time.sleep(args.duration)
     cpu_after = {pid: cpu_seconds(pid) for pid in cpu_before}
-    hist_after = scrape_histogram(epp[1], SCHEDULING_METRIC) if epp else {}
+    hist_after = _merged_histogram([e[1] for e in epps])
     results = [ClientResult(**queue.get(timeout=args.duration + 120)) for _ in procs]
     for p in procs:
         p.join(timeout=30)
@@ -247,8 +251,8 @@ def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Na
     if envoy_pid and requests:
         cell.envoy_cpu_ms_per_request = (cpu_after[envoy_pid] - cpu_before[envoy_pid]) \
             / requests * 1e3
-    if epp and requests:
-        used = cpu_after[epp[0]] - cpu_before[epp[0]]
+    if epps and requests:
+        used = sum(cpu_after[pid] - cpu_before[pid] for pid, _ in epps)
         cell.epp_cpu_ms_per_request = used / requests * 1e3
         cell.epp_cpu_ms_per_request_minus_idle = max(
             0.0, used - epp_idle_rate * args.duration) / requests * 1e3
@@ -257,6 +261,14 @@ def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Na
             (cell.epp_scheduling_mean_ms, cell.epp_scheduling_p50_ms,
              cell.epp_scheduling_p99_ms) = stats
     return cell
+
+
+def _merged_histogram(metrics_ports: Sequence[int]) -> dict[str, float]:
+    merged: dict[str, float] = {}
+    for port in metrics_ports:
+        for key, value in scrape_histogram(port, SCHEDULING_METRIC).items():
+            merged[key] = merged.get(key, 0.0) + value
+    return merged
 
 
 # ---- orchestration ----------------------------------------------------------------------------
@@ -279,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                              "as kvswitch-<transport>")
     parser.add_argument("--epp-transports", default="h2",
                         help="EPP ext_proc transports to compare (kvswitch epp --transport)")
+    parser.add_argument("--epp-replicas", type=int, default=1,
+                        help="EPPs behind the kvswitch target's Envoy (CPU per request is "
+                             "their sum)")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every cell")
     parser.add_argument("--workloads", default="unary,stream")
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
@@ -291,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway = launch_gateway(supervisor, GatewaySpec(
             port=free_port(), replicas=args.replicas, profile=args.profile,
             time_scale=args.time_scale, mode="random", grace_period=1.0,
-            envoy_concurrency=args.envoy_concurrency,
+            envoy_concurrency=args.envoy_concurrency, epp_replicas=args.epp_replicas,
             epp_args=("--transport", transports[0])), state)
         engines = list(gateway.endpoints)
         rr_port, rr_admin = free_port(), free_port()
@@ -301,11 +316,12 @@ def main(argv: list[str] | None = None) -> int:
             round_robin=True))))
         rr = supervisor.start(envoy_spec(rr_config, rr_admin, name="envoy-rr",
                                          concurrency=args.envoy_concurrency))
-        epp = (supervisor.get("epp").pid, gateway.ports.epp_metrics)
-        targets: dict[str, tuple[list[str], int | None, tuple[int, int] | None]] = {
-            "direct": (engines, None, None),
-            "envoy-rr": ([f"127.0.0.1:{rr_port}"], rr.pid, None),
-            "kvswitch": ([gateway.address], supervisor.get("envoy").pid, epp),
+        epps = [(supervisor.get(epp_name(i, args.epp_replicas)).pid, metrics)
+                for i, metrics in enumerate(gateway.ports.epp_metrics)]
+        targets: dict[str, tuple[list[str], int | None, list[tuple[int, int]]]] = {
+            "direct": (engines, None, []),
+            "envoy-rr": ([f"127.0.0.1:{rr_port}"], rr.pid, []),
+            "kvswitch": ([gateway.address], supervisor.get("envoy").pid, epps),
         }
         names = args.targets.split(",")
         extra = [f"kvswitch-{t}" for t in transports[1:]]
@@ -314,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         if "kvswitch" in names:
             at = names.index("kvswitch") + 1
             names[at:at] = extra
-        idle = {name: idle_cpu_rate(info[2][0], 3.0)
-                for name, info in targets.items() if info[2] is not None}
+        idle = {name: sum(idle_cpu_rate(pid, 3.0) for pid, _ in info[2])
+                for name, info in targets.items() if info[2]}
         for name, rate in idle.items():
             print(f"EPP idle CPU ({name}): {rate * 1e3:.1f} ms/s", flush=True)
         cells: list[CellResult] = []
@@ -355,11 +371,11 @@ def _extra_gateway(supervisor: Supervisor, gateway: LaunchedGateway, transport: 
     public, admin = free_port(), free_port()
     config = state / f"envoy-{transport}.yaml"
     config.write_text(render(build_bootstrap(GatewayOptions(
-        pool=PoolTarget(gateway.endpoints, H2C), epp=f"127.0.0.1:{port}", port=public,
+        pool=PoolTarget(gateway.endpoints, H2C), epps=(f"127.0.0.1:{port}",), port=public,
         admin_port=admin, routing=gateway.spec.routing))))  # type: ignore[arg-type]
     envoy = supervisor.start(envoy_spec(config, admin, name=f"envoy-{transport}",
                                         concurrency=args.envoy_concurrency))
-    return [f"127.0.0.1:{public}"], envoy.pid, (epp.pid, metrics)
+    return [f"127.0.0.1:{public}"], envoy.pid, [(epp.pid, metrics)]
 
 
 def _medians(cells: list[CellResult]) -> list[CellResult]:

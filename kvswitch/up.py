@@ -166,13 +166,21 @@ def epp_pool_ready(metrics_port: int, want: int) -> Callable[[], bool]:
 
 def epp_spec(config: Path, pool: Path, port: int, metrics_port: int,
              extra: Sequence[str] = (), *, want_ready: int = 0,
-             restart: bool = False) -> ChildSpec:
-    """The EPP; ready once ext_proc listens and `want_ready` endpoints are schedulable."""
+             restart: bool = False, name: str = "epp", replica_name: str = "") -> ChildSpec:
+    """An EPP; ready once ext_proc listens and `want_ready` endpoints are schedulable.
+    `replica_name`: its address as the Envoy bootstrap lists it, when several share Envoy."""
     argv = kvswitch_argv("epp", "--config", str(config), "--pool", str(pool),
                          "--port", str(port), "--metrics-port", str(metrics_port), *extra)
+    if replica_name:
+        argv += ["--replica-name", replica_name]
     listening, pool_ready = port_open(port), epp_pool_ready(metrics_port, want_ready)
-    return ChildSpec("epp", argv, ready=lambda: listening() and pool_ready(), stop_timeout=10.0,
+    return ChildSpec(name, argv, ready=lambda: listening() and pool_ready(), stop_timeout=10.0,
                      restart=restart)
+
+
+def epp_name(index: int, replicas: int) -> str:
+    """The supervisor's name of EPP `index`: `epp` when it is the only one, else `epp-<index>`."""
+    return "epp" if replicas == 1 else f"epp-{index}"
 
 
 def envoy_spec(config: Path, admin_port: int, *, concurrency: int = 1,
@@ -198,15 +206,19 @@ def frontend_available() -> bool:
 class Ports:
     public: int
     admin: int
-    epp: int
-    epp_metrics: int
+    epps: tuple[int, ...]
+    """ext_proc port of each EPP."""
+    epp_metrics: tuple[int, ...]
+    """Prometheus port of each EPP, in the same order."""
     engines: tuple[int, ...]
     frontends: tuple[int, ...]
 
     @classmethod
-    def allocate(cls, public: int, admin: int | None, replicas: int, frontends: int) -> Ports:
-        return cls(public=public, admin=admin or free_port(), epp=free_port(),
-                   epp_metrics=free_port(),
+    def allocate(cls, public: int, admin: int | None, replicas: int, frontends: int,
+                 epp_replicas: int = 1) -> Ports:
+        return cls(public=public, admin=admin or free_port(),
+                   epps=tuple(free_port() for _ in range(epp_replicas)),
+                   epp_metrics=tuple(free_port() for _ in range(epp_replicas)),
                    engines=tuple(free_port() for _ in range(replicas)),
                    frontends=tuple(free_port() for _ in range(frontends)))
 
@@ -243,6 +255,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epp-config", type=Path, default=None,
                         help="EndpointPickerConfig YAML (default: precise prefix-cache routing "
                              "weighed against load, see docs/configuration.md)")
+    parser.add_argument("--epp-replicas", type=int, default=1,
+                        help="endpoint pickers behind Envoy, active-active: any of them routes "
+                             "any request, and Envoy moves new requests off one that died "
+                             "(default: %(default)s)")
     parser.add_argument("--no-frontend", action="store_true",
                         help="gRPC only, no OpenAI HTTP API")
     parser.add_argument("--frontend-workers", type=int, default=1,
@@ -268,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port, admin_port=args.admin_port, replicas=args.replicas,
         profile=args.profile, time_scale=args.time_scale, mode=args.mode,
         grace_period=args.grace_period, epp_config=args.epp_config,
+        epp_replicas=args.epp_replicas,
         frontend_workers=args.frontend_workers if with_frontend else 0,
         envoy_concurrency=args.envoy_concurrency, routing=args.routing, restart_engines=True,
         restart_epp=True, restart_proxies=True,
@@ -311,6 +328,7 @@ class GatewaySpec:
     """A file, a config mapping (or several documents: the config plus InferenceObjectives),
     or None for `DEFAULT_EPP_CONFIG`."""
     epp_args: tuple[str, ...] = ()
+    epp_replicas: int = 1
     extra_endpoints: tuple[str, ...] = ()
     """Pool members kvswitch does not start (tests: replicas that are down)."""
     frontend_workers: int = 0
@@ -341,7 +359,10 @@ class LaunchedGateway:
 def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
                    stop_requested: Sequence[int] = ()) -> LaunchedGateway:
     """Start engines + EPP (in parallel), then Envoy, then frontends; each waited for."""
-    ports = Ports.allocate(spec.port, spec.admin_port, spec.replicas, spec.frontend_workers)
+    if spec.epp_replicas < 1:
+        raise ValueError("epp_replicas must be at least 1")
+    ports = Ports.allocate(spec.port, spec.admin_port, spec.replicas, spec.frontend_workers,
+                           spec.epp_replicas)
     endpoints = (*(f"127.0.0.1:{p}" for p in ports.engines), *spec.extra_endpoints)
     gateway = LaunchedGateway(spec, ports, state_dir, endpoints)
     pool = write_pool_file(state_dir / "pool.yaml", endpoints)
@@ -356,15 +377,20 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
                            mode=spec.mode, grace_period=spec.grace_period,
                            extra=spec.engine_args, restart=spec.restart_engines)
                for i, port in enumerate(ports.engines)]
-    logger.info("starting %d engines and the EPP (logs in %s)", len(engines), state_dir)
-    supervisor.start_all([*engines, epp_spec(epp_config, pool, ports.epp, ports.epp_metrics,
-                                             spec.epp_args, want_ready=len(engines),
-                                             restart=spec.restart_epp)])
+    epp_addresses = tuple(f"127.0.0.1:{port}" for port in ports.epps)
+    several = len(epp_addresses) > 1
+    epps = [epp_spec(epp_config, pool, port, metrics, spec.epp_args, want_ready=len(engines),
+                     restart=spec.restart_epp, name=epp_name(i, len(ports.epps)),
+                     replica_name=epp_addresses[i] if several else "")
+            for i, (port, metrics) in enumerate(zip(ports.epps, ports.epp_metrics))]
+    logger.info("starting %d engines and %d EPPs (logs in %s)", len(engines), len(epps),
+                state_dir)
+    supervisor.start_all([*engines, *epps])
     if stop_requested:
         return gateway
     envoy_config = state_dir / "envoy.yaml"
     options = GatewayOptions(
-        pool=PoolTarget(endpoints, H2C), epp=f"127.0.0.1:{ports.epp}", port=ports.public,
+        pool=PoolTarget(endpoints, H2C), epps=epp_addresses, port=ports.public,
         admin_port=ports.admin, frontends=tuple(f"127.0.0.1:{p}" for p in ports.frontends),
         routing=spec.routing,  # type: ignore[arg-type]
         epp_headers=(*EPP_HEADERS, *session_headers(epp_config)),
@@ -386,6 +412,10 @@ def _supervise(supervisor: Supervisor, stop_requested: list[int]) -> int:
         for event in events:
             if event.restarted_pid is not None:
                 continue
+            if event.name.startswith("epp-") and _alive(supervisor, "epp-"):
+                logger.error("%s keeps exiting: no more restarts, Envoy routes through the "
+                             "other EPPs", event.name)
+                continue
             if not event.name.startswith("engine-"):
                 logger.error("%s exited: shutting everything down", event.name)
                 return 1
@@ -394,6 +424,10 @@ def _supervise(supervisor: Supervisor, stop_requested: list[int]) -> int:
         time.sleep(0.2)
     logger.info("received signal %d", stop_requested[0])
     return 0
+
+
+def _alive(supervisor: Supervisor, prefix: str) -> bool:
+    return any(c.alive() for c in supervisor.children if c.name.startswith(prefix))
 
 
 def served_model(address: str) -> str:
@@ -405,13 +439,17 @@ def served_model(address: str) -> str:
         return "default"
 
 
+def _epp_metrics_urls(ports: Ports) -> str:
+    return " ".join(f"http://127.0.0.1:{port}/metrics" for port in ports.epp_metrics)
+
+
 def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
     address = f"127.0.0.1:{ports.public}"
     proto_dir = Path(importlib.util.find_spec("smg_grpc_proto").origin or "").parent / "proto"  # type: ignore[union-attr]
     lines = [
         "",
         (f"kvswitch is up on {address}  (Envoy admin 127.0.0.1:{ports.admin}, "
-         f"EPP metrics http://127.0.0.1:{ports.epp_metrics}/metrics, logs {state_dir})"),
+         f"EPP metrics {_epp_metrics_urls(ports)}, logs {state_dir})"),
         "",
         "gRPC (grpcurl):",
         (f"  grpcurl -plaintext -import-path {proto_dir} -proto vllm_engine.proto "

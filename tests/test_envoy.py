@@ -89,7 +89,7 @@ def test_shapes() -> None:
     assert _filters(build_bootstrap(GatewayOptions(pool=pool, round_robin=True))) == [
         "envoy.filters.http.router"]
     with pytest.raises(ValueError):
-        build_bootstrap(GatewayOptions(pool=pool, epp=None))
+        build_bootstrap(GatewayOptions(pool=pool, epps=()))
 
 
 def _ext_proc_config(bootstrap: dict[str, Any]) -> dict[str, Any]:

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="shared-prefix-150x5-6000-1200-1000",
                         choices=sorted(PRESETS), help="workload shape and default QPS ladder")
     parser.add_argument("--targets", default="kvswitch,round-robin,oracle",
-                        help=f"comma-separated: {', '.join(TARGET_NAMES)}, or kvswitch:CONFIG")
+                        help=f"comma-separated: {', '.join(TARGET_NAMES)}, or kvswitch:CONFIG; "
+                             "@N after an EPP target runs N EPPs behind its Envoy (kvswitch@2)")
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--profile", default="qwen3-32b-2xh100", help="engine profile")
     parser.add_argument("--time-scale", type=float, default=None,

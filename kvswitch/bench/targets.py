@@ -6,6 +6,7 @@
   `precise-prefix-cache-scorer` plugin is not registered); `kvswitch-estimated-ttft` uses the
   estimated-ttft-scorer profile; `kvswitch-text` sends text prompts (the EPP tokenizes for
   routing, the engine for serving).
+- `kvswitch@N` (any EPP target with `@N`): N EPPs behind the one Envoy, active-active.
 - `round-robin`: Envoy alone, ROUND_ROBIN over the pool.
 - `random`: Envoy + the EPP with only a `random-picker`.
 - `smg-cache-aware`, `smg-round-robin`: SMG (PyPI `smg`) in front of the engines over gRPC;
@@ -16,6 +17,7 @@ Every target gets the same engines, flushed cold before it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import time
@@ -85,6 +87,8 @@ class GatewayTarget:
     name: str
     epp_config: Path | None
     text_prompts: bool = False
+    epp_replicas: int = 1
+    """EPPs behind the Envoy, active-active (`kvswitch@N`)."""
     _children: list[Child] = field(default_factory=list)
     _address: str = ""
 
@@ -98,21 +102,22 @@ class GatewayTarget:
         state = ctx.state_dir / label
         state.mkdir(parents=True, exist_ok=True)
         port, admin = free_port(), free_port()
-        epp_address = None
+        epps: tuple[str, ...] = ()
         epp_headers: tuple[str, ...] = EPP_HEADERS
         if self.epp_config is not None:
             pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses)
             config = state / "epp.yaml"
             shutil.copyfile(self.epp_config, config)
-            epp_port, metrics_port = free_port(), free_port()
-            spec = epp_spec(config, pool, epp_port, metrics_port,
-                            want_ready=len(ctx.pool.addresses))
-            spec = type(spec)(f"epp-{label}", spec.argv, spec.ready, spec.env,
-                              spec.stop_timeout)
-            self._children.append(ctx.supervisor.start(spec, timeout=60.0))
-            epp_address = f"127.0.0.1:{epp_port}"
+            ports = [free_port() for _ in range(self.epp_replicas)]
+            epps = tuple(f"127.0.0.1:{p}" for p in ports)
+            several = len(epps) > 1
+            specs = [epp_spec(config, pool, port, free_port(), want_ready=len(ctx.pool.addresses),
+                              name=f"epp-{label}" + (f"-{i}" if several else ""),
+                              replica_name=epps[i] if several else "")
+                     for i, port in enumerate(ports)]
+            self._children += ctx.supervisor.start_all(specs, timeout=60.0)
             epp_headers = (*EPP_HEADERS, *session_headers(config))
-        options = GatewayOptions(pool=PoolTarget(tuple(ctx.pool.addresses)), epp=epp_address,
+        options = GatewayOptions(pool=PoolTarget(tuple(ctx.pool.addresses)), epps=epps,
                                  port=port, admin_port=admin,
                                  round_robin=self.epp_config is None, epp_headers=epp_headers)
         envoy_config = state / "envoy.yaml"
@@ -198,7 +203,14 @@ def safe_label(name: str) -> str:
 
 def make_target(spec: str) -> Target:
     """A target from its name; `kvswitch:PATH` uses the EPP config at PATH (or, when PATH is
-    not a file, the bundled `configs/PATH[.yaml]`)."""
+    not a file, the bundled `configs/PATH[.yaml]`); `@N` after an EPP target runs N EPPs behind
+    its Envoy (`kvswitch@3`)."""
+    base, at, count = spec.rpartition("@")
+    if at and count.isdigit():
+        target = make_target(base)
+        if not isinstance(target, GatewayTarget) or target.epp_config is None:
+            raise ValueError(f"{spec!r}: only an EPP target runs several EPPs")
+        return dataclasses.replace(target, name=spec, epp_replicas=int(count))
     name, _, argument = spec.partition(":")
     if name in ("kvswitch", "kvswitch-text"):
         default = "kvswitch.yaml" if precise_plugin_available() else "kvswitch-approximate.yaml"

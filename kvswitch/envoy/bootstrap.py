@@ -10,6 +10,12 @@ Three shapes, all from `GatewayOptions`:
   ended, so the ext_proc stream closes once the request is routed (response headers and
   trailers SKIP) and neither the response's end nor an EPP restart depends on it
   (kvswitch.epp.access_log).
+* **several EPPs** (`epps` lists more than one): the ext_proc cluster holds them all (least
+  request, gRPC health checks and outlier ejection move new streams off a dead one within about
+  a second, and a stream that fails to start is retried on another host); each EPP signs the
+  requests it routes (`envoy.lb` metadata `x-kvswitch-epp-replica`, its `--replica-name`, which
+  must be its address as listed here) and gets its own access logger, filtered on that
+  signature, so each EPP receives the log entries of its own requests and no others.
 * **with a frontend**: HTTP OpenAI paths (`/v1/*`, `/health`) go to a STATIC cluster of frontend
   processes with ext_proc disabled on that route; the frontend calls back into this same listener
   over gRPC with tokenized input, and that call goes through the EPP.
@@ -42,6 +48,7 @@ from kvswitch.protocol.headers import (
     ACCESS_LOGGED,
     DESTINATION_ENDPOINT,
     DESTINATION_METADATA_NAMESPACE,
+    EPP_REPLICA,
     GATEWAY_METADATA_NAMESPACE,
     REQUEST_ID,
     SESSION_TOKEN,
@@ -106,8 +113,9 @@ class PoolTarget:
 @dataclass(frozen=True, slots=True)
 class GatewayOptions:
     pool: PoolTarget
-    epp: str | None = "127.0.0.1:9002"
-    """The EPP's ext_proc `host:port`; ignored when `round_robin`."""
+    epps: tuple[str, ...] = ("127.0.0.1:9002",)
+    """The EPPs' ext_proc `host:port`s; ignored when `round_robin`. With more than one, each EPP
+    runs with `--replica-name` set to its address as written here."""
     port: int = 8000
     host: str = "127.0.0.1"
     admin_port: int = 9901
@@ -139,9 +147,11 @@ def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
     """The bootstrap as a plain dict (render with JSON or YAML)."""
     clusters = [_pool_cluster(options)]
     if not options.round_robin:
-        if not options.epp:
+        if not options.epps:
             raise ValueError("an EPP address is required unless round_robin is set")
-        clusters.append(_static_cluster(EPP_CLUSTER, [options.epp], http2=True))
+        if len(set(options.epps)) != len(options.epps):
+            raise ValueError(f"EPP addresses repeat: {', '.join(options.epps)}")
+        clusters += _epp_clusters(options.epps)
     if options.frontends:
         clusters.append(_static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False))
     return {
@@ -190,7 +200,7 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         access_logs.append({"name": "envoy.access_loggers.stdout",
                             "typed_config": {"@type": _STDOUT_LOG}})
     if not options.round_robin:
-        access_logs.append(_epp_access_log())
+        access_logs += _epp_access_logs(options.epps)
     if access_logs:
         hcm["access_log"] = access_logs
     return {
@@ -202,27 +212,66 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
     }
 
 
-def _epp_access_log() -> dict[str, Any]:
-    """The entries of requests the EPP routed, to the EPP: marked by `set_metadata`, and given a
-    destination by the EPP (`envoy.lb` metadata). Requests it answered itself (shed, nothing
-    ready, bad input) are left out: it has nothing waiting for them, and under overload they
-    would be most of the entries."""
+def _epp_clusters(epps: Sequence[str]) -> list[dict[str, Any]]:
+    """The ext_proc cluster of every EPP; with several, also one cluster per EPP for its own
+    access log."""
+    cluster = _static_cluster(EPP_CLUSTER, epps, http2=True)
+    if len(epps) == 1:
+        return [cluster]
+    cluster["lb_policy"] = "LEAST_REQUEST"
+    cluster["health_checks"] = [{
+        "timeout": "0.5s", "interval": "0.5s", "no_traffic_interval": "0.5s",
+        "unhealthy_threshold": 1, "healthy_threshold": 1,
+        "grpc_health_check": {"service_name": "readiness"},
+    }]
+    # A refused connection ejects the EPP at once, before the next health check notices.
+    cluster["outlier_detection"] = {
+        "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
+        "interval": "1s", "base_ejection_time": "2s", "max_ejection_percent": 100,
+    }
+    # Never spread over dead EPPs because most are dead: route to the live ones only.
+    cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+    return [cluster, *(_static_cluster(_epp_log_cluster(i), [epp], http2=True)
+                       for i, epp in enumerate(epps))]
+
+
+def _epp_log_cluster(index: int) -> str:
+    return f"{EPP_CLUSTER}_{index}"
+
+
+def _epp_access_logs(epps: Sequence[str]) -> list[dict[str, Any]]:
+    if len(epps) == 1:
+        return [_epp_access_log(EPP_CLUSTER, None)]
+    return [_epp_access_log(_epp_log_cluster(i), epp) for i, epp in enumerate(epps)]
+
+
+def _epp_access_log(cluster: str, replica: str | None) -> dict[str, Any]:
+    """The entries of requests an EPP routed, to that EPP: marked by `set_metadata`, and given a
+    destination by the EPP (`envoy.lb` metadata) — by the EPP named `replica`, when several
+    share the gateway. Requests it answered itself (shed, nothing ready, bad input) are left
+    out: it has nothing waiting for them, and under overload they would be most of the
+    entries."""
     marked = {"filter": GATEWAY_METADATA_NAMESPACE, "path": [{"key": ACCESS_LOGGED}],
               "value": {"bool_match": True}}
     routed = {"filter": DESTINATION_METADATA_NAMESPACE, "path": [{"key": DESTINATION_ENDPOINT}],
               "value": {"present_match": True}}
+    matchers = [marked, routed]
+    if replica is not None:
+        matchers.append({"filter": DESTINATION_METADATA_NAMESPACE,
+                         "path": [{"key": EPP_REPLICA}],
+                         "value": {"string_match": {"exact": replica}}})
     return {
         "name": "envoy.access_loggers.http_grpc",
         # (A metadata filter logs requests without the key unless told not to.)
         "filter": {"and_filter": {"filters": [
-            {"metadata_filter": {"matcher": marked, "match_if_key_not_found": False}},
-            {"metadata_filter": {"matcher": routed, "match_if_key_not_found": False}},
+            {"metadata_filter": {"matcher": m, "match_if_key_not_found": False}}
+            for m in matchers
         ]}},
         "typed_config": {
             "@type": _GRPC_LOG,
             "common_config": {
                 "log_name": "kvswitch",
-                "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
                 "transport_api_version": "V3",
                 "buffer_flush_interval": ACCESS_LOG_FLUSH,
             },
@@ -286,7 +335,7 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _EXT_PROC,
-            "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
+            "grpc_service": _ext_proc_service(options.epps),
             "failure_mode_allow": False,
             "allow_mode_override": False,
             "message_timeout": f"{options.message_timeout_s:g}s",
@@ -317,6 +366,23 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
         },
     }
     return [strip_destination, mark_logged, ext_proc, router]
+
+
+def _ext_proc_service(epps: Sequence[str]) -> dict[str, Any]:
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": EPP_CLUSTER}}
+    if len(epps) > 1:
+        # A stream that cannot start on one EPP (killed, restarting) starts on another.
+        service["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream,reset-before-request,reset",
+            "num_retries": len(epps) - 1,
+            "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+            "retry_host_predicate": [{
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts.v3"
+                                              ".PreviousHostsPredicate"},
+            }],
+        }
+    return service
 
 
 def _forward_rules(headers: Sequence[str] | None) -> dict[str, Any]:

@@ -17,7 +17,10 @@ __all__ = ["add_arguments", "read_pool", "render", "run", "session_headers"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", required=True, help="InferencePool YAML listing the endpoints")
-    parser.add_argument("--epp", default="127.0.0.1:9002", help="EPP ext_proc host:port")
+    parser.add_argument("--epp", action="append", default=None, metavar="HOST:PORT",
+                        help="EPP ext_proc address (default 127.0.0.1:9002); repeat for several "
+                             "EPPs active-active, each run with --replica-name set to its "
+                             "address as written here")
     parser.add_argument("--port", type=int, default=8000, help="public listener port")
     parser.add_argument("--host", default="127.0.0.1", help="public listener address")
     parser.add_argument("--admin-port", type=int, default=9901)
@@ -45,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options = GatewayOptions(
-        pool=read_pool(args.pool), epp=args.epp, port=args.port, host=args.host,
+        pool=read_pool(args.pool), epps=tuple(args.epp or ("127.0.0.1:9002",)), port=args.port,
+        host=args.host,
         admin_port=args.admin_port, frontends=tuple(args.frontend),
         round_robin=args.round_robin, routing=args.routing,
         message_timeout_s=args.message_timeout, access_log=args.access_log,

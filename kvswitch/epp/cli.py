@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and grpc.health.v1 Health Check/Watch; several times less CPU per "
                              "request); grpcio = grpc.aio (adds server reflection)")
     add_sampling_flags(parser)
+    parser.add_argument("--replica-name", default="", metavar="HOST:PORT",
+                        help="with several EPPs behind one kvswitch Envoy: this EPP's ext_proc "
+                             "address as the Envoy bootstrap lists it; the EPP signs the requests "
+                             "it routes with it, so the gateway's access log sends it the entries "
+                             "of its own requests (kvswitch up sets it)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="debug logs one line per request")
@@ -88,7 +93,8 @@ def build_picker(args: argparse.Namespace) -> EndpointPicker:
         config = _with_refresh_interval(args.config, args.refresh_interval)
     picker = build_endpoint_picker(config, args.pool)
     return dataclasses.replace(picker, max_body_bytes=args.max_body_bytes,
-                               sampling_limits=sampling_from_args(args))
+                               sampling_limits=sampling_from_args(args),
+                               replica_name=args.replica_name)
 
 
 async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:

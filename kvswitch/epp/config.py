@@ -48,6 +48,7 @@ from kvswitch.epp.framework import (
     Scorer,
     load_factory,
 )
+from kvswitch.epp.kvindex import PrefixIndex
 from kvswitch.epp.metrics import EppMetrics, default_metrics
 from kvswitch.epp.request import EndpointPicker, Parser
 from kvswitch.epp.router import EppRouter
@@ -255,8 +256,11 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
     gate = FlowGate(datalayer.ready, spec.saturation, spec.flow_control,
                     tick=dl.refresh_interval, queueing=spec.queueing)
     objectives = {o.name: o.priority for o in (*pool.objectives, *spec.objectives)}
-    router = EppRouter(scheduler, datalayer, gate, refresher, objectives,
-                       metrics if metrics is not None else default_metrics())
+    metrics = metrics if metrics is not None else default_metrics()
+    for plugin in plugins:
+        if isinstance(index := getattr(plugin, "index", None), PrefixIndex):
+            metrics.indexed_blocks.watch(index)
+    router = EppRouter(scheduler, datalayer, gate, refresher, objectives, metrics)
     return router, parsers
 
 

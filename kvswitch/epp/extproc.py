@@ -196,8 +196,10 @@ class ExtProcStream:
         destination = ",".join(decision.endpoints)
         if not self._full_duplex and self._parser_needs_body:
             # Buffered: the headers were answered already; the body reply carries the pick.
-            return [destination_reply(destination, grpc=self._grpc, on_body=True)]
-        out: list[Action] = [destination_reply(destination, grpc=self._grpc, on_body=False)]
+            return [destination_reply(destination, grpc=self._grpc, on_body=True,
+                                      replica=self._picker.replica_name)]
+        out: list[Action] = [destination_reply(destination, grpc=self._grpc, on_body=False,
+                                               replica=self._picker.replica_name)]
         if self._full_duplex:
             out.extend(self._echo_body())
         elif self._chunks:

@@ -178,24 +178,27 @@ def _header(key: str, value: str) -> HeaderValueOption:
 _TE_TRAILERS = _header("te", "trailers")
 # Destinations repeat (a pool's endpoints, a pick and its fallbacks): their replies are kept.
 _DESTINATION_REPLIES_MAX = 4096
-_destination_replies: dict[tuple[str, bool, bool], SerializedResponse] = {}
+_destination_replies: dict[tuple[str, bool, bool, str], SerializedResponse] = {}
 
 
-def destination_reply(destination: str, *, grpc: bool, on_body: bool) -> SerializedResponse:
+def destination_reply(destination: str, *, grpc: bool, on_body: bool,
+                      replica: str = "") -> SerializedResponse:
     """Route to `destination`: the header (overwriting any client-supplied copy, which is never
-    trusted) and the same value under `envoy.lb` dynamic metadata. `on_body`: reply to the last
-    body chunk (buffered modes) instead of the request headers."""
-    key = (destination, grpc, on_body)
+    trusted) and the same value under `envoy.lb` dynamic metadata, with the routing EPP's
+    `replica` name when it has one. `on_body`: reply to the last body chunk (buffered modes)
+    instead of the request headers."""
+    key = (destination, grpc, on_body, replica)
     reply = _destination_replies.get(key)
     if reply is None:
         if len(_destination_replies) >= _DESTINATION_REPLIES_MAX:
             _destination_replies.clear()
         reply = _destination_replies[key] = _serialized(
-            _destination_message(destination, grpc=grpc, on_body=on_body))
+            _destination_message(destination, grpc=grpc, on_body=on_body, replica=replica))
     return reply
 
 
-def _destination_message(destination: str, *, grpc: bool, on_body: bool) -> ep.ProcessingResponse:
+def _destination_message(destination: str, *, grpc: bool, on_body: bool,
+                         replica: str) -> ep.ProcessingResponse:
     # Filled through attribute paths: several times cheaper in upb than nested kwargs.
     reply = ep.ProcessingResponse()
     common = reply.request_body.response if on_body else reply.request_headers.response
@@ -206,9 +209,10 @@ def _destination_message(destination: str, *, grpc: bool, on_body: bool) -> ep.P
     option.append_action = _OVERWRITE
     if grpc:  # gRPC upstreams reject requests without `te: trailers`
         sets.append(_TE_TRAILERS)
-    reply.dynamic_metadata.fields[h.DESTINATION_METADATA_NAMESPACE].struct_value.fields[
-        h.DESTINATION_ENDPOINT
-    ].string_value = destination
+    lb = reply.dynamic_metadata.fields[h.DESTINATION_METADATA_NAMESPACE].struct_value
+    lb.fields[h.DESTINATION_ENDPOINT].string_value = destination
+    if replica:
+        lb.fields[h.EPP_REPLICA].string_value = replica
     return reply
 
 

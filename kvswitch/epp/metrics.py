@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Container, Iterable, Iterator, Sequence
+from typing import Protocol
 
 import prometheus_client.metrics as _prometheus_metrics
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
@@ -158,6 +159,43 @@ class ReadyGauge(Collector):
         yield family
 
 
+class BlockCounts(Protocol):
+    """What `IndexedBlocksGauge` reads of a prefix index."""
+
+    @property
+    def endpoints(self) -> tuple[str, ...]: ...
+
+    def num_blocks(self, endpoint: str) -> int: ...
+
+
+class IndexedBlocksGauge(Collector):
+    """KV blocks each endpoint holds according to the EPP's prefix indexes (from the engines' KV
+    events; speculative entries excluded), read at scrape time. EPPs that share a gateway see
+    the same events, so their values agree within one KV-event batch."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.indexes: list[BlockCounts] = []
+        registry.register(self)
+
+    def watch(self, index: BlockCounts) -> None:
+        self.indexes.append(index)
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])]
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])
+        totals: dict[str, int] = {}
+        for index in self.indexes:
+            for endpoint in index.endpoints:
+                totals[endpoint] = totals.get(endpoint, 0) + index.num_blocks(endpoint)
+        for endpoint, blocks in totals.items():
+            family.add_metric((endpoint,), float(blocks))
+        yield family
+
+
 class CountedHistogram(Collector):
     """A histogram kept as per-bucket counts and a sum per label values; `observe` is a dict
     lookup, a bisect and two additions. Unlabelled unless `labelnames` are given."""
@@ -242,6 +280,9 @@ class EppMetrics:
             r)
         self.endpoint_ready = ReadyGauge(
             "kvswitch_epp_endpoint_ready", "1 when the endpoint is eligible for scheduling.", r)
+        self.indexed_blocks = IndexedBlocksGauge(
+            "kvswitch_epp_indexed_kv_blocks",
+            "KV blocks the endpoint holds according to the EPP's prefix index (KV events).", r)
         self.ready_endpoints = Gauge(
             "kvswitch_epp_pool_ready_endpoints", "Endpoints eligible for scheduling.", registry=r)
         self.loop_lag_seconds = Histogram(

@@ -152,3 +152,6 @@ class EndpointPicker:
     max_body_bytes: int = 16 * 1024 * 1024
     sampling_limits: SamplingLimits = SAMPLING_DEFAULTS
     """Checked on every parsed body before it is routed (INVALID_ARGUMENT / 400)."""
+    replica_name: str = ""
+    """Signed on every routed request (`envoy.lb` metadata) when several EPPs share a gateway,
+    so its access log sends this EPP the entries of its own requests; empty: not signed."""

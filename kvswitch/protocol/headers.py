@@ -5,6 +5,9 @@ from __future__ import annotations
 # Where the EPP tells the proxy to send a request (header and `envoy.lb` metadata key).
 DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
+# The EPP replica that routed a request, beside its destination under `envoy.lb` metadata: a
+# gateway with several EPPs sends each one the access-log entries of the requests it routed.
+EPP_REPLICA = "x-kvswitch-epp-replica"
 # The subset of endpoints the proxy allows (metadata namespace and header).
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"

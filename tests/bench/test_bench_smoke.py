@@ -50,14 +50,14 @@ def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "kvswitch", "bench", "--preset", "tiny", "--replicas", "3",
             "--profile", "llama3-8b-h100", "--time-scale", "4", "--groups", "6",
-            "--targets", "kvswitch,round-robin,oracle", "--out", str(out), "--no-progress",
+            "--targets", "kvswitch,kvswitch@2,round-robin,oracle", "--out", str(out), "--no-progress",
             "--drain-timeout", "30", "--no-stream"]
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
     assert report["meta"]["latency_unit"] == "simulated seconds"
     by_name = {t["target"]: t for t in report["targets"]}
-    assert set(by_name) == {"kvswitch", "round-robin", "oracle"}
+    assert set(by_name) == {"kvswitch", "kvswitch@2", "round-robin", "oracle"}
     requests = report["meta"]["requests"]
     for target in by_name.values():
         assert target["overall"]["success_rate"] == 1.0
@@ -73,6 +73,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     rr = by_name["round-robin"]["engine_cache_hit_rate"]
     assert by_name["oracle"]["engine_cache_hit_rate"] > rr
     assert by_name["kvswitch"]["engine_cache_hit_rate"] > rr
+    assert by_name["kvswitch@2"]["engine_cache_hit_rate"] > rr  # two EPPs, one Envoy
     summary = (out / "summary.md").read_text()
     assert "| oracle |" in summary and "simulated seconds" in summary
     assert "## Engine-side TTFT p90" in summary

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvswitch.bench.fleet import EppRouter, best_of, make_router, run_fleet
+from kvswitch.bench.fleet import EppRouter, MultiEppRouter, best_of, make_router, run_fleet
 from kvswitch.bench.fleet.routers import RoundRobin
 from kvswitch.bench.workloads import SharedPrefixShape, build_workload
 from kvswitch.engine.sim.profiles import get_profile
@@ -225,3 +225,19 @@ def test_flow_control_holds_requests_until_the_pool_has_room(shared_prefix: Any)
     assert held  # flow control queued some requests ...
     assert len(result.records) + len(result.rejected) == len(shared_prefix.requests)
     assert not router._held  # ... and released every one
+
+
+def test_several_epps_share_the_requests_and_each_ends_its_own(shared_prefix: Any) -> None:
+    one = run_fleet(shared_prefix, make_router("kvswitch"), PROFILE, 4)
+    router = make_router("kvswitch@2")
+    assert isinstance(router, MultiEppRouter)
+    two = run_fleet(shared_prefix, router, PROFILE, 4)
+    assert len(two.records) == len(shared_prefix.requests)
+    # Each replica routed every other request, and every end went back to the one that
+    # routed it: nothing is left in flight on either.
+    routed = [sum(epp.router.metrics.requests.values.values())
+              for epp in router.epps]
+    assert abs(routed[0] - routed[1]) <= 1, routed
+    assert all(e.in_flight == 0 for epp in router.epps for e in epp.router.datalayer.all())
+    # Both subscribe to every engine's KV events: prefix groups stay together about as well.
+    assert two.overall["cache_hit_rate"] >= one.overall["cache_hit_rate"] - 0.02

@@ -96,7 +96,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int
         supervisor.start(epp_spec(config, pool, epp_port, metrics_port, want_ready=1))
         envoy_config = tmp / "envoy.yaml"
         envoy_config.write_text(render(build_bootstrap(GatewayOptions(
-            pool=PoolTarget((address,), "http"), epp=f"127.0.0.1:{epp_port}", port=port,
+            pool=PoolTarget((address,), "http"), epps=(f"127.0.0.1:{epp_port}",), port=port,
             admin_port=admin))))
         supervisor.start(envoy_spec(envoy_config, admin))
         yield port, metrics_port

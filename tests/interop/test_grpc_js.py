@@ -107,7 +107,7 @@ def gateway_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]
     try:
         report = run_client(gw.launched.address, None)
         yield Target("gateway", gw.launched.address, gw.engines, report,
-                     gw.launched.ports.epp_metrics)
+                     gw.launched.ports.epp_metrics[0])
     except BaseException:
         print(gw.logs())
         raise

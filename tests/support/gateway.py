@@ -68,9 +68,10 @@ def running_gateway(tmp: Path, **spec: object) -> Iterator[Gateway]:
         supervisor.stop_all()
 
 
-def epp_samples(gateway: Gateway, name: str, **labels: str) -> list[float]:
-    """The values of the EPP's Prometheus samples `name` whose labels include `labels`."""
-    url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics}/metrics"
+def epp_samples(gateway: Gateway, name: str, *, epp: int = 0, **labels: str) -> list[float]:
+    """The values of EPP number `epp`'s Prometheus samples `name` whose labels include
+    `labels`."""
+    url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics[epp]}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
     return [sample.value for family in text_string_to_metric_families(text)

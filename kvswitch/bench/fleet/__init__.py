@@ -8,7 +8,8 @@ per the engine's window (50 ms) and handed to the router with its own delivery d
 (`make_router(name)`):
 - an EPP config (`epp:PATH`, `epp:NAME` for a bundled `kvswitch/bench/configs/NAME.yaml`, or
   `kvswitch` for `kvswitch up`'s DEFAULT_EPP_CONFIG): the real plugins and router code
-  (`fleet.epp`);
+  (`fleet.epp`); with `@N` appended (`kvswitch@3`), N such EPPs side by side, each routing
+  every N-th request (`fleet.multi_epp`);
 - `round-robin`, `random`, `oracle` (the bench's greedy oracle), `oracle-conserve`,
   `oracle-lookahead` (variants), `smg-cache-aware-model` and `smg-cache-aware-tree-model`
   (models of SMG's policy with and without KV events) (`fleet.routers`).
@@ -29,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvswitch.bench.fleet.epp import EppRouter
+from kvswitch.bench.fleet.multi_epp import MultiEppRouter
 from kvswitch.bench.fleet.routers import (
     FleetContext,
     FleetRouter,
@@ -47,6 +49,7 @@ __all__ = [
     "FleetContext",
     "FleetResult",
     "FleetRouter",
+    "MultiEppRouter",
     "best_of",
     "make_router",
     "run_fleet",
@@ -59,6 +62,12 @@ ORACLE_VARIANTS = ("oracle", "oracle-conserve", "oracle-lookahead")
 
 def make_router(name: str, seed: int = 0, kv_delay: float = 0.002) -> FleetRouter:
     """A router by name (see the module docstring); a fresh one per run."""
+    base, at, count = name.rpartition("@")
+    if at and count.isdigit():
+        epp = make_router(base, seed, kv_delay)
+        if not isinstance(epp, EppRouter):
+            raise ValueError(f"{name!r}: only an EPP config runs as several replicas")
+        return MultiEppRouter(epp.config, int(count), name, kv_delay, seed)
     kind, _, argument = name.partition(":")
     if name == "round-robin":
         return RoundRobin()
