@@ -18,7 +18,7 @@ import pytest
 
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.up import frontend_available
-from tests.e2e.conftest import Gateway, prompt, running_gateway
+from tests.support.gateway import Gateway, prompt, running_gateway
 
 STREAM_TOKENS = 400  # several seconds a stream at time scale 1: the kill lands mid-stream
 ENDED_WITHIN = 10.0

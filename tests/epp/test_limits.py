@@ -15,7 +15,7 @@ from kvswitch.epp.request import EndpointPicker
 from kvswitch.limits import SamplingLimits
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.frames import encode
-from tests.epp.test_extproc import NeverRouter, body, decoded, grpc_headers, http_headers
+from tests.support.extproc import NeverRouter, body, decoded, grpc_headers, http_headers
 
 LIMITS = SamplingLimits(max_n=8, max_logprobs=5, max_stop=4, max_stop_chars=16,
                         max_logit_bias=10, max_tokens=1000)

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.frontend.conftest import Stack
+from tests.support.frontend_stack import Stack
 
 MODEL = "Qwen/Qwen3-0.6B"
 CHAT = [{"role": "user", "content": "hi"}]

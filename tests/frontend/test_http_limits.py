@@ -13,7 +13,7 @@ import pytest
 
 from kvswitch.frontend.http_server import Server
 from kvswitch.limits import HttpLimits
-from tests.frontend.test_http_server import FakeApp, _post, _response
+from tests.support.http1 import FakeApp, post_request, read_response
 
 LIMITS = HttpLimits(max_url_bytes=1000, max_header_bytes=4000, max_headers=20,
                     head_timeout=0.5, body_timeout=0.5, idle_timeout=30.0,
@@ -42,7 +42,7 @@ async def connect(request: pytest.FixtureRequest) -> AsyncIterator[Connect]:
 
 async def refused(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     """The refusal's status and body, and the connection closed after it."""
-    status, headers, body = await asyncio.wait_for(_response(reader), 5)
+    status, headers, body = await asyncio.wait_for(read_response(reader), 5)
     assert headers["connection"] == "close"
     assert await asyncio.wait_for(reader.read(), 5) == b""
     return status, body
@@ -51,8 +51,8 @@ async def refused(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 async def test_a_request_within_the_limits_is_served(connect: Connect) -> None:
     reader, writer = await connect()
     head = "".join(f"x-h{i}: {'v' * 100}\r\n" for i in range(15))
-    writer.write(_post("/echo?" + "q" * 900, b"hi", head.rstrip("\r\n")))
-    status, _, body = await asyncio.wait_for(_response(reader), 5)
+    writer.write(post_request("/echo?" + "q" * 900, b"hi", head.rstrip("\r\n")))
+    status, _, body = await asyncio.wait_for(read_response(reader), 5)
     assert (status, body) == (200, b"POST /echo hi")
     writer.close()
 
@@ -66,14 +66,14 @@ async def test_a_long_url_is_414(connect: Connect) -> None:
 
 async def test_too_many_headers_is_431(connect: Connect) -> None:
     reader, writer = await connect()
-    writer.write(_post("/echo", b"", *(f"x-h{i}: 1" for i in range(21))))
+    writer.write(post_request("/echo", b"", *(f"x-h{i}: 1" for i in range(21))))
     status, body = await refused(reader)
     assert status == 431 and b"--max-headers" in body
 
 
 async def test_a_large_head_in_one_piece_is_431(connect: Connect) -> None:
     reader, writer = await connect()
-    writer.write(_post("/echo", b"", "x-big: " + "v" * 5000))
+    writer.write(post_request("/echo", b"", "x-big: " + "v" * 5000))
     status, body = await refused(reader)
     assert status == 431 and b"--max-header-bytes" in body
 
@@ -82,7 +82,7 @@ async def test_a_header_line_that_never_ends_is_cut_off(connect: Connect) -> Non
     reader, writer = await connect()
     writer.write(b"GET / HTTP/1.1\r\nx-endless: ")
     sent = 0
-    answered = asyncio.ensure_future(_response(reader))
+    answered = asyncio.ensure_future(read_response(reader))
     while not answered.done() and sent < 1_000_000:  # bounded: 250 writes at most
         writer.write(b"v" * 4000)
         sent += 4000
@@ -107,9 +107,9 @@ async def trickle(writer: asyncio.StreamWriter, data: bytes, answered: asyncio.F
 async def test_a_head_sent_a_byte_at_a_time_gets_408_at_the_head_deadline(
         connect: Connect) -> None:
     reader, writer = await connect()
-    answered = asyncio.ensure_future(_response(reader))
+    answered = asyncio.ensure_future(read_response(reader))
     started = time.monotonic()
-    sent = await trickle(writer, _post("/echo", b"hi", *("x-pad: " + "p" * 60,) * 10), answered)
+    sent = await trickle(writer, post_request("/echo", b"hi", *("x-pad: " + "p" * 60,) * 10), answered)
     status, _, body = await asyncio.wait_for(answered, 5)
     assert status == 408 and b"--head-timeout" in body
     assert sent < 700 and time.monotonic() - started < 3.0  # the head was still coming
@@ -120,7 +120,7 @@ async def test_a_body_sent_a_byte_at_a_time_gets_408_at_the_body_deadline(
         connect: Connect) -> None:
     reader, writer = await connect()
     writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 900\r\n\r\n")
-    answered = asyncio.ensure_future(_response(reader))
+    answered = asyncio.ensure_future(read_response(reader))
     started = time.monotonic()
     sent = await trickle(writer, b"b" * 900, answered)
     status, _, body = await asyncio.wait_for(answered, 5)

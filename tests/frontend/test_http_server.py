@@ -9,59 +9,13 @@ import re
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 import pytest
 
-from kvswitch.errors import KvswitchError, Unavailable
-from kvswitch.frontend.http_server import HttpRequest, Reply, Server, StreamReply
-from kvswitch.frontend.sse import DONE, error_reply, sse_reply
+from kvswitch.frontend.http_server import Server
+from kvswitch.frontend.sse import DONE
 from kvswitch.limits import HttpLimits
-
-
-@dataclass
-class FakeApp:
-    """/echo answers with the method, path and body; /stream with `events`; /slow never ends."""
-
-    events: list[bytes] = field(default_factory=lambda: [b"data: 1\n\n", b"data: 2\n\n" + DONE])
-    seen: list[HttpRequest] = field(default_factory=list)
-    produced: int = 0
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def handle(self, request: HttpRequest) -> Reply | StreamReply:
-        self.seen.append(request)
-        if request.path == "/echo":
-            return Reply(200, f"{request.method} {request.path} ".encode() + request.body,
-                         b"text/plain")
-        if request.path == "/slow":
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
-        if request.path in ("/stream", "/forever", "/broken"):
-            return sse_reply(self._events(request.path))
-        return Reply(404)
-
-    async def _events(self, path: str) -> AsyncIterator[bytes]:
-        try:
-            if path == "/forever":
-                while True:
-                    self.produced += 1
-                    yield b"data: " + b"x" * 65536 + b"\n\n"
-                    await asyncio.sleep(0)
-            if path == "/broken":
-                yield b"data: 1\n\n"
-                raise Unavailable("engine gone")
-            for event in self.events:
-                yield event
-        finally:
-            self.closed.set()
-
-    def refuse(self, error: KvswitchError) -> Reply:
-        return error_reply(error)
-
+from tests.support.http1 import FakeApp, post_request, read_response
 
 Client = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
@@ -85,34 +39,12 @@ async def served() -> AsyncIterator[tuple[FakeApp, Server, Client]]:
     await asyncio.wait_for(task, 5)
 
 
-async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    """One response: status, headers, body (de-chunked)."""
-    status = int((await reader.readline()).split()[1])
-    headers = {}
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode().partition(":")
-        headers[name.lower()] = value.strip()
-    if headers.get("transfer-encoding") == "chunked":
-        body = b""
-        while size := int((await reader.readline()).strip(), 16):
-            body += (await reader.readexactly(size + 2))[:-2]
-        await reader.readline()
-        return status, headers, body
-    return status, headers, await reader.readexactly(int(headers.get("content-length", 0)))
-
-
-def _post(path: str, body: bytes, *extra: str) -> bytes:
-    head = "".join(f"{h}\r\n" for h in extra)
-    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n{head}\r\n"
-            ).encode() + body
-
-
 async def test_keep_alive_serves_requests_one_after_another(served) -> None:
     app, _, connect = served
     reader, writer = await connect()
     for i in range(3):
-        writer.write(_post("/echo?q=1", b"body %d" % i))
-        status, headers, body = await _response(reader)
+        writer.write(post_request("/echo?q=1", b"body %d" % i))
+        status, headers, body = await read_response(reader)
         headers.pop("date")
         assert (status, headers, body) == (200, {"content-type": "text/plain",
                                                  "content-length": "17"}, b"POST /echo body %d" % i)
@@ -123,11 +55,11 @@ async def test_keep_alive_serves_requests_one_after_another(served) -> None:
 async def test_pipelined_requests_are_answered_in_order(served) -> None:
     _, _, connect = served
     reader, writer = await connect()
-    writer.write(_post("/stream", b"") + _post("/echo", b"second")
+    writer.write(post_request("/stream", b"") + post_request("/echo", b"second")
                  + b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
-    assert (await _response(reader))[2] == b"data: 1\n\ndata: 2\n\n" + DONE
-    assert (await _response(reader))[2] == b"POST /echo second"
-    assert (await _response(reader))[2] == b"GET /echo "
+    assert (await read_response(reader))[2] == b"data: 1\n\ndata: 2\n\n" + DONE
+    assert (await read_response(reader))[2] == b"POST /echo second"
+    assert (await read_response(reader))[2] == b"GET /echo "
     writer.close()
 
 
@@ -138,7 +70,7 @@ async def test_chunked_upload_is_decoded(served) -> None:
                  b"5\r\nhello\r\n")
     await asyncio.sleep(0.05)
     writer.write(b"6\r\n world\r\n0\r\n\r\n")
-    assert (await _response(reader))[2] == b"POST /echo hello world"
+    assert (await read_response(reader))[2] == b"POST /echo hello world"
     writer.close()
 
 
@@ -150,8 +82,8 @@ async def test_oversize_body_is_413_then_close(served, chunked: bool) -> None:
         writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
                      + b"200\r\n" + b"x" * 512 + b"\r\n" + b"200\r\n" + b"x" * 512 + b"\r\n")
     else:
-        writer.write(_post("/echo", b"x" * 1001))
-    status, headers, body = await _response(reader)
+        writer.write(post_request("/echo", b"x" * 1001))
+    status, headers, body = await read_response(reader)
     assert status == 413 and headers["connection"] == "close"
     assert b"PayloadTooLarge" in body or b"over the limit" in body
     assert await reader.read() == b""  # closed
@@ -161,9 +93,9 @@ async def test_oversize_body_is_413_then_close(served, chunked: bool) -> None:
 async def test_oversize_after_a_pipelined_request_waits_its_turn(served) -> None:
     _, _, connect = served
     reader, writer = await connect()
-    writer.write(_post("/echo", b"first") + _post("/echo", b"x" * 2000))
-    assert (await _response(reader))[:1] == (200,)
-    assert (await _response(reader))[0] == 413
+    writer.write(post_request("/echo", b"first") + post_request("/echo", b"x" * 2000))
+    assert (await read_response(reader))[:1] == (200,)
+    assert (await read_response(reader))[0] == 413
     assert await reader.read() == b""
 
 
@@ -173,18 +105,18 @@ async def test_malformed_request_is_400_then_close(served, request_line: bytes) 
     _, _, connect = served
     reader, writer = await connect()
     writer.write(request_line)
-    status, headers, _ = await _response(reader)
+    status, headers, _ = await read_response(reader)
     assert status == 400 and headers["connection"] == "close"
     assert await reader.read() == b""
 
 
 async def test_connection_close_and_http10_close_after_the_response(served) -> None:
     _, _, connect = served
-    for request in (_post("/echo", b"a", "connection: close"),
+    for request in (post_request("/echo", b"a", "connection: close"),
                     b"GET /echo HTTP/1.0\r\n\r\n"):
         reader, writer = await connect()
         writer.write(request)
-        status, headers, _ = await _response(reader)
+        status, headers, _ = await read_response(reader)
         assert status == 200 and headers["connection"] == "close"
         assert await reader.read() == b""
 
@@ -192,8 +124,8 @@ async def test_connection_close_and_http10_close_after_the_response(served) -> N
 async def test_stream_is_chunked_sse(served) -> None:
     _, _, connect = served
     reader, writer = await connect()
-    writer.write(_post("/stream", b"{}"))
-    status, headers, body = await _response(reader)
+    writer.write(post_request("/stream", b"{}"))
+    status, headers, body = await read_response(reader)
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     assert body == b"data: 1\n\ndata: 2\n\n" + DONE
 
@@ -201,8 +133,8 @@ async def test_stream_is_chunked_sse(served) -> None:
 async def test_stream_error_after_200_is_in_band(served) -> None:
     _, _, connect = served
     reader, writer = await connect()
-    writer.write(_post("/broken", b""))
-    status, _, body = await _response(reader)
+    writer.write(post_request("/broken", b""))
+    status, _, body = await read_response(reader)
     assert status == 200
     assert body.startswith(b"data: 1\n\ndata: {\"error\"") and body.endswith(DONE)
     assert b"ServiceUnavailableError" in body
@@ -211,7 +143,7 @@ async def test_stream_error_after_200_is_in_band(served) -> None:
 async def test_disconnect_mid_stream_closes_the_iterator(served) -> None:
     app, _, connect = served
     reader, writer = await connect()
-    writer.write(_post("/forever", b""))
+    writer.write(post_request("/forever", b""))
     await reader.readexactly(1000)
     writer.transport.abort()
     await asyncio.wait_for(app.closed.wait(), 5)
@@ -220,7 +152,7 @@ async def test_disconnect_mid_stream_closes_the_iterator(served) -> None:
 async def test_disconnect_while_waiting_cancels_the_handler(served) -> None:
     app, _, connect = served
     _, writer = await connect()
-    writer.write(_post("/slow", b""))
+    writer.write(post_request("/slow", b""))
     while not app.seen:
         await asyncio.sleep(0.01)
     writer.close()
@@ -231,7 +163,7 @@ async def test_slow_reader_pauses_the_stream(served) -> None:
     app, _, connect = served
     reader, writer = await connect()
     writer.transport.pause_reading()
-    writer.write(_post("/forever", b""))
+    writer.write(post_request("/forever", b""))
     # The socket buffers fill first (how fast depends on the machine's load): wait until the
     # stream stops producing (unchanged over three looks, so that a loaded machine's pause is
     # not taken for it), then check that it stays stopped.
@@ -261,11 +193,11 @@ async def test_stop_lets_a_stream_in_flight_finish(served) -> None:
     app.events = [b"data: 1\n\n", b"data: 2\n\n" + DONE]
     reader, writer = await connect()
     idle_reader, _ = await connect()
-    writer.write(_post("/stream", b""))
+    writer.write(post_request("/stream", b""))
     while not app.seen:
         await asyncio.sleep(0.001)
     server.stop()
-    status, _, body = await _response(reader)
+    status, _, body = await read_response(reader)
     assert status == 200 and body.endswith(DONE)
     assert await idle_reader.read() == b""  # idle connections are closed at once
 
@@ -283,20 +215,20 @@ async def test_http10_stream_is_not_chunked_and_ends_with_the_connection(served)
 async def test_head_gets_headers_without_the_body(served) -> None:
     _, _, connect = served
     reader, writer = await connect()
-    writer.write(b"HEAD /echo HTTP/1.1\r\nhost: x\r\n\r\n" + _post("/echo", b"next"))
+    writer.write(b"HEAD /echo HTTP/1.1\r\nhost: x\r\n\r\n" + post_request("/echo", b"next"))
     head = await reader.readuntil(b"\r\n\r\n")
     assert re.fullmatch(
         rb"HTTP/1.1 200 OK\r\ndate: [^\r]+\r\ncontent-type: text/plain\r\ncontent-length: 11\r\n\r\n",
         head)  # the length of "HEAD /echo ", and no body
-    assert (await _response(reader))[2] == b"POST /echo next"
+    assert (await read_response(reader))[2] == b"POST /echo next"
 
 
 async def test_every_response_carries_the_current_date(served) -> None:
     _, _, connect = served
     reader, writer = await connect()
-    for request in (_post("/echo", b""), _post("/stream", b"{}")):
+    for request in (post_request("/echo", b""), post_request("/stream", b"{}")):
         writer.write(request)
-        _, headers, _ = await _response(reader)
+        _, headers, _ = await read_response(reader)
         sent = email.utils.parsedate_to_datetime(headers["date"])
         assert sent.tzinfo is not None
         assert abs(sent.timestamp() - time.time()) < 5
@@ -311,10 +243,10 @@ async def test_a_request_stalled_half_way_gets_408_then_close() -> None:
     task = asyncio.create_task(server.serve(sock))
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
-        writer.write(_post("/echo", b"ab") + _post("/echo", b"0123456789")[:-4])
-        status, _, body = await asyncio.wait_for(_response(reader), 5)
+        writer.write(post_request("/echo", b"ab") + post_request("/echo", b"0123456789")[:-4])
+        status, _, body = await asyncio.wait_for(read_response(reader), 5)
         assert (status, body) == (200, b"POST /echo ab")  # the complete one is served
-        status, headers, body = await asyncio.wait_for(_response(reader), 5)
+        status, headers, body = await asyncio.wait_for(read_response(reader), 5)
         assert status == 408 and headers["connection"] == "close"
         assert b"inactivity" in body
         assert await asyncio.wait_for(reader.read(), 5) == b""
@@ -328,9 +260,9 @@ async def test_a_request_stalled_half_way_gets_408_then_close() -> None:
 async def test_stop_answers_a_half_received_request_with_503(served) -> None:
     _, server, connect = served
     reader, writer = await connect()
-    writer.write(_post("/echo", b"0123456789")[:-4])
+    writer.write(post_request("/echo", b"0123456789")[:-4])
     await asyncio.sleep(0.05)
     server.stop()
-    status, headers, body = await asyncio.wait_for(_response(reader), 5)
+    status, headers, body = await asyncio.wait_for(read_response(reader), 5)
     assert status == 503 and headers["connection"] == "close"
     assert b"shutting down" in body
