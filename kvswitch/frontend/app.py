@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, NotFound
+from kvswitch.frontend.chat_output import ParserSettings
 from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.http_server import HttpRequest, Reply, StreamReply
 from kvswitch.frontend.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
@@ -40,6 +41,8 @@ class FrontendSettings:
     tokenizer_dir: str | None = None
     user_as_fairness_id: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
 
 Handler = Callable[[Any, Mapping[str, str]], Awaitable[Any]]
@@ -67,8 +70,9 @@ class Frontend:
                                     tokenizer_dir=settings.tokenizer_dir)
         self.metrics = FrontendMetrics()
         fairness = settings.user_as_fairness_id
+        parsers = ParserSettings(settings.tool_call_parser, settings.reasoning_parser)
         chat = ChatServing(self._client, self.models, user_as_fairness_id=fairness,
-                           metrics=self.metrics)
+                           metrics=self.metrics, parsers=parsers)
         completions = CompletionServing(self._client, self.models, user_as_fairness_id=fairness,
                                         metrics=self.metrics)
         embeddings = EmbeddingServing(self._client, self.models, user_as_fairness_id=fairness)

@@ -8,6 +8,7 @@ Responses are plain dicts built in the serving modules, serialised with orjson.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,6 +20,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "EmbeddingRequest",
+    "NamedToolChoice",
     "ResponseFormat",
     "StreamOptions",
     "parse_request",
@@ -70,6 +72,18 @@ class ToolCall(_Strict):
     type: Literal["function"] = "function"
     function: FunctionCall
 
+    def for_template(self) -> dict[str, Any]:
+        """As vLLM hands it to templates: arguments sent as a JSON string become an object
+        (templates write `arguments | tojson`)."""
+        call = self.model_dump(exclude_none=True)
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                call["function"]["arguments"] = json.loads(arguments)
+            except ValueError:
+                pass  # not JSON: the template gets the text
+        return call
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -88,7 +102,7 @@ class ChatMessage(_Strict):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.reasoning_content is not None:
@@ -106,6 +120,15 @@ class FunctionDefinition(_Strict):
 class Tool(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -164,8 +187,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM extensions
+    include_reasoning: bool = True
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -182,6 +207,30 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be "
                              "true")
         return self
+
+    def check(self) -> None:
+        """Checks across fields that name the field at fault (`parse_request` runs them)."""
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and not self.tools:
+            raise InvalidRequest("tool_choice `required` or a named function needs `tools`",
+                                 param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            raise InvalidRequest(f"tool_choice names the function "
+                                 f"'{self.tool_choice.function.name}', which is not in tools",
+                                 param="tool_choice")
+
+    @property
+    def parses_tools(self) -> bool:
+        """The output may hold tool calls to parse (tools given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice forces."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -248,7 +297,7 @@ def parse_request(model: type[_Model], body: Any) -> _Model:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         # Union branches add type tags ("str", "list[int]", "function-after[...]") to the path.
@@ -262,3 +311,7 @@ def parse_request(model: type[_Model], body: Any) -> _Model:
         else:
             message = f"Invalid value for '{param}': {error['msg']}" if param else error["msg"]
         raise InvalidRequest(message, param=param) from None
+    check = getattr(request, "check", None)
+    if check is not None:
+        check()
+    return request

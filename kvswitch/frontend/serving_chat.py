@@ -14,10 +14,12 @@ from typing import Any
 import orjson
 
 from kvswitch.errors import InvalidRequest
+from kvswitch.frontend.chat_output import ChatOutputPlan, ParserSettings, plan_chat_output
 from kvswitch.frontend.context import RequestContext, new_request_context
 from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
 from kvswitch.frontend.metrics import FrontendMetrics
+from kvswitch.frontend.parsing import ChoiceOutput, ParsedDelta
 from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
@@ -56,8 +58,10 @@ def chat_logprobs(model: ServedModel, lp: TokenLogprobs) -> dict[str, Any]:
 class ChatServing:
     def __init__(self, client: EngineClient, models: ModelRegistry, *,
                  user_as_fairness_id: bool = False,
-                 metrics: FrontendMetrics | None = None) -> None:
+                 metrics: FrontendMetrics | None = None,
+                 parsers: ParserSettings | None = None) -> None:
         self._client = client
+        self._parsers = parsers or ParserSettings()
         self._metrics = metrics
         self._models = models
         self._user_as_fairness_id = user_as_fairness_id
@@ -76,14 +80,21 @@ class ChatServing:
         params = build_sampling_params(request, max_tokens=max_tokens,
                                        vocab_size=model.vocab_size,
                                        defaults=model.sampling_defaults)
+        plan = plan_chat_output(request, self._parsers, model.tokenizer.chat_template)
+        if plan.forced_schema is not None:
+            if params.WhichOneof("constraint") is not None:
+                raise InvalidRequest("tool_choice `required` or a named function cannot be "
+                                     "combined with another structured-output constraint",
+                                     param="tool_choice")
+            params.json_schema = orjson.dumps(plan.forced_schema).decode()
         grpc_request = pb.GenerateRequest(
             request_id=ctx.request_id, tokenized=pb.TokenizedInput(input_ids=prompt_ids),
             sampling_params=params, stream=bool(request.stream))
         generation = Generation(self._client, model, [grpc_request], ctx.metadata, n=request.n)
         if request.stream:
             deltas = await prime(generation.deltas())
-            return self._stream(deltas, generation, request, model, ctx)
-        return await self._full(generation, request, model, ctx)
+            return self._stream(deltas, generation, request, model, ctx, plan)
+        return await self._full(generation, request, model, ctx, plan)
 
     @staticmethod
     async def _prompt_ids(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
@@ -106,7 +117,8 @@ class ChatServing:
                                      add_special_tokens=request.add_special_tokens)
 
     async def _full(self, generation: Generation, request: ChatCompletionRequest,
-                    model: ServedModel, ctx: RequestContext) -> dict[str, Any]:
+                    model: ServedModel, ctx: RequestContext, plan: ChatOutputPlan
+                    ) -> dict[str, Any]:
         texts: dict[int, list[str]] = {i: [] for i in range(request.n)}
         finals: dict[int, ChoiceDelta] = {}
         logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(request.n)}
@@ -119,12 +131,21 @@ class ChatServing:
         choices = []
         for index in range(request.n):
             final = finals.get(index)
+            reason = final.finish_reason if final else "abort"
+            text = "".join(texts[index])
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None,
+                                       "tool_calls": []}
+            if plan.new_choice is not None:
+                output = plan.new_choice()
+                parsed = output.feed(text)
+                parsed.extend(output.finish())
+                message.update(_message_fields(parsed, plan))
+                reason = _finish_reason(reason, output, plan)
             choices.append({
                 "index": index,
-                "message": {"role": "assistant", "content": "".join(texts[index]),
-                            "refusal": None, "tool_calls": []},
+                "message": message,
                 "logprobs": {"content": logprobs[index]} if request.logprobs else None,
-                "finish_reason": final.finish_reason if final else "abort",
+                "finish_reason": reason,
                 "stop_reason": final.stop_reason if final else None,
             })
         self._record(generation)
@@ -134,7 +155,7 @@ class ChatServing:
 
     def _stream(self, deltas: AsyncIterator[ChoiceDelta], generation: Generation,
                 request: ChatCompletionRequest, model: ServedModel,
-                ctx: RequestContext) -> AsyncIterator[bytes]:
+                ctx: RequestContext, plan: ChatOutputPlan) -> AsyncIterator[bytes]:
         head = orjson.dumps({"id": ctx.request_id, "object": "chat.completion.chunk",
                              "created": ctx.created, "model": model.name})
         start = chunk_start(head)
@@ -144,13 +165,28 @@ class ChatServing:
                                               "logprobs": None, "finish_reason": None})
                         + CHUNK_END for index in range(request.n))
         want_logprobs = bool(request.logprobs)
+        new_choice = plan.new_choice
+        outputs: dict[int, ChoiceOutput] = {}
 
-        def choice_of(delta: ChoiceDelta) -> dict[str, Any]:
-            return {"index": delta.index,
-                    "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": chat_logprobs(model, delta.logprobs)
-                    if want_logprobs and delta.logprobs is not None else None,
-                    "finish_reason": delta.finish_reason}
+        def choice_of(delta: ChoiceDelta) -> dict[str, Any] | None:
+            lp = (chat_logprobs(model, delta.logprobs)
+                  if want_logprobs and delta.logprobs is not None else None)
+            reason = delta.finish_reason
+            if new_choice is None:
+                body = {"content": delta.text} if delta.text else {}
+            else:
+                output = outputs.get(delta.index)
+                if output is None:
+                    output = outputs[delta.index] = new_choice()
+                parsed = output.feed(delta.text)
+                if reason is not None:
+                    parsed.extend(output.finish())
+                    reason = _finish_reason(reason, output, plan)
+                body = parsed.as_stream_dict()
+                if not body and reason is None and lp is None:
+                    return None  # held back (a marker may be arriving): nothing to send yet
+            return {"index": delta.index, "delta": body, "logprobs": lp,
+                    "finish_reason": reason}
 
         return choice_events(deltas, generation, head, lead, choice_of, request.include_usage,
                              self._record)
@@ -158,3 +194,24 @@ class ChatServing:
     def _record(self, generation: Generation) -> None:
         if self._metrics is not None:
             self._metrics.usage(generation.usage)
+
+
+def _message_fields(parsed: ParsedDelta, plan: ChatOutputPlan) -> dict[str, Any]:
+    """A parsed choice's message fields: content (None when empty), tool calls, reasoning."""
+    calls: dict[int, dict[str, Any]] = {}
+    for piece in parsed.calls:
+        call = calls.get(piece.index)
+        if call is None:
+            call = calls[piece.index] = {"id": piece.id, "type": "function",
+                                         "function": {"name": piece.name, "arguments": ""}}
+        call["function"]["arguments"] += piece.arguments
+    fields: dict[str, Any] = {"content": parsed.content or None,
+                              "tool_calls": [calls[i] for i in sorted(calls)]}
+    if plan.reasoning:
+        fields["reasoning_content"] = parsed.reasoning or None
+    return fields
+
+
+def _finish_reason(reason: str, output: ChoiceOutput, plan: ChatOutputPlan) -> str:
+    return "tool_calls" if output.tool_calls and plan.tool_calls_finish and reason == "stop" \
+        else reason
