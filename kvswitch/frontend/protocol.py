@@ -23,6 +23,7 @@ __all__ = [
     "NamedToolChoice",
     "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputs",
     "parse_request",
 ]
 
@@ -55,6 +56,22 @@ class ResponseFormat(_Strict):
                                            self.json_schema.schema_ is None):
             raise ValueError("response_format of type json_schema needs json_schema.schema")
         return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # Backend tuning vLLM accepts; the engine API has no field for them.
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 class TextPart(_Strict):
@@ -152,6 +169,11 @@ class _SamplingFields(_Strict):
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
