@@ -25,6 +25,7 @@ from kvswitch.frontend.serving_chat import ChatServing
 from kvswitch.frontend.serving_completions import CompletionServing
 from kvswitch.frontend.serving_embeddings import EmbeddingServing
 from kvswitch.frontend.serving_models import ModelRegistry
+from kvswitch.frontend.serving_tokenize import TokenizeServing
 from kvswitch.frontend.sse import error_reply, sse_reply
 
 __all__ = ["Frontend", "FrontendSettings", "build_app"]
@@ -76,10 +77,13 @@ class Frontend:
         completions = CompletionServing(self._client, self.models, user_as_fairness_id=fairness,
                                         metrics=self.metrics)
         embeddings = EmbeddingServing(self._client, self.models, user_as_fairness_id=fairness)
+        tokenize = TokenizeServing(self.models)
         self._routes: dict[tuple[str, str], Route] = {
             ("POST", "/v1/chat/completions"): self._endpoint("chat", chat.create),
             ("POST", "/v1/completions"): self._endpoint("completions", completions.create),
             ("POST", "/v1/embeddings"): self._endpoint("embeddings", embeddings.create),
+            ("POST", "/tokenize"): self._endpoint("tokenize", tokenize.tokenize),
+            ("POST", "/detokenize"): self._endpoint("detokenize", tokenize.detokenize),
             ("GET", "/v1/models"): self._list_models,
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._prometheus,

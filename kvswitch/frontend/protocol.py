@@ -1,14 +1,16 @@
 """OpenAI request models (with vLLM's extensions), validated strictly.
 
-Every model forbids unknown fields: a field kvswitch does not implement is refused with a 400
-that names it, never silently dropped (a client asking for `logprobs` or `suffix` must learn it
-will not get them). `parse_request` turns pydantic's errors into `InvalidRequest(param=...)`.
+Unknown top-level fields are accepted and ignored, as vLLM does (each name is logged once per
+process); inside a request (messages, tools, formats) every model forbids unknown fields. A
+field kvswitch knows but cannot honour (`suffix`, `best_of` > 1, `dimensions`) is refused with
+a 400 that names it. `parse_request` turns pydantic's errors into `InvalidRequest(param=...)`.
 Responses are plain dicts built in the serving modules, serialised with orjson.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -21,17 +23,26 @@ __all__ = [
     "CompletionRequest",
     "EmbeddingRequest",
     "NamedToolChoice",
+    "RequestBody",
     "ResponseFormat",
     "StreamOptions",
     "StructuredOutputs",
     "parse_request",
 ]
 
+logger = logging.getLogger(__name__)
+
 _INT32 = 2**31 - 1
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, protected_namespaces=())
+
+
+class RequestBody(BaseModel):
+    """A request body: unknown fields are kept aside (`model_extra`) and ignored."""
+
+    model_config = ConfigDict(extra="allow", frozen=False, protected_namespaces=())
 
 
 class StreamOptions(_Strict):
@@ -152,7 +163,7 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(RequestBody):
     """Fields shared by chat and completions (OpenAI's and vLLM's extra sampling params)."""
 
     model: str | None = None
@@ -269,6 +280,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: Literal[1] | None = None
+    suffix: None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -291,7 +303,7 @@ class CompletionRequest(_SamplingFields):
         return self.max_tokens
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -308,6 +320,18 @@ class EmbeddingRequest(_Strict):
         if value and isinstance(value[0], int):
             return [value]  # type: ignore[list-item]
         return list(value)  # type: ignore[arg-type]
+
+
+_LOGGED_IGNORED: set[str] = set()
+_MAX_LOGGED_IGNORED = 256
+
+
+def _log_ignored(extra: dict[str, Any]) -> None:
+    new = [name for name in extra if name not in _LOGGED_IGNORED]
+    if new and len(_LOGGED_IGNORED) < _MAX_LOGGED_IGNORED:
+        _LOGGED_IGNORED.update(new)
+        logger.warning("request fields ignored (kvswitch, like vLLM, accepts unknown "
+                       "fields): %s", ", ".join(sorted(new)))
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal"})
@@ -333,6 +357,8 @@ def parse_request(model: type[_Model], body: Any) -> _Model:
         else:
             message = f"Invalid value for '{param}': {error['msg']}" if param else error["msg"]
         raise InvalidRequest(message, param=param) from None
+    if request.model_extra:
+        _log_ignored(request.model_extra)
     check = getattr(request, "check", None)
     if check is not None:
         check()

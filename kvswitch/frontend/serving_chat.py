@@ -8,7 +8,7 @@ choices, then `data: [DONE]`. Each event is a pre-built prefix + one orjson-enco
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -20,7 +20,7 @@ from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
 from kvswitch.frontend.metrics import FrontendMetrics
 from kvswitch.frontend.parsing import ChoiceOutput, ParsedDelta
-from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
+from kvswitch.frontend.protocol import ChatCompletionRequest, ChatMessage, Tool, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
 from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
@@ -28,7 +28,7 @@ from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.chat_template import ChatTemplate
 from kvswitch.tokenization.offload import encode_off_loop
 
-__all__ = ["ChatServing", "chat_logprobs", "token_bytes"]
+__all__ = ["ChatServing", "chat_logprobs", "render_chat_prompt", "token_bytes"]
 
 
 def token_bytes(model: ServedModel, token_id: int) -> bytes:
@@ -53,6 +53,26 @@ def chat_logprobs(model: ServedModel, lp: TokenLogprobs) -> dict[str, Any]:
         entry["top_logprobs"] = [_token_entry(model, t, v) for t, v in top]
         content.append(entry)
     return {"content": content}
+
+
+def render_chat_prompt(model: ServedModel, messages: Sequence[ChatMessage], *,
+                       chat_template: str | None, tools: Sequence[Tool] | None,
+                       add_generation_prompt: bool, continue_final_message: bool,
+                       chat_template_kwargs: Mapping[str, Any] | None,
+                       documents: Sequence[Mapping[str, str]] | None = None) -> str:
+    """The prompt text of a chat request (the request's template, else the model's)."""
+    if chat_template is not None:
+        template = ChatTemplate.from_bundle(model.tokenizer, chat_template)
+    elif model.chat_template is not None:
+        template = model.chat_template
+    else:
+        raise InvalidRequest("the model's tokenizer has no chat template; pass chat_template",
+                             param="chat_template")
+    return template.render(
+        [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt,
+        tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+        documents=documents, continue_final_message=continue_final_message,
+        extra=chat_template_kwargs)
 
 
 class ChatServing:
@@ -98,21 +118,12 @@ class ChatServing:
 
     @staticmethod
     async def _prompt_ids(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
-        if request.chat_template is not None:
-            template = ChatTemplate.from_bundle(model.tokenizer, request.chat_template)
-        elif model.chat_template is not None:
-            template = model.chat_template
-        else:
-            raise InvalidRequest("the model's tokenizer has no chat template; pass chat_template",
-                                 param="chat_template")
-        text = template.render(
-            [m.for_template() for m in request.messages],
-            add_generation_prompt=request.add_generation_prompt,
-            tools=[t.model_dump(exclude_none=True) for t in request.tools]
-            if request.tools and request.tool_choice != "none" else None,
-            documents=request.documents,
+        text = render_chat_prompt(
+            model, request.messages, chat_template=request.chat_template,
+            tools=request.tools if request.tool_choice != "none" else None,
+            documents=request.documents, add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            extra=request.chat_template_kwargs)
+            chat_template_kwargs=request.chat_template_kwargs)
         return await encode_off_loop(model.tokenizer, text,
                                      add_special_tokens=request.add_special_tokens)
 
