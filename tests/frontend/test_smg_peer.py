@@ -1,0 +1,158 @@
+"""kvswitch's frontend against SMG on identical engine output: tool_calls and reasoning agree.
+
+One echo engine serves both gateways; both render chat with `ECHO_TEMPLATE` (SMG through
+`--chat-template`), so each user message is what the model "says". SMG runs with
+`--tool-call-parser qwen --reasoning-parser qwen3`, kvswitch with `hermes` / `qwen3`. Compared:
+content, reasoning_content, tool call names and arguments (as JSON values: SMG re-serialises
+them compactly, kvswitch keeps the model's text), finish_reason; streamed answers are
+accumulated first. The engine runs near real time: SMG's streamed parsing loses text when many
+tokens arrive in one message.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.frontend.conftest import ECHO_TEMPLATE, echo_template_tokenizer
+from tests.support.processes import free_port, kvswitch_argv, running
+
+SMG = Path(sys.executable).parent / "smg"
+pytestmark = pytest.mark.skipif(not SMG.exists() and shutil.which("smg") is None,
+                                reason="smg is not installed (the bench extra)")
+
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}}}},
+]
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln", "n": [1, 2]}}\n' \
+          '</tool_call>'
+TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+SAYS = {
+    "reasoning": "<think>Two and two.</think>It is 4.",
+    "reasoning_unclosed": "<think>Still thinking about it",
+    "no_opening_tag": "Some words</think>then more.",
+    "plain": "Just an answer, with <b>markup</b>.",
+    "call": WEATHER,
+    "content_then_call": f"Let me look that up.\n{WEATHER}",
+    "reasoning_then_call": f"<think>Needs the weather.</think>\n\n{WEATHER}",
+    "two_calls": f"{WEATHER}\n{TIME}",
+    "broken_call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>',
+}
+# Where SMG's streamed answer differs from its own non-streamed one (its streaming parser):
+# the second call of a stream comes out as content; text just before a call loses its last
+# token, and whitespace between reasoning and a call becomes content.
+SMG_STREAM_CALLS_DIFFER = {"two_calls"}
+SMG_STREAM_CONTENT_DIFFERS = {"two_calls", "content_then_call", "reasoning_then_call"}
+# A stream commits to a call once its name is out, before the block turns out broken (both
+# gateways): only the non-streamed answers are compared.
+STREAM_COMMITS_EARLY = {"broken_call"}
+
+def _wait(url: str) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} never answered")
+
+
+@pytest.fixture(scope="module")
+def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    logs = tmp_path_factory.mktemp("smg-peer")
+    tokenizer = echo_template_tokenizer(logs / "tokenizer")
+    (logs / "echo.jinja").write_text(ECHO_TEMPLATE)
+    engine, frontend, smg = free_port(), free_port(), free_port()
+    smg_binary = str(SMG) if SMG.exists() else str(shutil.which("smg"))
+    with running(kvswitch_argv("engine", "--port", str(engine), "--mode", "echo", "--profile",
+                               "tiny", "--time-scale", "0.5", "--log-level", "WARNING"),
+                 engine, logs / "engine.log", timeout=60), \
+        running(kvswitch_argv("frontend", "--target", f"127.0.0.1:{engine}", "--port",
+                              str(frontend), "--tokenizer", str(tokenizer),
+                              "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                              "--log-level", "warning"),
+                frontend, logs / "frontend.log", timeout=60), \
+        running([smg_binary, "launch", "--host", "127.0.0.1", "--port", str(smg),
+                 "--prometheus-port", str(free_port()), "--log-level", "warn",
+                 "--worker-urls", f"grpc://127.0.0.1:{engine}",
+                 "--chat-template", str(logs / "echo.jinja"),
+                 "--tool-call-parser", "qwen", "--reasoning-parser", "qwen3"],
+                smg, logs / "smg.log", timeout=90):
+        urls = {"kvswitch": f"http://127.0.0.1:{frontend}", "smg": f"http://127.0.0.1:{smg}"}
+        for url in urls.values():
+            _wait(url + "/v1/models")
+        yield urls
+
+
+def _ask(url: str, says: str, stream: bool) -> dict[str, Any]:
+    """The parsed answer: content, reasoning, calls as (name, JSON value), finish_reason."""
+    body = {"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": says}],
+            "tools": TOOLS, "stream": stream}
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    if not stream:
+        choice = reply.json()["choices"][0]
+        message = choice["message"]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]),
+                  c["id"].startswith("call_")) for c in message.get("tool_calls") or []]
+        return {"content": message.get("content") or None,
+                "reasoning": message.get("reasoning_content") or None,
+                "calls": calls, "finish": choice["finish_reason"]}
+    content, reasoning, finish = "", "", None
+    pieces: dict[int, list[Any]] = {}
+    for line in reply.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        for choice in chunk.get("choices") or ():
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            reasoning += delta.get("reasoning_content") or ""
+            for call in delta.get("tool_calls") or ():
+                entry = pieces.setdefault(call["index"], ["", "", False])
+                entry[0] += call["function"].get("name") or ""
+                entry[1] += call["function"].get("arguments") or ""
+                entry[2] = entry[2] or str(call.get("id", "")).startswith("call_")
+            finish = choice.get("finish_reason") or finish
+    calls = [(name, json.loads(args), has_id) for name, args, has_id in
+             (pieces[i] for i in sorted(pieces))]
+    return {"content": content or None, "reasoning": reasoning or None, "calls": calls,
+            "finish": finish}
+
+
+@pytest.mark.parametrize("case", sorted(SAYS))
+def test_kvswitch_and_smg_agree(gateways: dict[str, str], case: str) -> None:
+    says = SAYS[case]
+    ours = _ask(gateways["kvswitch"], says, stream=False)
+    assert ours == _ask(gateways["smg"], says, stream=False)
+    if case in STREAM_COMMITS_EARLY:
+        return
+    assert _ask(gateways["kvswitch"], says, stream=True) == ours
+    theirs = _ask(gateways["smg"], says, stream=True)
+    assert theirs["reasoning"] == ours["reasoning"]
+    if case not in SMG_STREAM_CALLS_DIFFER:
+        assert (theirs["calls"], theirs["finish"]) == (ours["calls"], ours["finish"])
+    if case not in SMG_STREAM_CONTENT_DIFFERS:
+        assert theirs["content"] == ours["content"]
+
+
+def test_the_cases_exercise_both_parsers(gateways: dict[str, str]) -> None:
+    answers = {case: _ask(gateways["kvswitch"], SAYS[case], stream=False) for case in
+               ("reasoning_then_call", "two_calls", "no_opening_tag")}
+    assert answers["reasoning_then_call"]["reasoning"] == "Needs the weather."
+    assert answers["reasoning_then_call"]["finish"] == "tool_calls"
+    assert [name for name, _, _ in answers["two_calls"]["calls"]] == ["get_weather", "get_time"]
+    assert answers["no_opening_tag"]["content"] == SAYS["no_opening_tag"]
