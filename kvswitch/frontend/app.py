@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,11 @@ from kvswitch.frontend.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvswitch.frontend.serving_chat import ChatServing
 from kvswitch.frontend.serving_completions import CompletionServing
 from kvswitch.frontend.serving_embeddings import EmbeddingServing
+from kvswitch.frontend.serving_messages import (
+    MessagesServing,
+    anthropic_error_reply,
+    anthropic_stream_reply,
+)
 from kvswitch.frontend.serving_models import ModelRegistry
 from kvswitch.frontend.serving_tokenize import TokenizeServing
 from kvswitch.frontend.sse import error_reply, sse_reply
@@ -78,10 +83,14 @@ class Frontend:
                                         metrics=self.metrics)
         embeddings = EmbeddingServing(self._client, self.models, user_as_fairness_id=fairness)
         tokenize = TokenizeServing(self.models)
+        messages = MessagesServing(chat)
         self._routes: dict[tuple[str, str], Route] = {
             ("POST", "/v1/chat/completions"): self._endpoint("chat", chat.create),
             ("POST", "/v1/completions"): self._endpoint("completions", completions.create),
             ("POST", "/v1/embeddings"): self._endpoint("embeddings", embeddings.create),
+            ("POST", "/v1/messages"): self._endpoint("messages", messages.create,
+                                                     anthropic_error_reply,
+                                                     anthropic_stream_reply),
             ("POST", "/tokenize"): self._endpoint("tokenize", tokenize.tokenize),
             ("POST", "/detokenize"): self._endpoint("detokenize", tokenize.detokenize),
             ("GET", "/v1/models"): self._list_models,
@@ -116,7 +125,11 @@ class Frontend:
             return Reply(405, b"Method Not Allowed", b"text/plain; charset=utf-8")
         return error_reply(NotFound(f"no route for {request.method} {request.path}"))
 
-    def _endpoint(self, name: str, handler: Handler) -> Route:
+    def _endpoint(self, name: str, handler: Handler,
+                  errors: Callable[[KvswitchError], Reply] = error_reply,
+                  stream: Callable[[AsyncIterator[bytes]], StreamReply] = sse_reply) -> Route:
+        """A route calling `handler`; `errors` and `stream` shape its error bodies and
+        streams (OpenAI's by default)."""
         metrics = self.metrics
 
         async def route(request: HttpRequest) -> Reply | StreamReply:
@@ -126,20 +139,20 @@ class Frontend:
                 result = await handler(_decode(request), request.headers)
             except KvswitchError as error:
                 status = error.http_status
-                return error_reply(error)
+                return errors(error)
             except asyncio.CancelledError:
                 status = 499
                 raise
             except Exception as exc:
                 logger.exception("%s failed", name)
                 status = 500
-                return error_reply(InternalError(f"internal error: {exc}"))
+                return errors(InternalError(f"internal error: {exc}"))
             finally:
                 metrics.request(name, status, time.monotonic() - started)
             if isinstance(result, dict):
                 return _json(result)
             metrics.first_token(time.monotonic() - started)
-            return sse_reply(result)
+            return stream(result)
         return route
 
     async def _list_models(self, request: HttpRequest) -> Reply:

@@ -9,6 +9,7 @@ choices, then `data: [DONE]`. Each event is a pre-built prefix + one orjson-enco
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,7 +29,7 @@ from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.chat_template import ChatTemplate
 from kvswitch.tokenization.offload import encode_off_loop
 
-__all__ = ["ChatServing", "chat_logprobs", "render_chat_prompt", "token_bytes"]
+__all__ = ["ChatRun", "ChatServing", "chat_logprobs", "render_chat_prompt", "token_bytes"]
 
 
 def token_bytes(model: ServedModel, token_id: int) -> bytes:
@@ -75,6 +76,17 @@ def render_chat_prompt(model: ServedModel, messages: Sequence[ChatMessage], *,
         extra=chat_template_kwargs)
 
 
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request ready to run: its model, identity, output parsing and Generate call."""
+
+    request: ChatCompletionRequest
+    model: ServedModel
+    ctx: RequestContext
+    plan: ChatOutputPlan
+    generation: Generation
+
+
 class ChatServing:
     def __init__(self, client: EngineClient, models: ModelRegistry, *,
                  user_as_fairness_id: bool = False,
@@ -90,8 +102,17 @@ class ChatServing:
                      ) -> dict[str, Any] | AsyncIterator[bytes]:
         """A response body (dict) or, for stream=true, the SSE events."""
         request = parse_request(ChatCompletionRequest, body)
+        run = await self.start(request, headers)
+        if request.stream:
+            deltas = await prime(run.generation.deltas())
+            return self._stream(deltas, run.generation, request, run.model, run.ctx, run.plan)
+        return await self.full(run)
+
+    async def start(self, request: ChatCompletionRequest, headers: Mapping[str, str], *,
+                    prefix: str = "chatcmpl") -> ChatRun:
+        """Render, tokenize and set up the Generate call (not started yet) of a request."""
         model = await self._models.resolve(request.model)
-        ctx = new_request_context(headers, prefix="chatcmpl", user=request.user,
+        ctx = new_request_context(headers, prefix=prefix, user=request.user,
                                   user_as_fairness_id=self._user_as_fairness_id,
                                   body_request_id=request.request_id, model=model.name)
         prompt_ids = await self._prompt_ids(request, model)
@@ -111,10 +132,7 @@ class ChatServing:
             request_id=ctx.request_id, tokenized=pb.TokenizedInput(input_ids=prompt_ids),
             sampling_params=params, stream=bool(request.stream))
         generation = Generation(self._client, model, [grpc_request], ctx.metadata, n=request.n)
-        if request.stream:
-            deltas = await prime(generation.deltas())
-            return self._stream(deltas, generation, request, model, ctx, plan)
-        return await self._full(generation, request, model, ctx, plan)
+        return ChatRun(request, model, ctx, plan, generation)
 
     @staticmethod
     async def _prompt_ids(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
@@ -127,9 +145,10 @@ class ChatServing:
         return await encode_off_loop(model.tokenizer, text,
                                      add_special_tokens=request.add_special_tokens)
 
-    async def _full(self, generation: Generation, request: ChatCompletionRequest,
-                    model: ServedModel, ctx: RequestContext, plan: ChatOutputPlan
-                    ) -> dict[str, Any]:
+    async def full(self, run: ChatRun) -> dict[str, Any]:
+        """The whole chat.completion response of a started request."""
+        generation, request, model, ctx, plan = (run.generation, run.request, run.model,
+                                                 run.ctx, run.plan)
         texts: dict[int, list[str]] = {i: [] for i in range(request.n)}
         finals: dict[int, ChoiceDelta] = {}
         logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(request.n)}
@@ -151,7 +170,7 @@ class ChatServing:
                 parsed = output.feed(text)
                 parsed.extend(output.finish())
                 message.update(_message_fields(parsed, plan))
-                reason = _finish_reason(reason, output, plan)
+                reason = finish_reason_of(reason, output, plan)
             choices.append({
                 "index": index,
                 "message": message,
@@ -159,7 +178,7 @@ class ChatServing:
                 "finish_reason": reason,
                 "stop_reason": final.stop_reason if final else None,
             })
-        self._record(generation)
+        self.record(generation)
         return {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created,
                 "model": model.name, "choices": choices,
                 "usage": generation.usage.as_dict(), "system_fingerprint": None}
@@ -192,7 +211,7 @@ class ChatServing:
                 parsed = output.feed(delta.text)
                 if reason is not None:
                     parsed.extend(output.finish())
-                    reason = _finish_reason(reason, output, plan)
+                    reason = finish_reason_of(reason, output, plan)
                 body = parsed.as_stream_dict()
                 if not body and reason is None and lp is None:
                     return None  # held back (a marker may be arriving): nothing to send yet
@@ -200,9 +219,10 @@ class ChatServing:
                     "finish_reason": reason}
 
         return choice_events(deltas, generation, head, lead, choice_of, request.include_usage,
-                             self._record)
+                             self.record)
 
-    def _record(self, generation: Generation) -> None:
+    def record(self, generation: Generation) -> None:
+        """Count a finished generation's usage in the metrics."""
         if self._metrics is not None:
             self._metrics.usage(generation.usage)
 
@@ -223,6 +243,6 @@ def _message_fields(parsed: ParsedDelta, plan: ChatOutputPlan) -> dict[str, Any]
     return fields
 
 
-def _finish_reason(reason: str, output: ChoiceOutput, plan: ChatOutputPlan) -> str:
+def finish_reason_of(reason: str, output: ChoiceOutput, plan: ChatOutputPlan) -> str:
     return "tool_calls" if output.tool_calls and plan.tool_calls_finish and reason == "stop" \
         else reason
