@@ -13,7 +13,7 @@ it, then eos; the text is built once per constraint (`StructuredOutput.token_ids
   `minimum` / `maximum` (exclusive too). Other keywords are ignored.
 - `json_object`: `{}`.
 `grammar` and `structural_tag` are refused (INVALID_ARGUMENT), as is anything that does not
-parse or whose text exceeds `MAX_TEXT_CHARS`.
+parse, whose text exceeds `MAX_TEXT_CHARS`, or whose JSON instance exceeds 4,096 values.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = ["MAX_TEXT_CHARS", "StructuredOutput", "constrained_text", "force_outp
 
 MAX_TEXT_CHARS = 16_384
 _MAX_DEPTH = 32
+_MAX_NODES = 4096
 _CACHE_SIZE = 256
 _FORMATS = {"date-time": "2024-01-01T00:00:00Z", "date": "2024-01-01", "time": "00:00:00",
             "email": "user@example.com", "uri": "https://example.com/", "hostname": "example.com",
@@ -94,6 +95,7 @@ def _walk(tree: Any, depth: int = 0) -> str:
     if depth > _MAX_DEPTH:
         raise InvalidRequest("regex: nested too deeply", param="regex")
     out: list[str] = []
+    size = 0
     for op, arg in tree:
         name = str(op)
         if name == "LITERAL":
@@ -111,7 +113,9 @@ def _walk(tree: Any, depth: int = 0) -> str:
             if low > MAX_TEXT_CHARS:
                 raise InvalidRequest("regex: a repeat's minimum is too large", param="regex")
             piece = _walk(body, depth + 1)
-            out.append(_too_long(piece * low))
+            if len(piece) * low > MAX_TEXT_CHARS:
+                _too_long(" " * (MAX_TEXT_CHARS + 1))
+            out.append(piece * low)
         elif name == "SUBPATTERN":
             out.append(_walk(arg[-1], depth + 1))
         elif name == "ATOMIC_GROUP":
@@ -119,11 +123,13 @@ def _walk(tree: Any, depth: int = 0) -> str:
         elif name == "BRANCH":
             out.append(_walk(arg[1][0], depth + 1))
         elif name == "AT":
-            continue  # ^ $ \b: the whole text is the match
+            out.append("")  # ^ $ \b: the whole text is the match
         else:
             raise InvalidRequest(f"regex: {name.lower()} is not supported by the simulator",
                                  param="regex")
-        _too_long("".join(out))
+        size += len(out[-1])
+        if size > MAX_TEXT_CHARS:
+            _too_long(" " * size)
     return "".join(out)
 
 
@@ -189,9 +195,13 @@ _TYPES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "number": lambda s: _number(s, False), "boolean": lambda s: True, "null": lambda s: None}
 
 
-def _instance(root: dict[str, Any], schema: Any, depth: int) -> Any:
+def _instance(root: dict[str, Any], schema: Any, depth: int, budget: list[int]) -> Any:
     if depth > _MAX_DEPTH:
         raise InvalidRequest("json_schema: nested too deeply", param="json_schema")
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise InvalidRequest(f"json_schema: the instance would have more than {_MAX_NODES} "
+                             "values", param="json_schema")
     if schema is True or schema == {}:
         return {}
     if not isinstance(schema, dict):
@@ -203,12 +213,12 @@ def _instance(root: dict[str, Any], schema: Any, depth: int) -> Any:
         return schema["enum"][0]
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list) and schema[key]:
-            return _instance(root, schema[key][0], depth + 1)
+            return _instance(root, schema[key][0], depth + 1, budget)
     if isinstance(schema.get("allOf"), list):
         merged = {k: v for k, v in schema.items() if k != "allOf"}
         for part in schema["allOf"]:
             merged.update(_resolve(root, part, 0) if isinstance(part, dict) else {})
-        return _instance(root, merged, depth + 1)
+        return _instance(root, merged, depth + 1, budget)
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
@@ -217,7 +227,7 @@ def _instance(root: dict[str, Any], schema: Any, depth: int) -> Any:
                 "array" if "items" in schema or "prefixItems" in schema else "object")
     if kind == "object":
         properties = schema.get("properties") or {}
-        return {name: _instance(root, sub, depth + 1) for name, sub in properties.items()}
+        return {name: _instance(root, sub, depth + 1, budget) for name, sub in properties.items()}
     if kind == "array":
         prefix = schema.get("prefixItems") or []
         low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
@@ -227,7 +237,7 @@ def _instance(root: dict[str, Any], schema: Any, depth: int) -> Any:
         if count > 1024:
             raise InvalidRequest("json_schema: minItems is too large", param="json_schema")
         items = schema.get("items", {})
-        return [_instance(root, prefix[i] if i < len(prefix) else items, depth + 1)
+        return [_instance(root, prefix[i] if i < len(prefix) else items, depth + 1, budget)
                 for i in range(count)]
     make = _TYPES.get(kind)
     if make is None:
@@ -242,7 +252,7 @@ def json_schema_text(schema_json: str) -> str:
         raise InvalidRequest(f"json_schema is not valid JSON: {exc}", param="json_schema") \
             from None
     root = schema if isinstance(schema, dict) else {}
-    return _too_long(json.dumps(_instance(root, schema, 0), ensure_ascii=False))
+    return _too_long(json.dumps(_instance(root, schema, 0, [_MAX_NODES]), ensure_ascii=False))
 
 
 def constrained_text(kind: str, value: str) -> str:

@@ -77,3 +77,16 @@ def test_token_ids_are_cached_per_constraint() -> None:
     output = StructuredOutput(encode)
     assert output.token_ids(("regex", "ab")) == [97, 98]
     assert output.token_ids(("regex", "ab")) == [97, 98] and calls == ["ab"]
+
+
+def test_schemas_that_multiply_into_huge_instances_are_refused() -> None:
+    schema: dict[str, object] = {"type": "integer"}
+    for _ in range(3):
+        schema = {"type": "array", "items": schema, "minItems": 1000}
+    with pytest.raises(InvalidRequest, match="more than"):
+        constrained_text("json_schema", json.dumps(schema))
+
+
+def test_nested_regex_repeats_are_bounded() -> None:
+    with pytest.raises(InvalidRequest, match="exceed"):
+        constrained_text("regex", "((ab){9000}){9000}")
