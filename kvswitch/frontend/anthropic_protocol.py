@@ -4,8 +4,9 @@
 `tool_use` / `tool_result` and `thinking` blocks onto OpenAI messages (tool results become
 `role: tool` messages, tool uses an assistant's `tool_calls`), `tools[].input_schema` onto
 function parameters, `tool_choice` (auto, any -> required, tool -> named, none,
-`disable_parallel_tool_use`), `stop_sequences`, `thinking` (-> `enable_thinking`) and
-`metadata.user_id` (-> `user`). Images, documents and server tools are a 400.
+`disable_parallel_tool_use`), `stop_sequences`, `thinking` (-> `enable_thinking`: on only
+when enabled, as in Anthropic's API; `budget_tokens` >= 1024 and below max_tokens, but not
+enforced on the output) and `metadata.user_id` (-> `user`). Images, documents and server tools are a 400.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from kvswitch.errors import InvalidRequest
 from kvswitch.frontend.protocol import (
     ChatCompletionRequest,
     RequestBody,
@@ -79,7 +81,7 @@ class ToolChoice(_Strict):
 
 class Thinking(_Strict):
     type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = None
+    budget_tokens: Annotated[int, Field(ge=1024)] | None = None
 
 
 class Metadata(_Strict):
@@ -100,6 +102,16 @@ class MessagesRequest(RequestBody):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     metadata: Metadata | None = None
+
+    def check(self) -> None:
+        thinking = self.thinking
+        if thinking is not None and thinking.type == "enabled":
+            if thinking.budget_tokens is None:
+                raise InvalidRequest("thinking.budget_tokens is required when thinking is "
+                                     "enabled", param="thinking.budget_tokens")
+            if thinking.budget_tokens >= self.max_tokens:
+                raise InvalidRequest("max_tokens must be greater than thinking.budget_tokens",
+                                     param="max_tokens")
 
 
 def _text(content: str | list[TextBlock] | None) -> str:
@@ -162,8 +174,9 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
                                {"auto": "auto", "any": "required", "none": "none"}[choice.type])
         if choice.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
-    if request.thinking is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": request.thinking.type == "enabled"}
+    # As in Anthropic's API (and SMG), the model thinks only when asked to.
+    thinking = request.thinking is not None and request.thinking.type == "enabled"
+    body["chat_template_kwargs"] = {"enable_thinking": thinking}
     if request.metadata is not None and request.metadata.user_id:
         body["user"] = request.metadata.user_id
     return parse_request(ChatCompletionRequest, body)

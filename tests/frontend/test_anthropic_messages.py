@@ -23,6 +23,7 @@ TOOLS: list[Any] = [{"name": "get_weather", "description": "Weather now", "input
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>'
 SAYS = f"<think>Weather needed.</think>Let me look.\n{CALL}<end>"
 END = ["<end>"]
+THINK: Any = {"type": "enabled", "budget_tokens": 1024}
 
 
 def _client(stack: Stack) -> anthropic.Anthropic:
@@ -34,9 +35,9 @@ def _says(text: str) -> list[Any]:
 
 
 def test_message_with_thinking_text_and_tool_use(echo_stack: Stack) -> None:
-    message = _client(echo_stack).messages.create(model=MODEL, max_tokens=200,
-                                                  messages=_says(SAYS), tools=TOOLS,
-                                                  stop_sequences=END)
+    client = _client(echo_stack)
+    message = client.messages.create(model=MODEL, max_tokens=1100, messages=_says(SAYS),
+                                     tools=TOOLS, stop_sequences=END, thinking=THINK)
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg-") and message.stop_reason == "tool_use"
     kinds = [block.type for block in message.content]
@@ -46,12 +47,18 @@ def test_message_with_thinking_text_and_tool_use(echo_stack: Stack) -> None:
     assert text.text == "Let me look.\n"  # type: ignore[union-attr]
     assert tool.name == "get_weather" and tool.input == {"city": "Köln"}  # type: ignore[union-attr]
     assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
+    # Without `thinking` the model is not asked to think (the template closes an empty block),
+    # so a thought in its output is plain text, as in Anthropic's API and SMG.
+    plain = client.messages.create(model=MODEL, max_tokens=200, messages=_says(SAYS),
+                                   tools=TOOLS, stop_sequences=END)
+    assert [block.type for block in plain.content] == ["text", "tool_use"]
+    assert plain.content[0].text.startswith("<think>Weather")  # type: ignore[union-attr]
 
 
 def test_streamed_message_accumulates_to_the_same_blocks(echo_stack: Stack) -> None:
     client = _client(echo_stack)
-    with client.messages.stream(model=MODEL, max_tokens=200, messages=_says(SAYS),
-                                tools=TOOLS, stop_sequences=END) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=1100, messages=_says(SAYS),
+                                tools=TOOLS, stop_sequences=END, thinking=THINK) as stream:
         events = [event.type for event in stream]
         final = stream.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop"
@@ -97,6 +104,11 @@ def test_errors_use_anthropics_body(echo_stack: Stack) -> None:
                                          "data": "AA=="}}]}])
     assert info.value.body["type"] == "error"  # type: ignore[index]
     assert info.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(model=MODEL, max_tokens=2000, messages=_says("x"),
+                               thinking={"type": "enabled", "budget_tokens": 100})
+    with pytest.raises(anthropic.BadRequestError, match="greater than"):
+        client.messages.create(model=MODEL, max_tokens=1024, messages=_says("x"), thinking=THINK)
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="nope", max_tokens=10, messages=_says("x"))
     missing = httpx.post(echo_stack.base_url + "/v1/messages",
