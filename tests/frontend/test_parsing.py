@@ -39,7 +39,7 @@ def _parse(text: str, piece: int, **kwargs: object) -> tuple[str, str, list[tupl
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Pa}ris\\"{", "days": [1, 2]}}'
 CASES = [
     ("<think>I reason</think>The answer is 4.", ("I reason", "The answer is 4.", [])),
-    ("\n<think>\nx\n</think>\n\nok", ("\nx\n", "\n\nok", [])),
+    ("\n<think>\nx\n</think>\n\nok", ("\n\nx\n", "\n\nok", [])),
     ("I reason</think>answer", ("", "I reason</think>answer", [])),
     ("<think>unfinished", ("unfinished", "", [])),
     ("plain <tool text", ("", "plain <tool text", [])),
@@ -127,3 +127,22 @@ def test_tool_choice_plans() -> None:
     assert required.tool_calls_finish
     with pytest.raises(Exception, match="tool-call parser"):
         plan_chat_output(_chat(tools=TOOLS), ParserSettings("none"), template)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("I reason</think>answer", ("I reason", "answer")),
+    ("<think>I reason</think>answer", ("I reason", "answer")),
+    ("all thought", ("all thought", "")),
+    ("<thi", ("<thi", "")),
+])
+def test_deepseek_r1_starts_in_reasoning(text: str, expected: tuple[str, str]) -> None:
+    for piece in (1, 3, len(text)):
+        parser = REASONING_PARSERS["deepseek_r1"]({})
+        reasoning, content = "", ""
+        for start in range(0, len(text), piece):
+            r, c = parser.feed(text[start:start + piece])
+            reasoning, content = reasoning + r, content + c
+        r, c = parser.finish()
+        assert (reasoning + r, content + c) == expected, piece
+    off = REASONING_PARSERS["qwen3_thinking"]({"enable_thinking": False})
+    assert off.feed(text) == ("", text)

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import functools
 
-from kvswitch.frontend.parsing import hermes_tools, qwen3_reasoning  # noqa: F401 - registers
+from kvswitch.frontend.parsing import (  # noqa: F401 - importing registers them
+    deepseek_r1_reasoning,
+    hermes_tools,
+    qwen3_reasoning,
+)
 from kvswitch.frontend.parsing.base import REASONING_PARSERS, TOOL_CALL_PARSERS
 from kvswitch.frontend.parsing.forced_tools import (
     NamedToolCallParser,

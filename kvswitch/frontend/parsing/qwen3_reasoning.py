@@ -1,6 +1,6 @@
 """The `qwen3` reasoning parser: `<think>…</think>` at the start of the output is reasoning.
 
-As vLLM's and SMG's `qwen3`: the output must open with `<think>` (leading whitespace allowed);
+As vLLM's and SMG's `qwen3`: the output must open with `<think>` (whitespace before it is kept);
 otherwise it is all content, a `</think>` in it included. Once opened, everything up to
 `</think>` is reasoning and the rest content; an output that ends inside the block is all
 reasoning. With `chat_template_kwargs.enable_thinking` false the template already closed an
@@ -20,6 +20,9 @@ START, END = "<think>", "</think>"
 
 
 class Qwen3ReasoningParser:
+    unopened = "content"
+    """What output that does not open with `<think>` is."""
+
     def __init__(self, thinking: bool = True) -> None:
         self._state = "undecided" if thinking else "content"
         self._buffer = ""
@@ -31,12 +34,16 @@ class Qwen3ReasoningParser:
         if self._state == "undecided":
             stripped = self._buffer.lstrip()
             if stripped.startswith(START):
-                self._state, self._buffer = "reasoning", stripped[len(START):]
+                # The tag goes; whitespace before it stays with the thought (as SMG keeps it).
+                lead = self._buffer[:len(self._buffer) - len(stripped)]
+                self._state, self._buffer = "reasoning", lead + stripped[len(START):]
             elif START.startswith(stripped):
                 return "", ""  # not told apart yet
-            else:
+            elif self.unopened == "content":
                 self._state, content, self._buffer = "content", self._buffer, ""
                 return "", content
+            else:
+                self._state = "reasoning"
         position = self._buffer.find(END)
         if position >= 0:
             reasoning, content = self._buffer[:position], self._buffer[position + len(END):]
@@ -49,7 +56,8 @@ class Qwen3ReasoningParser:
 
     def finish(self) -> tuple[str, str]:
         held, self._buffer = self._buffer, ""
-        if self._state == "reasoning":
+        if self._state == "reasoning" or (self._state == "undecided" and
+                                          self.unopened == "reasoning"):
             return held, ""
         return "", held
 
