@@ -202,12 +202,12 @@ class ChatServing:
             lp = (chat_logprobs(model, delta.logprobs)
                   if want_logprobs and delta.logprobs is not None else None)
             reason = delta.finish_reason
-            if new_choice is None:
-                body = {"content": delta.text} if delta.text else {}
+            output = outputs.get(delta.index) if new_choice is not None else None
+            if output is None and new_choice is not None:
+                output = outputs[delta.index] = new_choice()
+            if output is None or output.passthrough:  # plain text: the parsers have nothing
+                body = {"content": delta.text} if delta.text else {}  # to hold or split
             else:
-                output = outputs.get(delta.index)
-                if output is None:
-                    output = outputs[delta.index] = new_choice()
                 parsed = output.feed(delta.text)
                 if reason is not None:
                     parsed.extend(output.finish())

@@ -146,3 +146,15 @@ def test_deepseek_r1_starts_in_reasoning(text: str, expected: tuple[str, str]) -
         assert (reasoning + r, content + c) == expected, piece
     off = REASONING_PARSERS["qwen3_thinking"]({"enable_thinking": False})
     assert off.feed(text) == ("", text)
+
+
+def test_passthrough_once_only_content_can_follow() -> None:
+    output = ChoiceOutput(REASONING_PARSERS["qwen3"]({}), None)
+    assert not output.passthrough
+    output.feed("<think>a")
+    assert not output.passthrough
+    output.feed("</think>b")
+    assert output.passthrough
+    with_tools = ChoiceOutput(REASONING_PARSERS["qwen3"]({}), TOOL_CALL_PARSERS["hermes"]())
+    with_tools.feed("plain")
+    assert not with_tools.passthrough

@@ -68,6 +68,11 @@ class ToolsParsed:
 
 
 class ReasoningParser(Protocol):
+    @property
+    def done(self) -> bool:
+        """Only content can follow (the rest of the output passes through as it is)."""
+        ...
+
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of the text fed so far that is settled."""
         ...

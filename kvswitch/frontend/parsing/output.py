@@ -59,6 +59,8 @@ class ChoiceOutput:
         self._include_reasoning = include_reasoning
         self.tool_calls = 0
         """Tool calls sent so far."""
+        self.passthrough = tools is None and reasoning is None
+        """The rest of the output is plain content: a caller may skip `feed` and `finish`."""
 
     def _split(self, reasoning: str, content: str, final: bool) -> ParsedDelta:
         out = ParsedDelta(reasoning if self._include_reasoning else "")
@@ -83,6 +85,8 @@ class ChoiceOutput:
         if self._reasoning is None:
             return self._split("", text, False)
         reasoning, content = self._reasoning.feed(text)
+        if self._tools is None and self._reasoning.done:
+            self.passthrough = True
         return self._split(reasoning, content, False)
 
     def finish(self) -> ParsedDelta:

@@ -27,6 +27,11 @@ class Qwen3ReasoningParser:
         self._state = "undecided" if thinking else "content"
         self._buffer = ""
 
+    @property
+    def done(self) -> bool:
+        """Only content can follow."""
+        return self._state == "content"
+
     def feed(self, text: str) -> tuple[str, str]:
         if self._state == "content":
             return "", text
