@@ -83,14 +83,17 @@ def test_enable_thinking_false_and_parallel_false() -> None:
     assert [c.name for c in parsed.calls] == ["a"] and output.tool_calls == 1
 
 
-def test_required_output_is_a_list_of_calls() -> None:
+def test_required_output_is_a_list_of_calls_each_sent_when_complete() -> None:
     parser = RequiredToolCallParser()
-    parser.feed('[{"name": "a", "parameters": {"x": 1}}, ')
-    parsed = parser.feed('{"name": "b", "parameters": {}}]')
-    assert parsed.calls == []
-    calls = parser.finish().calls
-    assert [(c.index, c.name, json.loads(c.arguments)) for c in calls] == [
-        (0, "a", {"x": 1}), (1, "b", {})]
+    first = parser.feed('[{"name": "a", "parameters": {"x": "}"}}, {"name": "b", "param')
+    assert [(c.index, c.name, json.loads(c.arguments)) for c in first.calls] == [
+        (0, "a", {"x": "}"})]
+    second = parser.feed('eters": {}}]')
+    assert [(c.index, c.name, c.arguments) for c in second.calls] == [(1, "b", "{}")]
+    assert parser.finish().calls == [] and parser.calls == 2
+    for text in ("not json", '[{"nam": 1}]', "{}"):
+        other = RequiredToolCallParser()
+        assert other.feed(text).calls == [] and other.finish().content == text
 
 
 def test_defaults_come_from_the_chat_template() -> None:

@@ -133,3 +133,18 @@ def test_required_tool_choice(stack: Stack) -> None:
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "text", "unit": "c"}
     assert reply.choices[0].message.content is None
+
+
+def test_required_tool_choice_streamed(stack: Stack) -> None:
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in _client(stack).chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", stream=True):
+        for piece in chunk.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(piece.index, ["", ""])
+            entry[0] += piece.function.name or ""
+            entry[1] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(name, json.loads(args)) for name, args in calls.values()] == [
+        ("get_weather", {"city": "text", "unit": "c"})]

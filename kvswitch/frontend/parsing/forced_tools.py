@@ -2,8 +2,8 @@
 
 The engine is constrained to a JSON schema (`forced_tool_schema`), so the output is JSON:
 - named: the function's arguments object; streamed as that call's argument deltas.
-- required: `[{"name": ..., "parameters": {...}}, ...]`; parsed once the output ends (each call
-  then goes out whole).
+- required: `[{"name": ..., "parameters": {...}}, ...]`; each call goes out whole as soon as
+  its object is complete.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvswitch.frontend.parsing.base import ToolCallDelta, ToolsParsed, new_tool_call_id
+from kvswitch.frontend.parsing.hermes_tools import JsonValueScanner
 
 __all__ = ["NamedToolCallParser", "RequiredToolCallParser", "forced_tool_schema"]
 
@@ -65,32 +66,62 @@ class NamedToolCallParser:
 
 
 class RequiredToolCallParser:
-    """The content is a JSON array of calls; not valid JSON, it stays content."""
+    """The content is a JSON array of calls, each sent as soon as its object is complete; an
+    output that is not such an array stays content."""
 
     def __init__(self) -> None:
         self._buffer = ""
+        self._position = 0  # what of the buffer has been looked at
+        self._state = "start"  # start, between, item, done, lost
+        self._scanner: JsonValueScanner | None = None
+        self._item_from = 0
         self._calls = 0
 
     def feed(self, text: str) -> ToolsParsed:
         self._buffer += text
-        return ToolsParsed()
+        out = ToolsParsed()
+        buffer = self._buffer
+        while self._position < len(buffer) and self._state not in ("done", "lost"):
+            char = buffer[self._position]
+            if self._state == "item":
+                assert self._scanner is not None
+                self._position += self._scanner.scan(buffer[self._position:])
+                if self._scanner.done:
+                    self._item(buffer[self._item_from:self._position], out)
+                continue
+            self._position += 1
+            if char.isspace() or (char == "," and self._state == "between"):
+                continue
+            if char == "[" and self._state == "start":
+                self._state = "between"
+            elif char == "]" and self._state == "between":
+                self._state = "done"
+            elif char == "{" and self._state == "between":
+                self._state, self._item_from = "item", self._position - 1
+                self._scanner = JsonValueScanner()
+                self._scanner.scan("{")
+            else:
+                self._state = "lost"
+        return out
+
+    def _item(self, text: str, out: ToolsParsed) -> None:
+        self._state = "between"
+        try:
+            call = json.loads(text)
+        except ValueError:
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            self._state = "lost"
+            return
+        arguments = call.get("parameters", call.get("arguments", {}))
+        out.calls.append(ToolCallDelta(self._calls, new_tool_call_id(), call["name"],
+                                       json.dumps(arguments, ensure_ascii=False)))
+        self._calls += 1
 
     def finish(self) -> ToolsParsed:
-        text, self._buffer = self._buffer, ""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return ToolsParsed(content=text)
-        if not isinstance(value, list) or not all(
-                isinstance(v, dict) and isinstance(v.get("name"), str) for v in value):
-            return ToolsParsed(content=text)
-        out = ToolsParsed()
-        for index, call in enumerate(value):
-            arguments = call.get("parameters", call.get("arguments", {}))
-            out.calls.append(ToolCallDelta(index, new_tool_call_id(), call["name"],
-                                           json.dumps(arguments, ensure_ascii=False)))
-        self._calls = len(value)
-        return out
+        if self._calls or self._state == "done":
+            return ToolsParsed()  # what follows sent calls is not content
+        return ToolsParsed(content=self._buffer)
 
     @property
     def calls(self) -> int:
