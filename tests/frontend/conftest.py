@@ -90,16 +90,16 @@ def echo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs: Path = tmp_path_factory.mktemp("echo-frontend")
     tokenizer = echo_template_tokenizer(logs / "tokenizer")
     engine_port, frontend_port = free_port(), free_port()
-    with running(_engine_argv(engine_port, "--time-scale", "1000", "--max-model-len", "4096",
-                              "--num-gpu-blocks", "2048"), engine_port,
-                 logs / "engine.log", timeout=60) as engine:
-        with running(_frontend_argv(frontend_port, f"127.0.0.1:{engine_port}", "--tokenizer",
-                                    str(tokenizer), "--tool-call-parser", "hermes",
-                                    "--reasoning-parser", "qwen3"),
-                     frontend_port, logs / "frontend.log", timeout=60) as frontend:
-            stack = Stack(engine_port, frontend_port, engine, frontend)
-            _wait_ready(stack.base_url)
-            yield stack
+    engine_argv = _engine_argv(engine_port, "--time-scale", "1000", "--max-model-len", "4096",
+                               "--num-gpu-blocks", "2048")
+    frontend_argv = _frontend_argv(frontend_port, f"127.0.0.1:{engine_port}", "--tokenizer",
+                                   str(tokenizer), "--tool-call-parser", "hermes",
+                                   "--reasoning-parser", "qwen3")
+    with running(engine_argv, engine_port, logs / "engine.log", timeout=60) as engine, \
+            running(frontend_argv, frontend_port, logs / "frontend.log", timeout=60) as frontend:
+        stack = Stack(engine_port, frontend_port, engine, frontend)
+        _wait_ready(stack.base_url)
+        yield stack
 
 
 @pytest.fixture()
