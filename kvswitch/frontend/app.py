@@ -83,7 +83,7 @@ class Frontend:
                                         metrics=self.metrics)
         embeddings = EmbeddingServing(self._client, self.models, user_as_fairness_id=fairness)
         tokenize = TokenizeServing(self.models)
-        messages = MessagesServing(chat)
+        messages = MessagesServing(chat, self.models)
         self._routes: dict[tuple[str, str], Route] = {
             ("POST", "/v1/chat/completions"): self._endpoint("chat", chat.create),
             ("POST", "/v1/completions"): self._endpoint("completions", completions.create),
@@ -91,6 +91,8 @@ class Frontend:
             ("POST", "/v1/messages"): self._endpoint("messages", messages.create,
                                                      anthropic_error_reply,
                                                      anthropic_stream_reply),
+            ("POST", "/v1/messages/count_tokens"): self._endpoint(
+                "count_tokens", messages.count_tokens, anthropic_error_reply),
             ("POST", "/tokenize"): self._endpoint("tokenize", tokenize.tokenize),
             ("POST", "/detokenize"): self._endpoint("detokenize", tokenize.detokenize),
             ("GET", "/v1/models"): self._list_models,

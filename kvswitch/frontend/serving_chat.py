@@ -115,7 +115,7 @@ class ChatServing:
         ctx = new_request_context(headers, prefix=prefix, user=request.user,
                                   user_as_fairness_id=self._user_as_fairness_id,
                                   body_request_id=request.request_id, model=model.name)
-        prompt_ids = await self._prompt_ids(request, model)
+        prompt_ids = await self.prompt_ids(request, model)
         max_tokens = max_tokens_for(request.requested_max_tokens, len(prompt_ids),
                                     model.max_model_len)
         params = build_sampling_params(request, max_tokens=max_tokens,
@@ -135,7 +135,8 @@ class ChatServing:
         return ChatRun(request, model, ctx, plan, generation)
 
     @staticmethod
-    async def _prompt_ids(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
+    async def prompt_ids(request: ChatCompletionRequest, model: ServedModel) -> list[int]:
+        """The request's prompt: its messages through the chat template, tokenized."""
         text = render_chat_prompt(
             model, request.messages, chat_template=request.chat_template,
             tools=request.tools if request.tool_choice != "none" else None,

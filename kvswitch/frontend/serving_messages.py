@@ -7,6 +7,7 @@ parsers) and is shaped as Anthropic's `message`: content blocks `thinking`, `tex
 events are message_start, content_block_start / _delta (text_delta, thinking_delta,
 input_json_delta) / _stop per block, message_delta (stop reason, output tokens), message_stop.
 Errors use Anthropic's body: `{"type": "error", "error": {"type", "message"}}`.
+/v1/messages/count_tokens answers `{"input_tokens"}` for the same request body.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvswitch.frontend.http_server import Reply, StreamReply
 from kvswitch.frontend.parsing import ParsedDelta
 from kvswitch.frontend.protocol import parse_request
 from kvswitch.frontend.serving_chat import ChatRun, ChatServing, finish_reason_of
+from kvswitch.frontend.serving_models import ModelRegistry
 
 __all__ = ["MESSAGE_STOP", "MessagesServing", "anthropic_error_reply", "anthropic_stream_reply"]
 
@@ -76,8 +78,9 @@ def _input(arguments: str) -> dict[str, Any]:
 
 
 class MessagesServing:
-    def __init__(self, chat: ChatServing) -> None:
+    def __init__(self, chat: ChatServing, models: ModelRegistry) -> None:
         self._chat = chat
+        self._models = models
 
     async def create(self, body: Any, headers: Mapping[str, str]
                      ) -> dict[str, Any] | AsyncIterator[bytes]:
@@ -89,6 +92,14 @@ class MessagesServing:
             deltas = await prime(run.generation.deltas())
             return self._stream(deltas, run, stops)
         return self._message(await self._chat.full(run), run, stops)
+
+    async def count_tokens(self, body: Any, headers: Mapping[str, str]) -> dict[str, Any]:
+        """/v1/messages/count_tokens: the prompt's length, as the request would be sent."""
+        if isinstance(body, dict):
+            body = {"max_tokens": 1, **body}  # this route takes no max_tokens
+        chat = to_chat_request(parse_request(MessagesRequest, body))
+        model = await self._models.resolve(chat.model)
+        return {"input_tokens": len(await ChatServing.prompt_ids(chat, model))}
 
     @staticmethod
     def _message(full: dict[str, Any], run: ChatRun, stops: list[str]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import anthropic
 import httpx
 import pytest
 
+from kvswitch.tokenization import load_tokenizer
 from tests.frontend.conftest import Stack
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -145,3 +146,13 @@ def test_messages_translate_to_a_chat_request_the_real_template_renders() -> Non
         tools=[t.model_dump(exclude_none=True) for t in chat.tools])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}' in text
     assert "<tool_response>\n21C\n</tool_response>" in text
+
+
+def test_count_tokens(echo_stack: Stack) -> None:
+    client = _client(echo_stack)
+    text = "Grüße 你好 and some words"
+    count = client.messages.count_tokens(model=MODEL, messages=_says(text))
+    # The echo template renders the last message alone: its tokens are the prompt.
+    assert count.input_tokens == len(load_tokenizer(None).encode(text))
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="nope", messages=_says(text))
