@@ -1,9 +1,13 @@
 """/v1/chat/completions: render the chat template, tokenize, Generate, and shape the answer.
 
-Streaming follows what the OpenAI SDK expects (and vLLM sends): per choice a first chunk with
-`{"role": "assistant", "content": ""}`, then content deltas (one SSE event per engine message,
-however many tokens it carries), a chunk with `finish_reason`, optionally a usage chunk with no
-choices, then `data: [DONE]`. Each event is a pre-built prefix + one orjson-encoded choice.
+Each choice's text goes through the reasoning and tool-call parsers `chat_output` picks for
+the request (message fields `reasoning_content`, `tool_calls`). Streaming follows what the
+OpenAI SDK expects (and vLLM sends): per choice a first chunk with
+`{"role": "assistant", "content": ""}`, then content / reasoning_content / tool_calls deltas (one
+SSE event per engine message, however many tokens it carries; none while a parser holds text
+back), a chunk with `finish_reason`, optionally a usage chunk with no choices, then
+`data: [DONE]`. Each event is a pre-built prefix + one orjson-encoded choice. `start` and `full`
+also serve /v1/messages.
 """
 
 from __future__ import annotations
