@@ -120,6 +120,8 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+    """vLLM's current name for `reasoning_content` (either reaches the template as the latter)."""
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: text parts joined, content never None."""
@@ -133,8 +135,10 @@ class ChatMessage(_Strict):
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
+        thought = self.reasoning_content if self.reasoning_content is not None else \
+            self.reasoning
+        if thought is not None:
+            message["reasoning_content"] = thought
         return message
 
 

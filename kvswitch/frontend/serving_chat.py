@@ -243,8 +243,8 @@ def _message_fields(parsed: ParsedDelta, plan: ChatOutputPlan) -> dict[str, Any]
         call["function"]["arguments"] += piece.arguments
     fields: dict[str, Any] = {"content": parsed.content or None,
                               "tool_calls": [calls[i] for i in sorted(calls)]}
-    if plan.reasoning:
-        fields["reasoning_content"] = parsed.reasoning or None
+    if plan.reasoning:  # both names: vLLM's current one and the one SMG and older vLLM use
+        fields["reasoning"] = fields["reasoning_content"] = parsed.reasoning or None
     return fields
 
 

@@ -59,7 +59,9 @@ def test_streamed_tool_calls_arrive_as_argument_deltas(echo_stack: Stack) -> Non
     calls: dict[int, dict[str, Any]] = {}
     for chunk in stream:
         delta = chunk.choices[0].delta
-        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        extra = delta.model_extra or {}
+        assert extra.get("reasoning") == extra.get("reasoning_content")
+        reasoning += extra.get("reasoning_content") or ""
         content += delta.content or ""
         for call in delta.tool_calls or ():
             if call.id is not None:
@@ -93,6 +95,7 @@ def test_reasoning_without_tools_and_thinking_off(echo_stack: Stack) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=_says(text))
     assert reply.choices[0].message.content == "It is 4."
     assert reply.choices[0].message.model_extra["reasoning_content"] == "2 + 2 is 4"
+    assert reply.choices[0].message.model_extra["reasoning"] == "2 + 2 is 4"  # vLLM's name
     off = client.chat.completions.create(
         model=MODEL, messages=_says(text),
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})

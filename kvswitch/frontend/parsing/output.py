@@ -28,8 +28,8 @@ class ParsedDelta:
 
     def as_stream_dict(self) -> dict[str, Any]:
         delta: dict[str, Any] = {}
-        if self.reasoning:
-            delta["reasoning_content"] = self.reasoning
+        if self.reasoning:  # both names: vLLM's current one and the one SMG and older vLLM use
+            delta["reasoning"] = delta["reasoning_content"] = self.reasoning
         if self.content:
             delta["content"] = self.content
         if self.calls:
