@@ -161,3 +161,27 @@ def test_passthrough_once_only_content_can_follow() -> None:
     with_tools = ChoiceOutput(REASONING_PARSERS["qwen3"]({}), TOOL_CALL_PARSERS["hermes"]())
     with_tools.feed("plain")
     assert not with_tools.passthrough
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('{"name": "a", "parameters": {"x": "};"}}; {"name": "b", "arguments": {}}', "",
+     [("a", {"x": "};"}), ("b", {})]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}', "", [("a", {})]),
+    ("plain {text}", "plain {text}", []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ("", "", []),
+])
+def test_llama3_json_calls(text: str, content: str, calls: list[tuple[str, object]]) -> None:
+    for piece in (1, 4, max(1, len(text))):
+        parser = TOOL_CALL_PARSERS["llama3_json"]()
+        got_content, got = "", []
+        for start in range(0, len(text), piece):
+            parsed = parser.feed(text[start:start + piece])
+            got_content += parsed.content
+            got += parsed.calls
+        rest = parser.finish()
+        got_content += rest.content
+        got += rest.calls
+        assert got_content == content, piece
+        assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+        assert [c.index for c in got] == list(range(len(calls)))

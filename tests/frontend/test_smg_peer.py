@@ -80,8 +80,10 @@ def _wait(url: str) -> None:
 
 
 @contextlib.contextmanager
-def _gateways(logs: Path, reasoning: str) -> Iterator[dict[str, str]]:
-    """An echo engine, kvswitch's frontend and SMG over it, both parsing with `reasoning`."""
+def _gateways(logs: Path, reasoning: str, tools: tuple[str, str] = ("hermes", "qwen")
+              ) -> Iterator[dict[str, str]]:
+    """An echo engine, kvswitch's frontend and SMG over it, both parsing with `reasoning`;
+    `tools`: the tool-call parser's name in kvswitch and in SMG."""
     tokenizer = echo_template_tokenizer(logs / "tokenizer")
     (logs / "echo.jinja").write_text(ECHO_TEMPLATE)
     engine, frontend, smg = free_port(), free_port(), free_port()
@@ -92,14 +94,15 @@ def _gateways(logs: Path, reasoning: str) -> Iterator[dict[str, str]]:
                  engine, logs / "engine.log", timeout=60), \
         running(kvswitch_argv("frontend", "--target", f"127.0.0.1:{engine}", "--port",
                               str(frontend), "--tokenizer", str(tokenizer),
-                              "--tool-call-parser", "hermes", "--reasoning-parser", reasoning,
+                              "--tool-call-parser", tools[0], "--reasoning-parser", reasoning,
                               "--log-level", "warning"),
                 frontend, logs / "frontend.log", timeout=60), \
         running([smg_binary, "launch", "--host", "127.0.0.1", "--port", str(smg),
                  "--prometheus-port", str(free_port()), "--log-level", "warn",
                  "--worker-urls", f"grpc://127.0.0.1:{engine}",
                  "--chat-template", str(logs / "echo.jinja"),
-                 "--tool-call-parser", "qwen", "--reasoning-parser", reasoning],
+                 "--tool-call-parser", tools[1], "--reasoning-parser",
+                 "passthrough" if reasoning == "none" else reasoning],
                 smg, logs / "smg.log", timeout=90):
         urls = {"kvswitch": f"http://127.0.0.1:{frontend}", "smg": f"http://127.0.0.1:{smg}"}
         for url in urls.values():
@@ -257,3 +260,21 @@ def test_deepseek_r1_reasoning_agrees(tmp_path: Path) -> None:
             theirs = _ask(urls["smg"], says, stream=True)
             assert (_trimmed(theirs["reasoning"]), theirs["calls"]) == \
                 (_trimmed(ours["reasoning"]), ours["calls"])
+
+
+def test_llama3_json_tool_calls_agree(tmp_path: Path) -> None:
+    """`llama3_json` (SMG: `llama`): an output opening with `{` is `;`-separated calls. SMG's
+    stream also finds a call in plain text that names a tool, so it is compared on calls."""
+    calls = ['{"name": "get_weather", "parameters": {"city": "Köln", "n": [1, 2]}}',
+             ('{"name": "get_weather", "parameters": {"city": "Köln"}}; '
+              '{"name": "get_time", "parameters": {}}')]
+    text = ['Plain text {"name": "get_time"}', '{"answer": 42}']
+    with _gateways(tmp_path, "none", ("llama3_json", "llama")) as urls:
+        for says in calls + text:
+            ours = _ask(urls["kvswitch"], says, stream=False)
+            assert bool(ours["calls"]) == (says in calls)
+            assert ours == _ask(urls["smg"], says, stream=False)
+            assert _ask(urls["kvswitch"], says, stream=True) == ours
+            if says in calls:
+                theirs = _ask(urls["smg"], says, stream=True)
+                assert (theirs["calls"], theirs["finish"]) == (ours["calls"], ours["finish"])

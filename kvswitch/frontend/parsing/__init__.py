@@ -13,6 +13,7 @@ import functools
 from kvswitch.frontend.parsing import (  # noqa: F401 - importing registers them
     deepseek_r1_reasoning,
     hermes_tools,
+    llama3_json_tools,
     qwen3_reasoning,
 )
 from kvswitch.frontend.parsing.base import REASONING_PARSERS, TOOL_CALL_PARSERS
