@@ -99,6 +99,7 @@ def test_required_output_is_a_list_of_calls_each_sent_when_complete() -> None:
 def test_defaults_come_from_the_chat_template() -> None:
     assert default_parser_names(load_tokenizer(None).chat_template) == ("hermes", "qwen3")
     assert default_parser_names("{{ messages }}") == (None, None)
+    assert default_parser_names("{{- '<|python_tag|>' }}") == ("llama3_json", None)
     assert ParserSettings("none", "auto").names(load_tokenizer(None).chat_template) == \
         (None, "qwen3")
     with pytest.raises(ValueError, match="unknown tool-call parser"):

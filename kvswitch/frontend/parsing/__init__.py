@@ -2,7 +2,7 @@
 
 One module per format, registered by name in `base` (importing this package registers them).
 `default_parser_names` picks the formats a chat template speaks: `<tool_call>` -> `hermes`,
-`<think>` -> `qwen3`; `--tool-call-parser` / `--reasoning-parser` override it (`none` turns
+`<|python_tag|>` (Llama 3.1+) -> `llama3_json`, `<think>` -> `qwen3`; `--tool-call-parser` / `--reasoning-parser` override it (`none` turns
 parsing off).
 """
 
@@ -42,5 +42,6 @@ NONE = "none"
 def default_parser_names(chat_template: str | None) -> tuple[str | None, str | None]:
     """(tool-call parser, reasoning parser) for a chat template; None where it has neither."""
     template = chat_template or ""
-    return ("hermes" if "<tool_call>" in template else None,
-            "qwen3" if "<think>" in template else None)
+    tools = ("hermes" if "<tool_call>" in template else
+             "llama3_json" if "<|python_tag|>" in template else None)
+    return tools, "qwen3" if "<think>" in template else None
