@@ -2,8 +2,8 @@
 
 One module per format, registered by name in `base` (importing this package registers them).
 `default_parser_names` picks the formats a chat template speaks: `<tool_call>` -> `hermes`,
-`<|python_tag|>` (Llama 3.1+) -> `llama3_json`, `<think>` -> `qwen3`; `--tool-call-parser` / `--reasoning-parser` override it (`none` turns
-parsing off).
+`<|python_tag|>` (Llama 3.1+) -> `llama3_json`, `<think>` -> `qwen3`; `--tool-call-parser` /
+`--reasoning-parser` override it (`none` turns parsing off).
 """
 
 from __future__ import annotations
