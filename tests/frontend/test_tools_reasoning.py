@@ -114,3 +114,21 @@ def test_bad_tool_choice_is_a_400(echo_stack: Stack) -> None:
                                        tool_choice={"type": "function",
                                                     "function": {"name": "nope"}})
     assert info.value.body["param"] == "tool_choice"
+
+
+def test_each_choice_has_its_own_parsers(echo_stack: Stack) -> None:
+    client = _client(echo_stack)
+    reply = client.chat.completions.create(model=MODEL, messages=_says(SAYS), tools=TOOLS, n=2,
+                                           logprobs=True)
+    for choice in reply.choices:
+        assert [c.function.name for c in choice.message.tool_calls or ()] == [
+            "get_weather", "get_time"]
+        assert choice.message.model_extra["reasoning_content"] == "The user wants weather."
+        assert choice.logprobs is not None and choice.logprobs.content
+    names: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in client.chat.completions.create(model=MODEL, messages=_says(SAYS), tools=TOOLS,
+                                                n=2, stream=True):
+        for choice in chunk.choices:
+            names[choice.index] += [c.function.name for c in choice.delta.tool_calls or ()
+                                    if c.function and c.function.name]
+    assert names == {0: ["get_weather", "get_time"], 1: ["get_weather", "get_time"]}
