@@ -20,21 +20,21 @@ from kvswitch.errors import InvalidRequest
 from kvswitch.frontend.protocol import (
     ChatCompletionRequest,
     RequestBody,
-    _Strict,
+    StrictModel,
     parse_request,
 )
 
 __all__ = ["MessagesRequest", "to_chat_request"]
 
 
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None
     citations: list[dict[str, Any]] | None = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -42,7 +42,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -50,7 +50,7 @@ class ToolResultBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(StrictModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
@@ -60,12 +60,12 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
                   Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(StrictModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
@@ -73,18 +73,18 @@ class AnthropicTool(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Strict):
+class Thinking(StrictModel):
     type: Literal["enabled", "disabled"]
     budget_tokens: Annotated[int, Field(ge=1024)] | None = None
 
 
-class Metadata(_Strict):
+class Metadata(StrictModel):
     user_id: str | None = None
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "RequestBody",
     "ResponseFormat",
     "StreamOptions",
+    "StrictModel",
     "StructuredOutputs",
     "parse_request",
 ]
@@ -35,7 +36,9 @@ logger = logging.getLogger(__name__)
 _INT32 = 2**31 - 1
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A part of a request: unknown fields are a 400."""
+
     model_config = ConfigDict(extra="forbid", frozen=False, protected_namespaces=())
 
 
@@ -45,19 +48,19 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=False, protected_namespaces=())
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = False
     continuous_usage_stats: Literal[False] | None = False
 
 
-class JsonSchema(_Strict):
+class JsonSchema(StrictModel):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
@@ -69,7 +72,7 @@ class ResponseFormat(_Strict):
         return self
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictModel):
     """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one constraint."""
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
@@ -85,17 +88,17 @@ class StructuredOutputs(_Strict):
     whitespace_pattern: str | None = None
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str | dict[str, Any]
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -113,7 +116,7 @@ class ToolCall(_Strict):
         return call
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -142,23 +145,23 @@ class ChatMessage(_Strict):
         return message
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
