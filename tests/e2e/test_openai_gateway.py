@@ -243,3 +243,11 @@ def test_objective_and_fairness_headers_arrive_as_grpc_metadata(tmp_path: Path) 
         assert seen["x-llm-d-inference-fairness-id"] == "tenant-a"
         assert seen["x-request-id"] == "abc-1"
         assert seen["x-gateway-model-name"] == "recorder"  # the EPP's `model` label
+
+
+def test_tokenize_routes_to_the_frontend(gateway: Gateway, model: str) -> None:
+    url = f"http://{gateway.launched.address}"
+    tokens = httpx.post(url + "/tokenize", json={"model": model, "prompt": "héllo"}, timeout=30)
+    assert tokens.status_code == 200 and tokens.json()["tokens"] == BUNDLE.encode("héllo")
+    text = httpx.post(url + "/detokenize", json={"tokens": tokens.json()["tokens"]}, timeout=30)
+    assert text.json() == {"prompt": "héllo"}
