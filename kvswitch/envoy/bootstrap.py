@@ -130,7 +130,8 @@ class GatewayOptions:
     fallback_retries: int = 2
     """Retries onto fallback endpoints (`override-host` routing only)."""
     access_log: bool = False
-    frontend_paths: tuple[str, ...] = field(default=("/v1/", "/health"))
+    frontend_paths: tuple[str, ...] = field(default=("/v1/", "/health", "/tokenize",
+                                                    "/detokenize"))
     epp_headers: tuple[str, ...] | None = EPP_HEADERS
     """Headers sent to the EPP (a trailing `*`: a prefix); None: all of them. Add any request
     header an EPP plugin reads, e.g. a session-affinity-scorer's own `headerName`."""

@@ -10,20 +10,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, NotFound
+from kvswitch.frontend.chat_output import ParserSettings
 from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.http_server import HttpRequest, Reply, StreamReply
 from kvswitch.frontend.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
 from kvswitch.frontend.serving_chat import ChatServing
 from kvswitch.frontend.serving_completions import CompletionServing
 from kvswitch.frontend.serving_embeddings import EmbeddingServing
+from kvswitch.frontend.serving_messages import (
+    MessagesServing,
+    anthropic_error_reply,
+    anthropic_stream_reply,
+)
 from kvswitch.frontend.serving_models import ModelRegistry
+from kvswitch.frontend.serving_tokenize import TokenizeServing
 from kvswitch.frontend.sse import error_reply, sse_reply
 
 __all__ = ["Frontend", "FrontendSettings", "build_app"]
@@ -40,6 +47,8 @@ class FrontendSettings:
     tokenizer_dir: str | None = None
     user_as_fairness_id: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
 
 Handler = Callable[[Any, Mapping[str, str]], Awaitable[Any]]
@@ -67,15 +76,25 @@ class Frontend:
                                     tokenizer_dir=settings.tokenizer_dir)
         self.metrics = FrontendMetrics()
         fairness = settings.user_as_fairness_id
+        parsers = ParserSettings(settings.tool_call_parser, settings.reasoning_parser)
         chat = ChatServing(self._client, self.models, user_as_fairness_id=fairness,
-                           metrics=self.metrics)
+                           metrics=self.metrics, parsers=parsers)
         completions = CompletionServing(self._client, self.models, user_as_fairness_id=fairness,
                                         metrics=self.metrics)
         embeddings = EmbeddingServing(self._client, self.models, user_as_fairness_id=fairness)
+        tokenize = TokenizeServing(self.models)
+        messages = MessagesServing(chat, self.models)
         self._routes: dict[tuple[str, str], Route] = {
             ("POST", "/v1/chat/completions"): self._endpoint("chat", chat.create),
             ("POST", "/v1/completions"): self._endpoint("completions", completions.create),
             ("POST", "/v1/embeddings"): self._endpoint("embeddings", embeddings.create),
+            ("POST", "/v1/messages"): self._endpoint("messages", messages.create,
+                                                     anthropic_error_reply,
+                                                     anthropic_stream_reply),
+            ("POST", "/v1/messages/count_tokens"): self._endpoint(
+                "count_tokens", messages.count_tokens, anthropic_error_reply),
+            ("POST", "/tokenize"): self._endpoint("tokenize", tokenize.tokenize),
+            ("POST", "/detokenize"): self._endpoint("detokenize", tokenize.detokenize),
             ("GET", "/v1/models"): self._list_models,
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._prometheus,
@@ -108,7 +127,11 @@ class Frontend:
             return Reply(405, b"Method Not Allowed", b"text/plain; charset=utf-8")
         return error_reply(NotFound(f"no route for {request.method} {request.path}"))
 
-    def _endpoint(self, name: str, handler: Handler) -> Route:
+    def _endpoint(self, name: str, handler: Handler,
+                  errors: Callable[[KvswitchError], Reply] = error_reply,
+                  stream: Callable[[AsyncIterator[bytes]], StreamReply] = sse_reply) -> Route:
+        """A route calling `handler`; `errors` and `stream` shape its error bodies and
+        streams (OpenAI's by default)."""
         metrics = self.metrics
 
         async def route(request: HttpRequest) -> Reply | StreamReply:
@@ -118,20 +141,20 @@ class Frontend:
                 result = await handler(_decode(request), request.headers)
             except KvswitchError as error:
                 status = error.http_status
-                return error_reply(error)
+                return errors(error)
             except asyncio.CancelledError:
                 status = 499
                 raise
             except Exception as exc:
                 logger.exception("%s failed", name)
                 status = 500
-                return error_reply(InternalError(f"internal error: {exc}"))
+                return errors(InternalError(f"internal error: {exc}"))
             finally:
                 metrics.request(name, status, time.monotonic() - started)
             if isinstance(result, dict):
                 return _json(result)
             metrics.first_token(time.monotonic() - started)
-            return sse_reply(result)
+            return stream(result)
         return route
 
     async def _list_models(self, request: HttpRequest) -> Reply:

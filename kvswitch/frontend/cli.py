@@ -16,6 +16,7 @@ import sys
 from types import FrameType
 
 from kvswitch.frontend.app import DEFAULT_MAX_BODY_BYTES, FrontendSettings
+from kvswitch.frontend.parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
 from kvswitch.limits import HttpLimits, add_http_flags, http_from_args
 
 __all__ = ["add_arguments", "run"]
@@ -38,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user-as-fairness-id", action="store_true",
                         help="use the OpenAI `user` field as x-llm-d-inference-fairness-id")
     add_http_flags(parser, defaults=HttpLimits(max_body_bytes=DEFAULT_MAX_BODY_BYTES))
+    parser.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                        help="tool-call format of the model's output: " +
+                        ", ".join(sorted(TOOL_CALL_PARSERS)) + "; auto (from the chat "
+                        "template) or none")
+    parser.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                        help="reasoning format of the model's output: " +
+                        ", ".join(sorted(REASONING_PARSERS)) + "; auto (from the chat "
+                        "template) or none")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
 
@@ -47,7 +56,9 @@ def _settings(args: argparse.Namespace) -> FrontendSettings:
                             served_model_names=tuple(args.served_model_name),
                             tokenizer_dir=args.tokenizer,
                             user_as_fairness_id=args.user_as_fairness_id,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes,
+                            tool_call_parser=args.tool_call_parser,
+                            reasoning_parser=args.reasoning_parser)
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -90,6 +101,13 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvswitch.frontend.chat_output import ParserSettings
+
+    try:
+        ParserSettings(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        print(f"kvswitch frontend: {exc}", file=sys.stderr)
+        return 2
     if args.workers <= 1:
         serve(args, reuse_port=False)
         return 0

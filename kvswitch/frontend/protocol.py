@@ -1,13 +1,16 @@
 """OpenAI request models (with vLLM's extensions), validated strictly.
 
-Every model forbids unknown fields: a field kvswitch does not implement is refused with a 400
-that names it, never silently dropped (a client asking for `logprobs` or `suffix` must learn it
-will not get them). `parse_request` turns pydantic's errors into `InvalidRequest(param=...)`.
+Unknown top-level fields are accepted and ignored, as vLLM does (each name is logged once per
+process); inside a request (messages, tools, formats) every model forbids unknown fields. A
+field kvswitch knows but cannot honour (`suffix`, `best_of` > 1, `dimensions`) is refused with
+a 400 that names it. `parse_request` turns pydantic's errors into `InvalidRequest(param=...)`.
 Responses are plain dicts built in the serving modules, serialised with orjson.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,31 +22,45 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "EmbeddingRequest",
+    "NamedToolChoice",
+    "RequestBody",
     "ResponseFormat",
     "StreamOptions",
+    "StrictModel",
+    "StructuredOutputs",
     "parse_request",
 ]
+
+logger = logging.getLogger(__name__)
 
 _INT32 = 2**31 - 1
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A part of a request: unknown fields are a 400."""
+
     model_config = ConfigDict(extra="forbid", frozen=False, protected_namespaces=())
 
 
-class StreamOptions(_Strict):
+class RequestBody(BaseModel):
+    """A request body: unknown fields are kept aside (`model_extra`) and ignored."""
+
+    model_config = ConfigDict(extra="allow", frozen=False, protected_namespaces=())
+
+
+class StreamOptions(StrictModel):
     include_usage: bool | None = False
     continuous_usage_stats: Literal[False] | None = False
 
 
-class JsonSchema(_Strict):
+class JsonSchema(StrictModel):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
@@ -55,29 +72,59 @@ class ResponseFormat(_Strict):
         return self
 
 
-class TextPart(_Strict):
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # Backend tuning vLLM accepts; the engine API has no field for them.
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str | dict[str, Any]
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
+    def for_template(self) -> dict[str, Any]:
+        """As vLLM hands it to templates: arguments sent as a JSON string become an object
+        (templates write `arguments | tojson`)."""
+        call = self.model_dump(exclude_none=True)
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                call["function"]["arguments"] = json.loads(arguments)
+            except ValueError:
+                pass  # not JSON: the template gets the text
+        return call
 
-class ChatMessage(_Strict):
+
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+    """vLLM's current name for `reasoning_content` (either reaches the template as the latter)."""
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: text parts joined, content never None."""
@@ -88,31 +135,42 @@ class ChatMessage(_Strict):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
+        thought = self.reasoning_content if self.reasoning_content is not None else \
+            self.reasoning
+        if thought is not None:
+            message["reasoning_content"] = thought
         return message
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(RequestBody):
     """Fields shared by chat and completions (OpenAI's and vLLM's extra sampling params)."""
 
     model: str | None = None
@@ -129,6 +187,11 @@ class _SamplingFields(_Strict):
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
@@ -164,8 +227,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM extensions
+    include_reasoning: bool = True
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -183,6 +248,30 @@ class ChatCompletionRequest(_SamplingFields):
                              "true")
         return self
 
+    def check(self) -> None:
+        """Checks across fields that name the field at fault (`parse_request` runs them)."""
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and not self.tools:
+            raise InvalidRequest("tool_choice `required` or a named function needs `tools`",
+                                 param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            raise InvalidRequest(f"tool_choice names the function "
+                                 f"'{self.tool_choice.function.name}', which is not in tools",
+                                 param="tool_choice")
+
+    @property
+    def parses_tools(self) -> bool:
+        """The output may hold tool calls to parse (tools given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice forces."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -198,6 +287,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: Literal[1] | None = None
+    suffix: None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -220,7 +310,7 @@ class CompletionRequest(_SamplingFields):
         return self.max_tokens
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -239,6 +329,18 @@ class EmbeddingRequest(_Strict):
         return list(value)  # type: ignore[arg-type]
 
 
+_LOGGED_IGNORED: set[str] = set()
+_MAX_LOGGED_IGNORED = 256
+
+
+def _log_ignored(extra: dict[str, Any]) -> None:
+    new = [name for name in extra if name not in _LOGGED_IGNORED]
+    if new and len(_LOGGED_IGNORED) < _MAX_LOGGED_IGNORED:
+        _LOGGED_IGNORED.update(new)
+        logger.warning("request fields ignored (kvswitch, like vLLM, accepts unknown "
+                       "fields): %s", ", ".join(sorted(new)))
+
+
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal"})
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -248,7 +350,7 @@ def parse_request(model: type[_Model], body: Any) -> _Model:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         # Union branches add type tags ("str", "list[int]", "function-after[...]") to the path.
@@ -262,3 +364,9 @@ def parse_request(model: type[_Model], body: Any) -> _Model:
         else:
             message = f"Invalid value for '{param}': {error['msg']}" if param else error["msg"]
         raise InvalidRequest(message, param=param) from None
+    if request.model_extra:
+        _log_ignored(request.model_extra)
+    check = getattr(request, "check", None)
+    if check is not None:
+        check()
+    return request

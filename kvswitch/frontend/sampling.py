@@ -16,7 +16,7 @@ from kvswitch.errors import InvalidRequest
 from kvswitch.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from kvswitch.protocol import vllm_engine_pb2 as pb
 
-__all__ = ["build_sampling_params", "check_token_ids", "max_tokens_for"]
+__all__ = ["build_sampling_params", "check_token_ids", "max_tokens_for", "structured_constraint"]
 
 # Request field -> the proto field it fills when the model's defaults name it.
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -124,13 +124,65 @@ def build_sampling_params(request: ChatCompletionRequest | CompletionRequest, *,
         params.logprobs = logprobs
     if request.logit_bias:
         params.logit_bias.update(_logit_bias(request.logit_bias, vocab_size))
+    constraint = structured_constraint(request)
+    if constraint is not None:
+        kind, value = constraint
+        if kind == "choice":
+            params.choice.choices.extend(value)
+        else:
+            setattr(params, kind, value)
+    return params
+
+
+def _schema_text(schema: str | dict[str, Any], param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            orjson.loads(schema)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"{param} is not valid JSON: {exc}", param=param) from None
+        return schema
+    return orjson.dumps(schema).decode()
+
+
+def structured_constraint(request: ChatCompletionRequest | CompletionRequest
+                          ) -> tuple[str, Any] | None:
+    """The one structured-output constraint a request sets, as (SamplingParams field, value):
+    from `response_format`, vLLM's `structured_outputs` or its older `guided_*` fields. More
+    than one is a 400, as in vLLM."""
+    found: list[tuple[str, str, Any]] = []  # (request field, proto field, value)
     response_format = request.response_format
     if response_format is not None and response_format.type == "json_object":
-        params.json_object = True
+        found.append(("response_format", "json_object", True))
     elif response_format is not None and response_format.type == "json_schema":
         assert response_format.json_schema is not None  # checked by the model
-        params.json_schema = orjson.dumps(response_format.json_schema.schema_).decode()
-    return params
+        found.append(("response_format", "json_schema",
+                      orjson.dumps(response_format.json_schema.schema_).decode()))
+    outputs = request.structured_outputs
+    if outputs is not None:
+        for name, field_name in (("json_", "json_schema"), ("regex", "regex"),
+                                 ("choice", "choice"), ("grammar", "grammar"),
+                                 ("json_object", "json_object"),
+                                 ("structural_tag", "structural_tag")):
+            value = getattr(outputs, name)
+            if value is None or value is False:
+                continue
+            if name == "json_":
+                name, value = "json", _schema_text(value, "structured_outputs.json")
+            found.append((f"structured_outputs.{name}", field_name, value))
+    if request.guided_json is not None:
+        found.append(("guided_json", "json_schema",
+                      _schema_text(request.guided_json, "guided_json")))
+    for name, field_name in (("guided_regex", "regex"), ("guided_choice", "choice"),
+                             ("guided_grammar", "grammar")):
+        value = getattr(request, name)
+        if value is not None:
+            found.append((name, field_name, value))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidRequest("only one kind of structured output may be requested; got "
+                             + ", ".join(name for name, _, _ in found), param=found[1][0])
+    return found[0][1], found[0][2]
 
 
 def parse_default_sampling(raw: str) -> dict[str, Any]:

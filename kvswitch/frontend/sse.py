@@ -41,18 +41,21 @@ def chunk_start(head: bytes) -> bytes:
 
 
 async def choice_events(deltas: AsyncIterator[ChoiceDelta], generation: Generation, head: bytes,
-                        lead: bytes, choice_of: Callable[[ChoiceDelta], dict[str, Any]],
+                        lead: bytes,
+                        choice_of: Callable[[ChoiceDelta], dict[str, Any] | None],
                         include_usage: bool, on_end: Callable[[Generation], None]
                         ) -> AsyncIterator[bytes]:
-    """A streamed response's SSE events: one chunk per delta (`choice_of` builds its choice;
-    vLLM's `stop_reason` is added on the finishing one). `lead` (role or echo chunks) rides with
-    the first event, and the deltas that finish the generation ride with the usage chunk
+    """A streamed response's SSE events: one chunk per delta (`choice_of` builds its choice, or
+    None to send nothing for it; vLLM's `stop_reason` is added on the finishing one). `lead`
+    (role or echo chunks) rides with the first event, and the deltas that finish the generation ride with the usage chunk
     (`stream_options.include_usage`) and [DONE] in one last write. `head` is the chunk object's
     JSON without choices; `on_end` runs once the deltas are done."""
     start, dumps = chunk_start(head), orjson.dumps
     tail = b""
     async for delta in deltas:
         choice = choice_of(delta)
+        if choice is None:
+            continue
         if delta.finish_reason is not None:
             choice["stop_reason"] = delta.stop_reason
         event = lead + start + dumps(choice) + CHUNK_END

@@ -167,10 +167,10 @@ def test_error_paths(gateway: Gateway, model: str) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
     assert missing.value.body["type"] == "NotFoundError"
-    with pytest.raises(openai.BadRequestError) as unknown:
-        client.chat.completions.create(model=model, messages=MESSAGES,
-                                       extra_body={"frobnicate": 1})
-    assert unknown.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as unknown:  # unknown top-level: ignored
+        client.chat.completions.create(model=model, messages=[
+            {"role": "user", "content": "hi", "frobnicate": 1}])  # type: ignore[misc]
+    assert unknown.value.body["param"] == "messages.0.frobnicate"
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=model, prompt="hi", temperature=7, stream=True)
 
@@ -243,3 +243,11 @@ def test_objective_and_fairness_headers_arrive_as_grpc_metadata(tmp_path: Path) 
         assert seen["x-llm-d-inference-fairness-id"] == "tenant-a"
         assert seen["x-request-id"] == "abc-1"
         assert seen["x-gateway-model-name"] == "recorder"  # the EPP's `model` label
+
+
+def test_tokenize_routes_to_the_frontend(gateway: Gateway, model: str) -> None:
+    url = f"http://{gateway.launched.address}"
+    tokens = httpx.post(url + "/tokenize", json={"model": model, "prompt": "héllo"}, timeout=30)
+    assert tokens.status_code == 200 and tokens.json()["tokens"] == BUNDLE.encode("héllo")
+    text = httpx.post(url + "/detokenize", json={"tokens": tokens.json()["tokens"]}, timeout=30)
+    assert text.json() == {"prompt": "héllo"}

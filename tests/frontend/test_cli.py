@@ -52,3 +52,14 @@ def test_sigterm_lets_a_stream_in_flight_finish(slow_stack: Stack) -> None:
     killer.join()
     assert lines[-1] == "data: [DONE]"
     assert slow_stack.frontend.wait(timeout=20) == 0
+
+
+def test_an_unknown_parser_name_stops_the_frontend_at_once() -> None:
+    import subprocess
+
+    from tests.support.processes import kvswitch_argv
+    result = subprocess.run(kvswitch_argv("frontend", "--target", "127.0.0.1:1", "--port",
+                                          str(free_port()), "--tool-call-parser", "nope"),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert "unknown tool-call parser 'nope'" in result.stderr and "hermes" in result.stderr

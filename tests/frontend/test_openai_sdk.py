@@ -214,14 +214,19 @@ def test_logprobs_shapes(stack: Stack) -> None:
 
 # --- errors -------------------------------------------------------------------------------
 
-def test_unknown_field_is_rejected_by_name(stack: Stack) -> None:
+def test_unknown_fields_are_ignored_and_unsupported_ones_named(stack: Stack) -> None:
+    client = _client(stack)
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                           extra_body={"frobnicate": 1, "store": True})
+    assert reply.choices[0].finish_reason == "length"  # accepted and ignored, as in vLLM
     with pytest.raises(openai.BadRequestError) as info:
-        _client(stack).chat.completions.create(model=MODEL, messages=MESSAGES,
-                                               extra_body={"frobnicate": 1})
-    assert info.value.status_code == 400
-    assert "frobnicate" in info.value.message
-    assert info.value.body["param"] == "frobnicate"
+        client.completions.create(model=MODEL, prompt="x", suffix="y")
+    assert info.value.status_code == 400 and info.value.body["param"] == "suffix"
     assert info.value.body["type"] == "BadRequestError"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[
+            {"role": "user", "content": "x", "frobnicate": 1}])  # type: ignore[misc]
+    assert info.value.body["param"] == "messages.0.frobnicate"
 
 
 def test_bad_values_are_rejected(stack: Stack) -> None:
@@ -248,3 +253,19 @@ def test_malformed_json_and_oversized_bodies(stack: Stack) -> None:
     too_big = httpx.post(url, json=huge)
     assert too_big.status_code == 413
     assert set(too_big.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(stack: Stack) -> None:
+    url = stack.base_url
+    text = httpx.post(url + "/tokenize", json={"prompt": TEXT, "return_token_strs": True}).json()
+    assert text["tokens"] == BUNDLE.encode(TEXT) and text["count"] == len(text["tokens"])
+    assert text["max_model_len"] == 4096 and "".join(text["token_strs"]).startswith("Gr")
+    chat = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    assert chat["tokens"] == _chat_prompt_ids(MESSAGES) and chat["token_strs"] is None
+    back = httpx.post(url + "/detokenize", json={"tokens": text["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": TEXT}
+    for path, body, param in [("/detokenize", {"tokens": [10**7]}, "tokens"),
+                              ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "model": "nope"}, "model")]:
+        reply = httpx.post(url + path, json=body)
+        assert reply.status_code in (400, 404) and reply.json()["error"]["param"] == param

@@ -107,3 +107,23 @@ def test_continue_final_message_stops_after_its_content() -> None:
     # Qwen3 gives the final assistant turn an empty thought, as transformers renders it.
     assert text == ("<|im_start|>user\nQ<|im_end|>\n"
                     "<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer is")
+
+
+def test_a_tool_round_trip_from_the_openai_request_renders() -> None:
+    from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
+    request = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "Weather in Köln?"},
+        {"role": "assistant", "content": None, "reasoning_content": "look it up",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city": "Köln"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'}],
+        "tools": [WEATHER_TOOL]})
+    text = QWEN3.render([m.for_template() for m in request.messages],
+                        tools=[t.model_dump(exclude_none=True) for t in request.tools or ()])
+    # The arguments string reaches the template as an object (as vLLM passes it), so the
+    # template's `tojson` writes it once, not as a quoted string.
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>'
+            in text)
+    assert text.endswith("<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n"
+                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert '"name": "get_weather"' in text.split("<tools>\n")[1]

@@ -33,6 +33,7 @@ from kvswitch.engine.sim.output import OutputStream
 from kvswitch.engine.sim.request import SimSequence
 from kvswitch.engine.sim.sampler import StopChecker, TokenSource, prompt_logprobs
 from kvswitch.engine.sim.scheduler import Scheduler, SchedulerLimits, StepResult
+from kvswitch.engine.sim.structured import StructuredOutput, force_output
 from kvswitch.errors import InternalError, InvalidRequest, Unavailable
 from kvswitch.tokenization import load_tokenizer
 
@@ -59,6 +60,7 @@ class SimEngine:
         self.config = cfg = config or SimConfig()
         self.profile = p = cfg.resolved_profile()
         self.tokenizer = bundle = load_tokenizer(cfg.tokenizer_dir)
+        self._structured = StructuredOutput(bundle.encode)
         mc = bundle.model_config
         self.vocab_size = int(mc.get("vocab_size") or bundle.vocab_size)
         specials = bundle.special_token_ids
@@ -211,6 +213,8 @@ class SimEngine:
             seq = SimSequence(sid, i, prompt, s, max_tokens)
             self._set_stops(seq, s)
             self._tokens.init_sequence(seq, prompt_key, s.max_tokens is not None)
+            if s.constraint is not None:  # InvalidRequest when the simulator cannot emit it
+                force_output(seq, self._structured.token_ids(s.constraint))
             seqs.append(seq)
         return seqs
 
