@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvswitch.tokenization import load_tokenizer
-from tests.frontend.conftest import Stack
+from tests.support.frontend_stack import Stack
 
 MODEL = "Qwen/Qwen3-0.6B"
 TOOLS: list[Any] = [{"name": "get_weather", "description": "Weather now", "input_schema": {

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.frontend.conftest import ECHO_TEMPLATE, echo_template_tokenizer
+from tests.support.frontend_stack import ECHO_TEMPLATE, echo_template_tokenizer
 from tests.support.processes import free_port, kvswitch_argv, running
 
 SMG = Path(sys.executable).parent / "smg"

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.frontend.conftest import Stack
+from tests.support.frontend_stack import Stack
 
 MODEL = "Qwen/Qwen3-0.6B"
 MESSAGES: list[Any] = [{"role": "user", "content": "Describe a person."}]

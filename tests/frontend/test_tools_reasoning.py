@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.frontend.conftest import Stack
+from tests.support.frontend_stack import Stack
 
 MODEL = "Qwen/Qwen3-0.6B"
 TOOLS: list[Any] = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.support.processes import Process, kvswitch_argv
 
@@ -42,3 +43,22 @@ def wait_ready(base_url: str) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{base_url} never became healthy")
+
+
+ECHO_TEMPLATE = "{{- messages[-1]['content'] -}}"
+"""A chat template that renders only the last message: the echo engine then answers with that
+message's text, so a test can play a model's raw output (reasoning, tool calls) through."""
+
+
+def echo_template_tokenizer(directory: Path) -> Path:
+    """The bundled Qwen3 tokenizer with `ECHO_TEMPLATE` as its chat template."""
+    import json
+    import shutil
+
+    from kvswitch.tokenization import bundled_tokenizer_dir
+    shutil.copytree(bundled_tokenizer_dir(), directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = ECHO_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return directory
