@@ -77,7 +77,7 @@ DEFAULT_PROFILE_WEIGHTS: tuple[tuple[str, float], ...] = (
     ("prefix-cache-scorer", 3.0), ("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0))
 DEFAULT_PICKER = "max-score-picker"
 DEFAULT_HANDLER = "single-profile-handler"
-DEFAULT_PARSERS = ("vllmgrpc-parser", "openai-parser")
+DEFAULT_PARSERS = ("vllmgrpc-parser", "sglanggrpc-parser", "openai-parser")
 DEFAULT_PROFILE = "default"
 
 
@@ -97,7 +97,7 @@ def apply_defaults(spec: ConfigSpec, plugin_roles: Mapping[str, str] | None = No
       else it references every filter/scorer/picker plugin (weight 1);
     - a profile without a picker gets a max-score-picker;
     - no profile handler: single-profile-handler;
-    - no requestHandler.parsers: vllmgrpc-parser and openai-parser.
+    - no requestHandler.parsers: vllmgrpc-parser, sglanggrpc-parser and openai-parser.
     `plugin_roles` (name -> "filter"|"scorer"|"picker"|"handler"|"parser"|"other") comes from
     instantiating the configured plugins; without it only the role-free defaults apply.
     """
