@@ -25,6 +25,10 @@ logger = logging.getLogger("kvswitch.frontend")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT",
                         help="vLLM gRPC target: Envoy's listener or one engine")
+    parser.add_argument("--api", choices=["auto", "vllm", "sglang"], default="auto",
+                        help="the target's gRPC API: vllm.grpc.engine.VllmEngine, "
+                             "sglang.grpc.scheduler.SglangScheduler, or auto (found from its "
+                             "GetModelInfo answer)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--workers", type=int, default=1,
@@ -47,7 +51,7 @@ def _settings(args: argparse.Namespace) -> FrontendSettings:
                             served_model_names=tuple(args.served_model_name),
                             tokenizer_dir=args.tokenizer,
                             user_as_fairness_id=args.user_as_fairness_id,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes, api=args.api)
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
