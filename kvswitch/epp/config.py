@@ -156,12 +156,16 @@ def load_documents(source: Path | str | Mapping[str, Any] | Sequence[Mapping[str
 
 
 def static_pool(addresses: Sequence[str], app_protocol: str = "kubernetes.io/h2c",
-                name: str = "kvswitch") -> list[Mapping[str, Any]]:
-    """Pool documents for a fixed list of `ip:port` endpoints (for `kvswitch up` and tests)."""
+                name: str = "kvswitch", api: str = "vllm") -> list[Mapping[str, Any]]:
+    """Pool documents for a fixed list of `ip:port` endpoints (for `kvswitch up` and tests);
+    `api` "sglang" annotates the InferencePool as an SGLang pool."""
     port = int(addresses[0].rpartition(":")[2]) if addresses else 8000
+    metadata: dict[str, Any] = {"name": name}
+    if api != "vllm":
+        metadata["annotations"] = {"kvswitch.dev/engine-api": api}
     return [
         {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-         "metadata": {"name": name},
+         "metadata": metadata,
          "spec": {"selector": {"matchLabels": {"app": name}},
                   "targetPorts": [{"number": port, "appProtocol": app_protocol}],
                   "endpointPickerRef": {"name": f"{name}-epp"}}},
