@@ -101,7 +101,7 @@ class GatewayTarget:
         epp_address = None
         epp_headers: tuple[str, ...] = EPP_HEADERS
         if self.epp_config is not None:
-            pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses)
+            pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses, api=ctx.pool.api)
             config = state / "epp.yaml"
             shutil.copyfile(self.epp_config, config)
             epp_port, metrics_port = free_port(), free_port()
@@ -153,7 +153,8 @@ class OracleTarget:
 
         profile = get_profile(ctx.pool.profile)
         index = PrefixIndex(profile.block_size)
-        self._subscriptions = KvEventSubscriptions(index)
+        api = ctx.pool.api
+        self._subscriptions = KvEventSubscriptions(index, api_of=lambda address: api)
         await self._subscriptions.set_endpoints(ctx.pool.addresses)
         scale = ctx.pool.time_scale
         self._router = OracleRouter(ctx.pool.addresses, profile, index,
