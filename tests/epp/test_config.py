@@ -86,7 +86,7 @@ def test_upstream_config_loads_unchanged(tmp_path: Path) -> None:
 
 def test_examples_load() -> None:
     router, parsers = build(EXAMPLES / "epp-config.yaml", EXAMPLES / "pool.yaml")
-    assert parsers == ["vllmgrpc-parser", "openai-parser"]
+    assert parsers == ["vllmgrpc-parser", "sglanggrpc-parser", "openai-parser"]
     assert router.objectives == {"interactive": 10, "batch": -1}
     assert router.gate.queues.queueing
     assert router.refresher is not None and router.refresher.interval == pytest.approx(0.05)
