@@ -7,6 +7,7 @@ import copy
 import http.client
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 import openai
@@ -21,10 +22,10 @@ from tests.e2e.conftest import BLOCK, CALL_TIMEOUT, Gateway, epp_samples, prompt
 TENANT = [(FAIRNESS_ID, "tenant-sglang")]
 
 
-def _epp_config() -> dict[str, object]:
+def _epp_config() -> dict[str, Any]:
     """The default config without speculative indexing: affinity comes from KV events only."""
-    config = copy.deepcopy(DEFAULT_EPP_CONFIG)
-    for plugin in config["plugins"]:  # type: ignore[attr-defined]
+    config: dict[str, Any] = copy.deepcopy(DEFAULT_EPP_CONFIG)
+    for plugin in config["plugins"]:
         if plugin["type"] == "precise-prefix-cache-scorer":
             plugin["parameters"]["speculativeTtl"] = 0
     return config

@@ -52,7 +52,8 @@ async def served() -> AsyncIterator[Served]:
 
 def gen(rid: str, ids: list[int] | None = None, *, stream: bool = False, **params: object
         ) -> pb.GenerateRequest:
-    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0}
+    sampling: dict[str, object] = {"temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                   "repetition_penalty": 1.0}
     sampling.update(params)
     return pb.GenerateRequest(request_id=rid, stream=stream,
                               tokenized=pb.TokenizedInput(input_ids=PROMPT if ids is None else ids),

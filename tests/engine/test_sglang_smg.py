@@ -12,11 +12,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.support.processes import free_port, kvswitch_argv, running
-
-openai = pytest.importorskip("openai")
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
