@@ -6,16 +6,20 @@ from __future__ import annotations
 import copy
 import http.client
 import time
+import urllib.request
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.protocol.headers import FAIRNESS_ID
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as rpc
+from kvswitch.tokenization import load_tokenizer
 from kvswitch.up import DEFAULT_EPP_CONFIG
 from tests.e2e.conftest import BLOCK, CALL_TIMEOUT, Gateway, epp_samples, prompt, running_gateway
 
@@ -87,21 +91,40 @@ def test_unary_streamed_and_embed(gateway: Gateway) -> None:
     assert embedded.prompt_tokens == 64 and len(embedded.embedding) == embedded.embedding_dim
 
 
+def routed_to(gateway: Gateway, tokenized: pb.TokenizedInput) -> str:
+    """The endpoint the EPP picks for this prompt, asked with an Embed (which caches nothing,
+    so probing does not spread the prefix) under a tenant of its own."""
+    tenant = f"probe-{uuid.uuid4().hex[:12]}"
+    stub(gateway).Embed(pb.EmbedRequest(tokenized=tokenized), metadata=[(FAIRNESS_ID, tenant)],
+                        timeout=CALL_TIMEOUT)
+    url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    (endpoint,) = {s.labels["endpoint"] for family in text_string_to_metric_families(text)
+                   for s in family.samples if s.name == "kvswitch_epp_requests_total"
+                   and s.labels.get("fairness_id") == tenant and s.value > 0}
+    return endpoint
+
+
+def assert_follows_its_cache(gateway: Gateway, tokenized: pb.TokenizedInput,
+                             holder: str) -> None:
+    """Once the holder's KV events reach the EPP, the prompt is routed there, every time."""
+    deadline = time.monotonic() + 10
+    while routed_to(gateway, tokenized) != holder:
+        assert time.monotonic() < deadline, "the EPP never learnt where the prefix is cached"
+    # Picked blind among three replicas, five in a row would land there 1 time in 243.
+    assert [routed_to(gateway, tokenized) for _ in range(5)] == [holder] * 5
+
+
 def test_same_prefix_lands_on_the_same_replica(gateway: Gateway) -> None:
     # The engines publish one-token pages; the EPP regroups them into its 16-token blocks, and
     # with speculation off only those KV events can send a prefix back where it is cached.
     shared = prompt(10, blocks=4)
     assert generate(stub(gateway), [*shared, *prompt(11, blocks=1)]).cached_tokens == 0
-    deadline = time.monotonic() + 10
-    seed = 100
-    # Until the first request's events reach the EPP, a request may land anywhere.
-    while generate(stub(gateway), [*shared, *prompt(seed, blocks=1)]).cached_tokens < len(shared):
-        assert time.monotonic() < deadline, "the shared prefix never came back to its replica"
-        seed += 1
-    for suffix_seed in (12, 13, 14, 15, 16):
-        again = generate(stub(gateway), [*shared, *prompt(suffix_seed, blocks=1)])
-        assert again.cached_tokens >= len(shared), again
-    assert len(cached_on(gateway, shared)) == 1
+    (holder,) = cached_on(gateway, shared)
+    assert_follows_its_cache(gateway, pb.TokenizedInput(input_ids=[*shared, 7, 8]), holder)
+    again = generate(stub(gateway), [*shared, *prompt(12, blocks=1)])
+    assert again.cached_tokens >= len(shared)
 
 
 def test_original_text_alone_is_routed_and_served(gateway: Gateway) -> None:
@@ -110,19 +133,10 @@ def test_original_text_alone_is_routed_and_served(gateway: Gateway) -> None:
         original_text=text), sampling_params=pb.SamplingParams(max_new_tokens=2))
     done = list(stub(gateway).Generate(first, timeout=CALL_TIMEOUT))[-1].complete
     assert done.completion_tokens == 2 and done.prompt_tokens > 100
-    cached = (done.prompt_tokens // BLOCK) * BLOCK
-
-    def again(n: int) -> int:
-        first.request_id = f"sg-text-{n}"
-        return list(stub(gateway).Generate(first, timeout=CALL_TIMEOUT))[-1].complete \
-            .cached_tokens
-
-    # The EPP tokenizes the text to route it by its prefix, once its events have arrived.
-    deadline, n = time.monotonic() + 10, 2
-    while again(n) < cached:
-        assert time.monotonic() < deadline, "the text prompt never came back to its replica"
-        n += 1
-    assert again(n + 1) >= cached and again(n + 2) >= cached
+    ids = load_tokenizer(None).encode(text)
+    (holder,) = cached_on(gateway, ids)
+    # The EPP tokenizes the text to route it by its prefix.
+    assert_follows_its_cache(gateway, pb.TokenizedInput(original_text=text), holder)
 
 
 def test_bad_input_is_invalid_argument(gateway: Gateway) -> None:
