@@ -67,3 +67,22 @@ def test_block_sized_pages_pass_through_untouched() -> None:
     event = pages(PROMPT, B)
     regrouper = PageRegrouper(B)
     assert regrouper.regroup([event]) == [event] and len(regrouper) == 0
+
+
+def test_pages_not_holding_their_stated_size_are_dropped() -> None:
+    event = pages(PROMPT, 4)
+    short = BlocksStored(((1, pack_token_ids([1, 2, 3])),) * 5, None, 4)  # 15 ids, not 20
+    regrouper = PageRegrouper(B)
+    assert regrouper.regroup([short]) == [] and len(regrouper) == 0
+    assert len(regrouper.regroup([event])[0].blocks) == 4  # type: ignore[union-attr]
+
+
+def test_a_chain_continues_from_a_page_in_the_middle_of_an_earlier_chain() -> None:
+    # 64 ids as pages of 8; another chain branches after the 3rd page (24 ids: a block and 8).
+    index, regrouper = indexed([pages(PROMPT, 8)], 8)
+    other = [*PROMPT[:24], *range(7000, 7040)]
+    index.apply("e", regrouper.regroup([pages(other[24:], 8, parent=10_002, base=30_000)]))
+    assert match(index, other) == 4 and match(index, PROMPT) == 4
+    # Removing the branch's last page takes its last block only.
+    index.apply("e", regrouper.regroup([BlocksRemoved((30_004,))]))
+    assert match(index, other) == 3 and match(index, PROMPT) == 4
