@@ -41,7 +41,8 @@ _SIM_FIELDS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = DefaultsHelpFormatter
     parser.description = (
-        "Serve vllm.grpc.engine.VllmEngine (every RPC, vLLM semantics), grpc.health.v1 and "
+        "Serve vllm.grpc.engine.VllmEngine (every RPC, vLLM semantics; or with --api sglang "
+        "sglang.grpc.scheduler.SglangScheduler, SGLang's), grpc.health.v1 and "
         "server reflection on one gRPC port, backed by the simulated model server (continuous "
         "batching, paged KV cache with prefix caching, a step-time model). Optional Prometheus "
         "/metrics with vLLM's metric names on --http-port; its latency histograms (TTFT, "
