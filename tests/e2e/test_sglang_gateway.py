@@ -27,11 +27,15 @@ TENANT = [(FAIRNESS_ID, "tenant-sglang")]
 
 
 def _epp_config() -> dict[str, Any]:
-    """The default config without speculative indexing: affinity comes from KV events only."""
+    """Routing by the precise prefix index alone, without speculative indexing: where a prompt
+    goes depends only on the KV events the engines published (no load scorer to outweigh it)."""
     config: dict[str, Any] = copy.deepcopy(DEFAULT_EPP_CONFIG)
-    for plugin in config["plugins"]:
-        if plugin["type"] == "precise-prefix-cache-scorer":
-            plugin["parameters"]["speculativeTtl"] = 0
+    config["plugins"] = [p for p in config["plugins"]
+                         if p["type"].endswith("-parser") or p["type"] == "max-score-picker"]
+    config["plugins"].append({"name": "prefix", "type": "precise-prefix-cache-scorer",
+                              "parameters": {"blockSize": BLOCK, "speculativeTtl": 0}})
+    config["schedulingProfiles"] = [{"name": "default", "plugins": [
+        {"pluginRef": "prefix", "weight": 1}, {"pluginRef": "max-score-picker"}]}]
     return config
 
 
@@ -97,6 +101,11 @@ def routed_to(gateway: Gateway, tokenized: pb.TokenizedInput) -> str:
     tenant = f"probe-{uuid.uuid4().hex[:12]}"
     stub(gateway).Embed(pb.EmbedRequest(tokenized=tokenized), metadata=[(FAIRNESS_ID, tenant)],
                         timeout=CALL_TIMEOUT)
+    return endpoint_of(gateway, tenant)
+
+
+def endpoint_of(gateway: Gateway, tenant: str) -> str:
+    """Where the EPP routed the one request of `tenant` (its per-endpoint routing counter)."""
     url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
@@ -120,8 +129,11 @@ def test_same_prefix_lands_on_the_same_replica(gateway: Gateway) -> None:
     # The engines publish one-token pages; the EPP regroups them into its 16-token blocks, and
     # with speculation off only those KV events can send a prefix back where it is cached.
     shared = prompt(10, blocks=4)
-    assert generate(stub(gateway), [*shared, *prompt(11, blocks=1)]).cached_tokens == 0
-    (holder,) = cached_on(gateway, shared)
+    first = request([*shared, *prompt(11, blocks=1)])
+    (done,) = stub(gateway).Generate(first, metadata=[(FAIRNESS_ID, "sg-first")],
+                                     timeout=CALL_TIMEOUT)
+    assert done.complete.cached_tokens == 0
+    holder = endpoint_of(gateway, "sg-first")
     assert_follows_its_cache(gateway, pb.TokenizedInput(input_ids=[*shared, 7, 8]), holder)
     again = generate(stub(gateway), [*shared, *prompt(12, blocks=1)])
     assert again.cached_tokens >= len(shared)
@@ -131,10 +143,11 @@ def test_original_text_alone_is_routed_and_served(gateway: Gateway) -> None:
     text = " ".join(f"sentence {i} of a shared preamble" for i in range(30))
     first = pb.GenerateRequest(request_id="sg-text-1", tokenized=pb.TokenizedInput(
         original_text=text), sampling_params=pb.SamplingParams(max_new_tokens=2))
-    done = list(stub(gateway).Generate(first, timeout=CALL_TIMEOUT))[-1].complete
+    done = list(stub(gateway).Generate(first, metadata=[(FAIRNESS_ID, "sg-text")],
+                                       timeout=CALL_TIMEOUT))[-1].complete
     assert done.completion_tokens == 2 and done.prompt_tokens > 100
-    ids = load_tokenizer(None).encode(text)
-    (holder,) = cached_on(gateway, ids)
+    holder = endpoint_of(gateway, "sg-text")
+    assert cached_on(gateway, load_tokenizer(None).encode(text)) == [holder]
     # The EPP tokenizes the text to route it by its prefix.
     assert_follows_its_cache(gateway, pb.TokenizedInput(original_text=text), holder)
 
