@@ -181,6 +181,29 @@ async def test_abort_rpc_ends_the_stream_as_sglang_does() -> None:
         await s.server.stop(0)
 
 
+async def test_a_cancelled_or_expired_call_frees_its_request() -> None:
+    s = await _serve(1.0)
+    try:
+        call = s.stub.Generate(gen("c1", stream=True, max_new_tokens=900, ignore_eos=True))
+        assert (await call.read()).HasField("chunk")
+        assert s.engine.has_request("c1")
+        call.cancel()
+        async with asyncio.timeout(5):
+            while s.engine.has_request("c1"):
+                await asyncio.sleep(0.01)
+        late = s.stub.Generate(gen("c2", max_new_tokens=900, ignore_eos=True), timeout=0.2)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [m async for m in late]
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        async with asyncio.timeout(5):
+            while s.engine.has_request("c2"):
+                await asyncio.sleep(0.01)
+        assert s.engine.load().running == 0
+    finally:
+        await s.channel.close()
+        await s.server.stop(0)
+
+
 async def test_embed_and_management_rpcs(served: Served) -> None:
     embed = await served.stub.Embed(pb.EmbedRequest(tokenized=pb.TokenizedInput(
         input_ids=[1, 2, 3])))
