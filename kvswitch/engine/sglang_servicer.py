@@ -14,7 +14,9 @@ from vLLM's, this one answers as SGLang's does:
 - SubscribeKvEvents publishes the radix cache's pages (`sglang_kv_events`), as SGLang started
   with `--kv-events-config '{"publisher": "zmq"}'`, each batch carrying an `EngineLoad`.
 - LoRA is off, as in SGLang without `--enable-lora`: loads and unloads fail with its message,
-  the list is empty, a request naming an adapter is INVALID_ARGUMENT.
+  the list is empty, a request naming an adapter is INVALID_ARGUMENT; so are hidden states,
+  multimodal inputs and input embeddings. `stream_interval` is not honoured (one chunk per
+  engine read).
 Deviations, on purpose: HealthCheck answers at once (SGLang runs a one-token request and polls
 each second); n>1 unary completes carry their index; `tokenized.original_text` alone (no
 input_ids) is tokenized here; Generate and Embed end with the `x-kvswitch-usage` trailer.
@@ -93,8 +95,7 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         logger.info("Receive generation request: %s (stream=%s)", request_id, request.stream)
         try:
             prompt = prompt_from_sglang(request, self.card, self.tokenizer.encode)
-            if request.lora_id:
-                raise InvalidRequest(LORA_DISABLED, param="lora_id")
+            check_features_off(request)
             sampling, prefill_only = sampling_from_sglang(request, self.card, len(prompt))
             updates = self.engine.generate(GenerationRequest(
                 request_id, prompt, sampling, received, incremental=request.stream))
@@ -323,6 +324,21 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
                                      context: grpc.aio.ServicerContext
                                      ) -> pb.ListLoadedLoRAAdaptersResponse:
         return pb.ListLoadedLoRAAdaptersResponse()
+
+
+def check_features_off(request: pb.GenerateRequest) -> None:
+    """What the simulator cannot do, refused as SGLang refuses it with the feature off."""
+    if request.lora_id:
+        raise InvalidRequest(LORA_DISABLED, param="lora_id")
+    if request.return_hidden_states:
+        raise InvalidRequest("return_hidden_states=True requires the server to be started with "
+                             "--enable-return-hidden-states.", param="return_hidden_states")
+    if request.HasField("mm_inputs"):
+        raise InvalidRequest("This model does not support multimodal inputs (mm_inputs).",
+                             param="mm_inputs")
+    if request.input_embeds:
+        raise InvalidRequest("input_embeds is not supported by this server.",
+                             param="input_embeds")
 
 
 def sglang_load(engine: Engine, include: set[str]) -> pb.SchedulerLoad:

@@ -144,6 +144,10 @@ async def test_prefill_only_and_logprobs(served: Served) -> None:
     (pb.GenerateRequest(request_id="x"), "Tokenized input must be provided"),
     (pb.GenerateRequest(request_id="x", lora_id="a", tokenized=pb.TokenizedInput(
         input_ids=[1])), "LoRA is not enabled"),
+    (pb.GenerateRequest(request_id="x", return_hidden_states=True, tokenized=pb.TokenizedInput(
+        input_ids=[1])), "--enable-return-hidden-states"),
+    (pb.GenerateRequest(request_id="x", mm_inputs=pb.MultimodalInputs(image_urls=["u"]),
+                        tokenized=pb.TokenizedInput(input_ids=[1])), "multimodal"),
 ])
 async def test_bad_requests_are_invalid_argument(served: Served, request_: pb.GenerateRequest,
                                                  words: str) -> None:
