@@ -203,3 +203,25 @@ def test_smg_model_keeps_more_prefix_hits_than_random(shared_prefix: Any) -> Non
     rand = run_fleet(shared_prefix, make_router("random"), PROFILE, 4)
     assert smg.overall["cache_hit_rate"] > rand.overall["cache_hit_rate"]
     assert tree.overall["cache_hit_rate"] > rand.overall["cache_hit_rate"]
+
+
+def test_flow_control_holds_requests_until_the_pool_has_room(shared_prefix: Any) -> None:
+    from kvswitch.up import DEFAULT_EPP_CONFIG
+
+    config = {**DEFAULT_EPP_CONFIG, "flowControl": {"maxWait": "60s"},
+              "saturationDetector": {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 0.05}}
+    router = EppRouter(config, "queueing")
+    held: list[int] = []
+    step = router._step
+
+    def spy(request: Any, coro: Any, later: Any) -> Any:
+        out = step(request, coro, later)
+        if out is None and later is None and router._held:
+            held.append(request.index)
+        return out
+
+    router._step = spy  # type: ignore[method-assign]
+    result = run_fleet(shared_prefix, router, PROFILE, 2)
+    assert held  # flow control queued some requests ...
+    assert len(result.records) + len(result.rejected) == len(shared_prefix.requests)
+    assert not router._held  # ... and released every one
