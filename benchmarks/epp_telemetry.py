@@ -10,8 +10,9 @@ EPP schedules nothing and its CPU is the telemetry path: SubscribeKvEvents decod
   messages_per_s    KvEventBatch messages (batch numbers) engine 0 publishes per subscriber
   requests_per_s    requests the engines completed
   epp_cpu_ms_per_request  EPP CPU milliseconds per completed request (telemetry scales with work)
-Each tree (`--tree label=path`, e.g. a `git archive` of an older commit) runs engines and EPP
-from its own sources; trees alternate within each round and medians over rounds are reported.
+`--api sglang --page-size N` runs SGLang engines publishing N-token pages, which the EPP regroups
+into its 16-token blocks (the engines' requests are then SGLang's). Each tree (`--tree
+label=path`, e.g. a `git archive` of an older commit) runs engines and EPP from its own sources; trees alternate within each round and medians over rounds are reported.
 Prints and saves JSON.
 
     git archive <commit> | tar -x -C /tmp/before
@@ -34,12 +35,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import yaml
 
 from kvswitch.epp.config import static_pool
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol.sglang import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 from kvswitch.up import DEFAULT_EPP_CONFIG, free_port
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -77,19 +80,35 @@ def launch(tree: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 stdout=out, stderr=subprocess.STDOUT)
 
 
+def generate_request(api: str, request_id: str, ids: list[int]) -> object:
+    if api == "sglang":
+        s = sglang_scheduler_pb2
+        return s.GenerateRequest(
+            request_id=request_id, tokenized=s.TokenizedInput(input_ids=ids),
+            sampling_params=s.SamplingParams(max_new_tokens=128, ignore_eos=True,
+                                             temperature=1.0, top_p=1.0))
+    return vllm_engine_pb2.GenerateRequest(
+        request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids),
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=128, ignore_eos=True))
+
+
+def engine_stub(api: str, channel: grpc.aio.Channel) -> object:
+    if api == "sglang":
+        return sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+    return vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+
 async def drive(addresses: list[str], per_engine: int, stop_at: float, seed: int,
-                done: list[int]) -> None:
+                done: list[int], api: str = "vllm") -> None:
     """`per_engine` closed-loop clients per engine: 8 prefix groups of 1,024 tokens + 256."""
     rng = random.Random(seed)
     groups = [[rng.randrange(1000, 100_000) for _ in range(1024)] for _ in range(8)]
 
-    async def client(stub: vllm_engine_pb2_grpc.VllmEngineStub, n: int) -> None:
+    async def client(stub: Any, n: int) -> None:
         i = 0
         while time.monotonic() < stop_at:
             ids = groups[rng.randrange(8)] + [rng.randrange(1000, 100_000) for _ in range(256)]
-            request = vllm_engine_pb2.GenerateRequest(
-                request_id=f"c{n}-{i}", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids),
-                sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=128, ignore_eos=True))
+            request = generate_request(api, f"c{n}-{i}", ids)
             async for _ in stub.Generate(request, timeout=120):
                 pass
             done[0] += 1
@@ -97,17 +116,18 @@ async def drive(addresses: list[str], per_engine: int, stop_at: float, seed: int
 
     channels = [grpc.aio.insecure_channel(a) for a in addresses]
     try:
-        await asyncio.gather(*(client(vllm_engine_pb2_grpc.VllmEngineStub(ch), e * 1000 + k)
+        await asyncio.gather(*(client(engine_stub(api, ch), e * 1000 + k)
                                for e, ch in enumerate(channels) for k in range(per_engine)))
     finally:
         for ch in channels:
             await ch.close()
 
 
-async def follow_sequence(address: str, latest: list[int]) -> None:
+async def follow_sequence(address: str, latest: list[int], api: str = "vllm") -> None:
     """Keeps `latest[0]` at the engine's last batch number (one per published batch)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        call = vllm_engine_pb2_grpc.VllmEngineStub(channel).SubscribeKvEvents(
+        stub: Any = engine_stub(api, channel)
+        call = stub.SubscribeKvEvents(
             common_pb2.SubscribeKvEventsRequest(start_sequence_number=0))
         try:
             async for batch in call:
@@ -121,8 +141,8 @@ async def measure(pids: dict[str, list[int]], addresses: list[str], args: argpar
     start = time.monotonic()
     end = start + args.warmup + args.seconds
     done, latest = [0], [0]
-    load = asyncio.create_task(drive(addresses, args.per_engine, end, args.seed, done))
-    probe = asyncio.create_task(follow_sequence(addresses[0], latest))
+    load = asyncio.create_task(drive(addresses, args.per_engine, end, args.seed, done, args.api))
+    probe = asyncio.create_task(follow_sequence(addresses[0], latest, args.api))
     await asyncio.sleep(args.warmup)
     cpu0 = {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
     done0, seq0, t0 = done[0], latest[0], time.monotonic()
@@ -146,13 +166,16 @@ def run_once(tree: Path, args: argparse.Namespace, tmp: Path) -> dict[str, float
     ports = [free_port() for _ in range(args.engines)]
     addresses = [f"127.0.0.1:{p}" for p in ports]
     (tmp / "config.yaml").write_text(yaml.safe_dump(DEFAULT_EPP_CONFIG, sort_keys=False))
-    (tmp / "pool.yaml").write_text(yaml.safe_dump_all(static_pool(addresses)))
+    (tmp / "pool.yaml").write_text(yaml.safe_dump_all(static_pool(addresses, api=args.api)))
+    api_args = ["--api", args.api, "--page-size", str(args.page_size)] \
+        if args.api == "sglang" else []
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, port in enumerate(ports):
             procs.append(launch(tree, ["engine", "--port", str(port), "--profile", args.profile,
                                        "--time-scale", str(args.time_scale), "--mode", "random",
-                                       "--log-level", "WARNING"], tmp / f"engine{i}.log"))
+                                       "--log-level", "WARNING", *api_args],
+                               tmp / f"engine{i}.log"))
         for port, proc in zip(ports, procs, strict=True):
             wait_port(port, proc)
         epp_port, metrics_port = free_port(), free_port()
@@ -181,6 +204,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api", choices=["vllm", "sglang"], default="vllm")
+    parser.add_argument("--page-size", type=int, default=1,
+                        help="--api sglang: the engines' radix-cache page size")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/epp_telemetry.json"))
     args = parser.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree) or {"after": "."}

@@ -80,6 +80,7 @@ DEFAULT_EPP_CONFIG = {
     "kind": "EndpointPickerConfig",
     "plugins": [
         {"name": "vllmgrpc-parser", "type": "vllmgrpc-parser"},
+        {"name": "sglanggrpc-parser", "type": "sglanggrpc-parser"},
         {"name": "openai-parser", "type": "openai-parser"},
         {"name": "precise-prefix-cache-scorer", "type": "precise-prefix-cache-scorer",
          "parameters": {"blockSize": 16}},
@@ -95,6 +96,7 @@ DEFAULT_EPP_CONFIG = {
         {"pluginRef": "max-score-picker"},
     ]}],
     "requestHandler": {"parsers": [{"pluginRef": "vllmgrpc-parser"},
+                                   {"pluginRef": "sglanggrpc-parser"},
                                    {"pluginRef": "openai-parser"}]},
 }
 
@@ -128,11 +130,11 @@ def engine_spec(name: str, port: int, *, profile: str | None = None,
 
 
 def write_pool_file(path: Path, endpoints: Sequence[str], *, name: str = "kvswitch",
-                    app_protocol: str = H2C) -> Path:
+                    app_protocol: str = H2C, api: str = "vllm") -> Path:
     """An InferencePool plus the EndpointList naming its replicas (the EPP's pool file)."""
     from kvswitch.epp.config import static_pool
 
-    docs = static_pool(list(endpoints), app_protocol=app_protocol, name=name)
+    docs = static_pool(list(endpoints), app_protocol=app_protocol, name=name, api=api)
     path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     return path
 
@@ -249,6 +251,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["echo", "random"], default="random",
                         help="echo returns the prompt's tokens; random draws seeded tokens "
                              "(default: %(default)s)")
+    parser.add_argument("--api", choices=["vllm", "sglang"], default="vllm",
+                        help="the engines' gRPC API: vllm.grpc.engine.VllmEngine or "
+                             "sglang.grpc.scheduler.SglangScheduler (docs/sglang.md) "
+                             "(default: %(default)s)")
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="--api sglang: the engines' radix-cache page size in tokens "
+                             "(default: the engine's, 1)")
     parser.add_argument("--grace-period", type=float, default=5.0,
                         help="seconds engines get to finish in-flight requests on shutdown "
                              "(default: %(default)s)")
@@ -287,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
         epp_replicas=args.epp_replicas,
         frontend_workers=args.frontend_workers if with_frontend else 0,
         envoy_concurrency=args.envoy_concurrency, routing=args.routing, restart_engines=True,
-        restart_epp=True, restart_proxies=True,
+        restart_epp=True, restart_proxies=True, api=args.api,
+        engine_args=("--page-size", str(args.page_size)) if args.page_size else (),
     )
     stop_requested: list[int] = []
 
@@ -300,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         gateway = launch_gateway(supervisor, spec, state_dir, stop_requested)
         if stop_requested:
             return 0
-        print(usage(gateway.ports, with_frontend, state_dir), flush=True)
+        print(usage(gateway.ports, with_frontend, state_dir, args.api), flush=True)
         return _supervise(supervisor, stop_requested)
     except (RuntimeError, TimeoutError) as exc:
         logger.error("%s", exc)
@@ -338,6 +348,8 @@ class GatewaySpec:
     restart_epp: bool = False
     restart_proxies: bool = False
     """Restart Envoy and the frontends when they exit (with backoff, as the others)."""
+    api: str = "vllm"
+    """The engines' gRPC API, "vllm" or "sglang"; the pool file and the frontends say so."""
 
 
 @dataclass(frozen=True)
@@ -365,7 +377,7 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
                            spec.epp_replicas)
     endpoints = (*(f"127.0.0.1:{p}" for p in ports.engines), *spec.extra_endpoints)
     gateway = LaunchedGateway(spec, ports, state_dir, endpoints)
-    pool = write_pool_file(state_dir / "pool.yaml", endpoints)
+    pool = write_pool_file(state_dir / "pool.yaml", endpoints, api=spec.api)
     epp_config = state_dir / "epp.yaml"
     if isinstance(spec.epp_config, Path):
         write_epp_config(epp_config, spec.epp_config)
@@ -375,7 +387,8 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
         epp_config.write_text(yaml.safe_dump_all([dict(d) for d in docs], sort_keys=False))
     engines = [engine_spec(f"engine-{i}", port, profile=spec.profile, time_scale=spec.time_scale,
                            mode=spec.mode, grace_period=spec.grace_period,
-                           extra=spec.engine_args, restart=spec.restart_engines)
+                           extra=("--api", spec.api, *spec.engine_args),
+                           restart=spec.restart_engines)
                for i, port in enumerate(ports.engines)]
     epp_addresses = tuple(f"127.0.0.1:{port}" for port in ports.epps)
     several = len(epp_addresses) > 1
@@ -401,7 +414,7 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
                                 restart=spec.restart_proxies))
     if ports.frontends and not stop_requested:
         supervisor.start_all([frontend_spec(f"frontend-{i}", port, gateway.address,
-                                            restart=spec.restart_proxies)
+                                            ("--api", spec.api), restart=spec.restart_proxies)
                               for i, port in enumerate(ports.frontends)])
     return gateway
 
@@ -443,13 +456,36 @@ def _epp_metrics_urls(ports: Ports) -> str:
     return " ".join(f"http://127.0.0.1:{port}/metrics" for port in ports.epp_metrics)
 
 
-def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
+def _sglang_usage(address: str, proto_dir: Path) -> list[str]:
+    """How to call an SGLang pool: SglangScheduler takes tokenized input."""
+    return [
+        "",
+        "gRPC (grpcurl; SGLang's API takes token ids):",
+        (f"  grpcurl -plaintext -import-path {proto_dir} -proto sglang_scheduler.proto "
+         "-d '{\"request_id\": \"req-1\", \"tokenized\": {\"input_ids\": [9707, 1879]}, "
+         "\"sampling_params\": {\"max_new_tokens\": 10, \"temperature\": 1, \"top_p\": 1}, "
+         f"\"stream\": true}}' {address} sglang.grpc.scheduler.SglangScheduler/Generate"),
+        "",
+        "gRPC (Python):",
+        f"  {sys.executable} - <<'EOF'",
+        "import grpc",
+        ("from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb, "
+         "sglang_scheduler_pb2_grpc as rpc"),
+        f"stub = rpc.SglangSchedulerStub(grpc.insecure_channel('{address}'))",
+        "request = pb.GenerateRequest(request_id='req-2', stream=True,",
+        "                             tokenized=pb.TokenizedInput(input_ids=[9707, 1879]),",
+        "                             sampling_params=pb.SamplingParams(max_new_tokens=10,",
+        "                                                               temperature=1, top_p=1))",
+        "for response in stub.Generate(request):",
+        "    print(response)",
+        "EOF",
+    ]
+
+
+def usage(ports: Ports, with_frontend: bool, state_dir: Path, api: str = "vllm") -> str:
     address = f"127.0.0.1:{ports.public}"
     proto_dir = Path(importlib.util.find_spec("smg_grpc_proto").origin or "").parent / "proto"  # type: ignore[union-attr]
-    lines = [
-        "",
-        (f"kvswitch is up on {address}  (Envoy admin 127.0.0.1:{ports.admin}, "
-         f"EPP metrics {_epp_metrics_urls(ports)}, logs {state_dir})"),
+    lines = _sglang_usage(address, proto_dir) if api == "sglang" else [
         "",
         "gRPC (grpcurl):",
         (f"  grpcurl -plaintext -import-path {proto_dir} -proto vllm_engine.proto "
@@ -470,6 +506,10 @@ def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
         "    print(response)",
         "EOF",
     ]
+    lines.insert(0, "")
+    lines.insert(1, (f"kvswitch is up on {address}  (Envoy admin 127.0.0.1:{ports.admin}, "
+                     f"EPP metrics {_epp_metrics_urls(ports)}, "
+                     f"logs {state_dir})"))
     if with_frontend:
         body = json.dumps({"model": served_model(address), "max_tokens": 10,
                            "messages": [{"role": "user", "content": "Hello"}]})

@@ -95,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drain-timeout", type=float, default=300.0,
                         help="wall seconds to wait for stragglers after the last send")
+    parser.add_argument("--api", default="vllm", choices=["vllm", "sglang"],
+                        help="the engines' gRPC API (every target speaks it; docs/sglang.md)")
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="--api sglang: the engines' radix-cache page size (default 1)")
     parser.add_argument("--mode", default="random", choices=["random", "echo"],
                         help="engine output tokens")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
@@ -166,8 +170,10 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvswitch-bench-") as tmp:
         state = Path(tmp)
         with Supervisor(state / "logs") as supervisor:
+            page = ("--page-size", str(args.page_size)) if args.page_size else ()
             pool = EnginePool(supervisor, args.replicas, args.profile, args.time_scale,
-                              args.mode, request_log_dir=state / "requests")
+                              args.mode, extra_args=page, request_log_dir=state / "requests",
+                              api=args.api)
             await asyncio.to_thread(pool.start)
             ctx = RunContext(supervisor, pool, state)
             for target in targets:
@@ -184,6 +190,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             "command": "kvswitch bench " + shlex.join(sys.argv[2:])
             if sys.argv[1:2] == ["bench"] else shlex.join(sys.argv),
             "replicas": args.replicas, "profile": args.profile, "time_scale": args.time_scale,
+            "api": args.api,
             "qps": list(workload.qps), "stage_duration": workload.stage_duration,
             "seed": args.seed, "requests": len(workload.requests), "stream": stream,
             **_workload_meta(workload), "arrivals": args.arrivals,

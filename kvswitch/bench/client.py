@@ -23,6 +23,7 @@ import grpc
 
 from kvswitch.bench.workloads import BenchRequest
 from kvswitch.protocol import vllm_engine_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol.sglang import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 _MAX_MESSAGE = 64 * 1024 * 1024
 
@@ -52,10 +53,13 @@ class RequestResult:
 
 
 class Channels:
-    """A few channels per address (HTTP/2 connections), used in turn."""
+    """A few channels per address (HTTP/2 connections), used in turn; stubs of `api`."""
 
-    def __init__(self, per_address: int = 4) -> None:
+    def __init__(self, per_address: int = 4, api: str = "vllm") -> None:
         self.per_address = per_address
+        self.api = api
+        self._stub_class: Any = (sglang_scheduler_pb2_grpc.SglangSchedulerStub
+                                 if api == "sglang" else vllm_engine_pb2_grpc.VllmEngineStub)
         self._stubs: dict[str, itertools.cycle[vllm_engine_pb2_grpc.VllmEngineStub]] = {}
         self._channels: list[grpc.aio.Channel] = []
 
@@ -69,7 +73,7 @@ class Channels:
                     ("grpc.max_send_message_length", _MAX_MESSAGE),
                     ("grpc.channel_id", i)])  # distinct options: distinct connections
                 self._channels.append(channel)
-                made.append(vllm_engine_pb2_grpc.VllmEngineStub(channel))
+                made.append(self._stub_class(channel))
             stubs = self._stubs[address] = itertools.cycle(made)
         return next(stubs)
 
@@ -87,7 +91,17 @@ class Channels:
 
 
 def generate_request(request: BenchRequest, run_id: str, text: str | None = None,
-                     stream: bool = True) -> vllm_engine_pb2.GenerateRequest:
+                     stream: bool = True, api: str = "vllm") -> Any:
+    """The request in the pool's API (SGLang's: token ids, or text as `original_text`)."""
+    if api == "sglang":
+        s = sglang_scheduler_pb2
+        return s.GenerateRequest(
+            request_id=f"{run_id}-{request.index}", stream=stream,
+            tokenized=s.TokenizedInput(original_text=text) if text is not None
+            else s.TokenizedInput(input_ids=request.prompt_ids),
+            sampling_params=s.SamplingParams(max_new_tokens=request.max_tokens, ignore_eos=True,
+                                             temperature=0.0, top_p=1.0, top_k=-1,
+                                             repetition_penalty=1.0))
     sampling = vllm_engine_pb2.SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
                                               temperature=0.0)
     common = {"request_id": f"{run_id}-{request.index}", "sampling_params": sampling,
@@ -98,10 +112,11 @@ def generate_request(request: BenchRequest, run_id: str, text: str | None = None
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=request.prompt_ids), **common)
 
 
-async def send(stub: vllm_engine_pb2_grpc.VllmEngineStub, message: vllm_engine_pb2.GenerateRequest,
+async def send(stub: Any, message: Any,
                request: BenchRequest, time_scale: float, timeout: float,
                endpoint: str = "", on_first: Callable[[], None] | None = None) -> RequestResult:
-    """Run one request to the end; never raises (failures are results)."""
+    """Run one request to the end; never raises (failures are results). Either API's messages:
+    their chunk and complete fields are named alike."""
     started = time.perf_counter()
     first: float | None = None
     last = started

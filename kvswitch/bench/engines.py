@@ -21,11 +21,13 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from kvswitch.engine.request_log import RequestRecord, read_records
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc
 from kvswitch.supervisor import Supervisor
 from kvswitch.up import engine_spec, free_port
 
@@ -91,12 +93,13 @@ class Engine:
 
 
 class EnginePool:
-    """`replicas` simulated engines under `supervisor`."""
+    """`replicas` simulated engines under `supervisor`, serving `api` ("vllm" or "sglang")."""
 
     def __init__(self, supervisor: Supervisor, replicas: int, profile: str, time_scale: float,
                  mode: str = "random", extra_args: tuple[str, ...] = (),
-                 request_log_dir: Path | None = None) -> None:
+                 request_log_dir: Path | None = None, api: str = "vllm") -> None:
         self.supervisor = supervisor
+        self.api = api
         self.profile = profile
         self.time_scale = time_scale
         self.engines: list[Engine] = []
@@ -109,7 +112,8 @@ class EnginePool:
             specs.append(engine_spec(name, port, profile=profile, time_scale=time_scale,
                                      mode=mode, grace_period=1.0,
                                      extra=("--http-port", str(http_port), "--log-level",
-                                            "WARNING", *log_args, *extra_args)))
+                                            "WARNING", "--api", api, *log_args,
+                                            *extra_args)))
             self.engines.append(Engine(name, f"127.0.0.1:{port}",
                                        f"http://127.0.0.1:{http_port}/metrics", log))
         self._specs = specs
@@ -160,7 +164,8 @@ class EnginePool:
         """FlushCache on every engine (each waits up to `timeout` s to go idle first)."""
         async def one(address: str) -> bool:
             async with grpc.aio.insecure_channel(address) as channel:
-                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                stub: Any = (sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+                             if self.api == "sglang" else vllm_engine_pb2_grpc.VllmEngineStub(channel))
                 reply = await stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=timeout),
                                               timeout=timeout + 10)
                 return bool(reply.success)

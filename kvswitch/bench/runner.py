@@ -57,7 +57,7 @@ async def run_target(target: Target, workload: Workload, ctx: RunContext, time_s
     if not all(flushed.values()):
         await target.stop()
         raise RuntimeError(f"FlushCache failed on {[a for a, ok in flushed.items() if not ok]}")
-    channels = Channels()
+    channels = Channels(api=ctx.pool.api)
     run_id = uuid.uuid4().hex[:8]
     try:
         if not hasattr(target, "send_request"):
@@ -102,7 +102,7 @@ async def _drive(target: Target, workload: Workload, channels: Channels, run_id:
             result = await http_send(request, text or workload.text(request), time_scale,
                                      request_timeout, stream)
         else:
-            message = generate_request(request, run_id, text, stream)
+            message = generate_request(request, run_id, text, stream, channels.api)
             result = await send(channels.stub(address), message, request, time_scale,
                                 request_timeout, endpoint, lambda: target.first_token(request))
         target.finished(request, result)

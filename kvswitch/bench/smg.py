@@ -1,8 +1,8 @@
 """SMG (Shepherd Model Gateway, PyPI `smg`) as a bench target: a peer gateway to measure against.
 
 `smg launch --worker-urls grpc://<engine>... --policy cache_aware|round_robin` routes OpenAI
-HTTP requests to the engines over the vLLM gRPC API (it fetches the tokenizer from the engines
-with GetTokenizer). The bench sends `/v1/completions` with the prompt as text (the workload's
+HTTP requests to the engines over the vLLM gRPC API, or SGLang's (`--backend sglang`, for a
+pool started with `--api sglang`); it fetches the tokenizer from the engines with GetTokenizer. The bench sends `/v1/completions` with the prompt as text (the workload's
 text tokenizes back to exactly its token ids), streamed (`stream: true`, the SSE stream is timed)
 or not (one JSON response; TTFT then comes from the engines' request logs).
 The target is unavailable (with the reason) when `smg` or `httpx` is not installed or SMG does
@@ -73,9 +73,13 @@ class SmgTarget:
         except ImportError as exc:
             raise TargetUnavailable("httpx is needed for the OpenAI HTTP client") from exc
         self._port = free_port()
+        # Its Prometheus listener defaults to 0.0.0.0:29000: one per run, on a free port.
         argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(self._port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 "--policy", self.policy, "--log-level", "warn",
                 "--worker-urls", *(f"grpc://{a}" for a in ctx.pool.addresses)]
+        if ctx.pool.api == "sglang":
+            argv += ["--backend", "sglang"]
         spec = ChildSpec(f"smg-{self.name}", argv, ready=_ready(self._port), stop_timeout=10.0)
         try:
             self._child = await asyncio.to_thread(ctx.supervisor.start, spec, 120.0)

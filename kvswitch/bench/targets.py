@@ -105,7 +105,7 @@ class GatewayTarget:
         epps: tuple[str, ...] = ()
         epp_headers: tuple[str, ...] = EPP_HEADERS
         if self.epp_config is not None:
-            pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses)
+            pool = write_pool_file(state / "pool.yaml", ctx.pool.addresses, api=ctx.pool.api)
             config = state / "epp.yaml"
             shutil.copyfile(self.epp_config, config)
             ports = [free_port() for _ in range(self.epp_replicas)]
@@ -158,7 +158,8 @@ class OracleTarget:
 
         profile = get_profile(ctx.pool.profile)
         index = PrefixIndex(profile.block_size)
-        self._subscriptions = KvEventSubscriptions(index)
+        api = ctx.pool.api
+        self._subscriptions = KvEventSubscriptions(index, api_of=lambda address: api)
         await self._subscriptions.set_endpoints(ctx.pool.addresses)
         scale = ctx.pool.time_scale
         self._router = OracleRouter(ctx.pool.addresses, profile, index,

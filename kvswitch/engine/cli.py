@@ -1,4 +1,5 @@
-"""`kvswitch engine`: serve the vLLM gRPC engine API with the simulated model server."""
+"""`kvswitch engine`: serve the vLLM (or, with `--api sglang`, SGLang) gRPC engine API with the
+simulated model server."""
 
 from __future__ import annotations
 
@@ -47,13 +48,20 @@ _SIM_FIELDS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = DefaultsHelpFormatter
     parser.description = (
-        "Serve vllm.grpc.engine.VllmEngine (every RPC, vLLM semantics), grpc.health.v1 and "
+        "Serve vllm.grpc.engine.VllmEngine (every RPC, vLLM semantics; or with --api sglang "
+        "sglang.grpc.scheduler.SglangScheduler, SGLang's), grpc.health.v1 and "
         "server reflection on one gRPC port, backed by the simulated model server (continuous "
         "batching, paged KV cache with prefix caching, a step-time model). Optional Prometheus "
         "/metrics with vLLM's metric names on --http-port; its latency histograms (TTFT, "
         "inter-token, e2e, queue time) are in SIMULATED seconds, comparable with a real vLLM's "
         "at any --time-scale (equal to wall seconds at 1). SIGTERM drains gracefully.")
     net = parser.add_argument_group("serving")
+    net.add_argument("--api", choices=["vllm", "sglang"], default="vllm",
+                     help="gRPC API: vllm.grpc.engine.VllmEngine (vLLM's semantics) or "
+                          "sglang.grpc.scheduler.SglangScheduler (SGLang's; docs/sglang.md)")
+    net.add_argument("--page-size", type=int, default=1, metavar="N",
+                     help="--api sglang: the radix cache's page size its KV events report, as "
+                          "SGLang's --page-size (must divide the KV block size)")
     net.add_argument("--host", default="127.0.0.1", help="address to bind")
     net.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     net.add_argument("--http-port", type=int, default=None,
@@ -150,7 +158,8 @@ async def _serve(args: argparse.Namespace) -> None:
                    f"mode={getattr(config, 'mode', '?')}")
     options = ServerOptions(host=args.host, port=args.port, http_port=args.http_port,
                             grace_period=args.grace_period, tokenizer_dir=args.tokenizer,
-                            description=description, sampling_limits=sampling_from_args(args),
+                            description=f"api={args.api} {description}", api=args.api,
+                            page_size=args.page_size, sampling_limits=sampling_from_args(args),
                             message_limits=message_from_args(args))
     server = EngineServer(engine, tokenizer, options)
     request_log = None

@@ -1,4 +1,5 @@
-"""Registers the VllmEngine servicer with a grpc.aio server, its handlers reading the requests.
+"""Registers an engine servicer (VllmEngine or SglangScheduler) with a grpc.aio server, its
+handlers reading the requests.
 
 grpcio parses a request before the handler runs, and a parse error there can only end the call
 as UNKNOWN ("Unexpected DecodeError"). And when a unary request's body ends inside a message (a
@@ -7,7 +8,8 @@ handler never runs and the call hangs. Here every handler is registered as reque
 it reads the request's raw bytes itself (grpc core ends that stream at the body's end, dropping a
 partial message) and parses them, so a request that does not decode, or has no whole message,
 ends its call with INVALID_ARGUMENT. The handler table is the generated one
-(`add_VllmEngineServicer_to_server`), so every RPC the service defines is covered.
+(`add_VllmEngineServicer_to_server` or `add_SglangSchedulerServicer_to_server`), so every RPC the
+service defines is covered.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from kvswitch.errors import InvalidRequest
 from kvswitch.protocol import SERVICE_NAME, vllm_engine_pb2_grpc
+from kvswitch.protocol.sglang import SGLANG_SERVICE_NAME, sglang_scheduler_pb2_grpc
 
 __all__ = ["add_engine_servicer"]
 
@@ -29,16 +32,22 @@ logger = logging.getLogger(__name__)
 _Parse = Callable[[bytes], Any]
 
 
-def add_engine_servicer(servicer: vllm_engine_pb2_grpc.VllmEngineServicer,
-                        server: grpc.aio.Server) -> None:
-    """`add_VllmEngineServicer_to_server`, with undecodable requests INVALID_ARGUMENT."""
+def add_engine_servicer(servicer: object, server: grpc.aio.Server) -> str:
+    """`add_VllmEngineServicer_to_server` (or SGLang's, for a `SglangSchedulerServicer`), with
+    undecodable requests INVALID_ARGUMENT; returns the service's name."""
     table = _HandlerTable()
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, table)
+    if isinstance(servicer, sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
+        service = SGLANG_SERVICE_NAME
+        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(servicer, table)
+    else:
+        service = SERVICE_NAME
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, table)
     handlers = {method: _parsing_handler(method, handler)
                 for method, handler in table.handlers.items()}
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        (grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+    return service
 
 
 class _HandlerTable:
@@ -58,7 +67,7 @@ class _HandlerTable:
 def _parsing_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """The same RPC, request-streaming on the wire with no deserializer: its behaviour reads
     and parses the one request message first."""
-    if handler.request_streaming:  # VllmEngine has none
+    if handler.request_streaming:  # neither service has one
         raise TypeError(f"{method}: request-streaming RPCs are not supported")
     parse = handler.request_deserializer
     if handler.response_streaming:

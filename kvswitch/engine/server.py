@@ -1,5 +1,5 @@
-"""The engine process: grpc.aio server (VllmEngine, grpc.health.v1, reflection), the /metrics
-HTTP server, and graceful shutdown.
+"""The engine process: grpc.aio server (VllmEngine, or SglangScheduler with `api="sglang"`;
+grpc.health.v1, reflection), the /metrics HTTP server, and graceful shutdown.
 
 Shutdown (SIGTERM/SIGINT or `stop()`): health goes NOT_SERVING, KV-event subscriptions end,
 the gRPC server stops accepting RPCs, in-flight ones get `grace` seconds to finish, then the
@@ -23,6 +23,7 @@ from kvswitch.engine.base import Engine
 from kvswitch.engine.metrics import EngineMetrics, MetricsHttpServer
 from kvswitch.engine.registration import add_engine_servicer
 from kvswitch.engine.servicer import VllmEngineServicer
+from kvswitch.engine.sglang_servicer import SglangSchedulerServicer
 from kvswitch.limits import MESSAGE_DEFAULTS, SAMPLING_DEFAULTS, MessageLimits, SamplingLimits
 from kvswitch.protocol import SERVICE_NAME
 from kvswitch.tokenization import TokenizerBundle
@@ -57,6 +58,10 @@ class ServerOptions:
     """Extra words for the startup log line (profile, time scale)."""
     sampling_limits: SamplingLimits = SAMPLING_DEFAULTS
     message_limits: MessageLimits = MESSAGE_DEFAULTS
+    api: str = "vllm"
+    """The gRPC API served: "vllm" (VllmEngine) or "sglang" (SglangScheduler)."""
+    page_size: int = 1
+    """api "sglang": the radix cache's page size its KV events report (divides block_size)."""
 
 
 class EngineServer:
@@ -67,8 +72,16 @@ class EngineServer:
         self.engine = engine
         self.options = options
         self.metrics = EngineMetrics(engine)
-        self.servicer = VllmEngineServicer(engine, tokenizer, tokenizer_dir=options.tokenizer_dir,
-                                           metrics=self.metrics, limits=options.sampling_limits)
+        self.servicer: VllmEngineServicer | SglangSchedulerServicer
+        if options.api == "sglang":
+            self.servicer = SglangSchedulerServicer(
+                engine, tokenizer, page_size=options.page_size,
+                tokenizer_dir=options.tokenizer_dir, metrics=self.metrics)
+        else:
+            self.servicer = VllmEngineServicer(
+                engine, tokenizer, tokenizer_dir=options.tokenizer_dir, metrics=self.metrics,
+                limits=options.sampling_limits)
+        self.service_name = SERVICE_NAME
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=[
             *GRPC_OPTIONS,
@@ -85,10 +98,10 @@ class EngineServer:
     async def start(self) -> int:
         """Start the engine and both servers; returns the bound gRPC port. Raises OSError when
         a port cannot be bound, after undoing whatever had started."""
-        add_engine_servicer(self.servicer, self.server)
+        self.service_name = add_engine_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+            (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         try:
             # The gRPC port first, so that clash fails before the engine starts its scheduler.
             # A /metrics clash comes after gRPC started (grpc.aio only releases a port it
@@ -141,7 +154,7 @@ class EngineServer:
                     card.num_gpu_blocks, card.max_num_seqs)
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", self.service_name):
             await self.health.set(service, status)
 
     async def _follow_engine_health(self) -> None:

@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 
@@ -298,6 +299,13 @@ def _pace_interval(active_requests: int) -> float:
     return min(max(active_requests * _PACE_PER_STREAM, _PACE_MIN), _PACE_MAX)
 
 
+class _PromptCounts(Protocol):
+    """What a request record reads from a response builder (vLLM's or SGLang's)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
 def scheduler_load(engine: Engine) -> pb.SchedulerLoad:
     load = engine.load()
     return pb.SchedulerLoad(
@@ -384,7 +392,7 @@ class _Timer:
         if self.metrics is not None:
             self.metrics.e2e.observe(self.last - self.start)
 
-    def record(self, request_id: str, arrival_wall: float, builder: conversion.ResponseBuilder,
+    def record(self, request_id: str, arrival_wall: float, builder: _PromptCounts,
                stream: bool, failed: str | None) -> RequestRecord:
         """What `--request-log` writes for this request (call once it has ended)."""
         first, tokens = self.first, self.tokens

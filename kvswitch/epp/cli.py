@@ -40,9 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", metavar="EPP_YAML",
                         help="EndpointPickerConfig YAML (llm-d.ai/v1alpha1); omitted: defaults "
-                             "(vllmgrpc + openai parsers, prefix/queue/kv-cache scorers)")
+                             "(vllmgrpc + sglanggrpc + openai parsers, prefix/queue/kv-cache "
+                             "scorers)")
     parser.add_argument("--pool", metavar="POOL_YAML", required=True,
-                        help="InferencePool YAML with the EndpointList of model servers")
+                        help="InferencePool YAML with the EndpointList of model servers (annotation "
+                             "kvswitch.dev/engine-api: sglang for an SGLang gRPC pool)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve ext_proc on")
     parser.add_argument("--port", type=int, default=9002, help="ext_proc (gRPC) port")
     parser.add_argument("--metrics-port", type=int, default=9090,

@@ -78,7 +78,7 @@ DEFAULT_PROFILE_WEIGHTS: tuple[tuple[str, float], ...] = (
     ("prefix-cache-scorer", 3.0), ("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0))
 DEFAULT_PICKER = "max-score-picker"
 DEFAULT_HANDLER = "single-profile-handler"
-DEFAULT_PARSERS = ("vllmgrpc-parser", "openai-parser")
+DEFAULT_PARSERS = ("vllmgrpc-parser", "sglanggrpc-parser", "openai-parser")
 DEFAULT_PROFILE = "default"
 
 
@@ -98,7 +98,7 @@ def apply_defaults(spec: ConfigSpec, plugin_roles: Mapping[str, str] | None = No
       else it references every filter/scorer/picker plugin (weight 1);
     - a profile without a picker gets a max-score-picker;
     - no profile handler: single-profile-handler;
-    - no requestHandler.parsers: vllmgrpc-parser and openai-parser.
+    - no requestHandler.parsers: vllmgrpc-parser, sglanggrpc-parser and openai-parser.
     `plugin_roles` (name -> "filter"|"scorer"|"picker"|"handler"|"parser"|"other") comes from
     instantiating the configured plugins; without it only the role-free defaults apply.
     """
@@ -157,12 +157,16 @@ def load_documents(source: Path | str | Mapping[str, Any] | Sequence[Mapping[str
 
 
 def static_pool(addresses: Sequence[str], app_protocol: str = "kubernetes.io/h2c",
-                name: str = "kvswitch") -> list[Mapping[str, Any]]:
-    """Pool documents for a fixed list of `ip:port` endpoints (for `kvswitch up` and tests)."""
+                name: str = "kvswitch", api: str = "vllm") -> list[Mapping[str, Any]]:
+    """Pool documents for a fixed list of `ip:port` endpoints (for `kvswitch up` and tests);
+    `api` "sglang" annotates the InferencePool as an SGLang pool."""
     port = int(addresses[0].rpartition(":")[2]) if addresses else 8000
+    metadata: dict[str, Any] = {"name": name}
+    if api != "vllm":
+        metadata["annotations"] = {"kvswitch.dev/engine-api": api}
     return [
         {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-         "metadata": {"name": name},
+         "metadata": metadata,
          "spec": {"selector": {"matchLabels": {"app": name}},
                   "targetPorts": [{"number": port, "appProtocol": app_protocol}],
                   "endpointPickerRef": {"name": f"{name}-epp"}}},

@@ -268,6 +268,7 @@ PluginFactory = Callable[[str, Mapping[str, Any], PluginHandle], object]
 # Type name -> module path. Modules are imported on first use.
 REGISTRY: dict[str, str] = {
     "vllmgrpc-parser": "kvswitch.epp.parsers.vllmgrpc",
+    "sglanggrpc-parser": "kvswitch.epp.parsers.sglanggrpc",
     "openai-parser": "kvswitch.epp.parsers.openai",
     "passthrough-parser": "kvswitch.epp.parsers.passthrough",
     "prefix-cache-scorer": "kvswitch.epp.plugins.prefix_cache_scorer",

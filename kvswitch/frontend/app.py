@@ -49,6 +49,8 @@ class FrontendSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
+    api: str = "auto"
+    """The target's engine API: "vllm", "sglang", or "auto" (found from its answers)."""
 
 
 Handler = Callable[[Any, Mapping[str, str]], Awaitable[Any]]
@@ -71,7 +73,7 @@ class Frontend:
 
     def __init__(self, settings: FrontendSettings) -> None:
         self.settings = settings
-        self._client = EngineClient(settings.target)
+        self._client = EngineClient(settings.target, settings.api)
         self.models = ModelRegistry(self._client, served_model_names=settings.served_model_names,
                                     tokenizer_dir=settings.tokenizer_dir)
         self.metrics = FrontendMetrics()

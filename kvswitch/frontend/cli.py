@@ -27,6 +27,10 @@ logger = logging.getLogger("kvswitch.frontend")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT",
                         help="vLLM gRPC target: Envoy's listener or one engine")
+    parser.add_argument("--api", choices=["auto", "vllm", "sglang"], default="auto",
+                        help="the target's gRPC API: vllm.grpc.engine.VllmEngine, "
+                             "sglang.grpc.scheduler.SglangScheduler, or auto (found from its "
+                             "GetModelInfo answer)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--workers", type=int, default=1,
@@ -58,7 +62,7 @@ def _settings(args: argparse.Namespace) -> FrontendSettings:
                             user_as_fairness_id=args.user_as_fairness_id,
                             max_body_bytes=args.max_body_bytes,
                             tool_call_parser=args.tool_call_parser,
-                            reasoning_parser=args.reasoning_parser)
+                            reasoning_parser=args.reasoning_parser, api=args.api)
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:

@@ -9,7 +9,12 @@ the target is a list of addresses; the other calls, and any Generate that channe
 (no connection, a request larger than the peer's window), use grpc.aio. grpc.aio stays because
 it covers what the lean client leaves out on purpose (`dns:` and `unix:` targets, requests
 larger than a flow-control window, the rarely used RPCs), at a per-message cost that matters
-only per token (docs/benchmarks/transports.md). Both hand back a `GenerateStream`: `read_batch()` returns every response already received.
+only per token (docs/benchmarks/transports.md).
+Both hand back a `GenerateStream`: `read_batch()` returns every response already received.
+
+The target speaks vLLM's engine API or SGLang's (`api`): "auto" asks GetModelInfo of vLLM's
+service and takes an UNIMPLEMENTED answer for an SGLang target; an SGLang target's calls are
+translated by `sglang_client`, so the rest of the frontend sees vLLM's messages only.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import grpc.aio
@@ -37,10 +42,13 @@ from kvswitch.errors import (
     Unavailable,
     Unimplemented,
 )
+from kvswitch.frontend import sglang_client
 from kvswitch.limits import MAX_TOKENIZER_ARCHIVE_BYTES
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, parse_target
+from kvswitch.protocol.sglang import sglang_scheduler_pb2 as spb
+from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc
 
 __all__ = ["EngineClient", "GenerateStream", "Metadata", "error_from_rpc", "error_from_status"]
 
@@ -109,14 +117,17 @@ class GenerateStream(Protocol):
 class _AioStream:
     """A grpc.aio call behind the `GenerateStream` interface (one response per batch)."""
 
-    __slots__ = ("_call",)
+    __slots__ = ("_call", "_convert")
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, convert: Any = None) -> None:
         self._call = call
+        self._convert = convert
 
     async def read_batch(self) -> list[pb.GenerateResponse]:
         message = await self._call.read()
-        return [] if message is grpc.aio.EOF else [message]
+        if message is grpc.aio.EOF:
+            return []
+        return [message if self._convert is None else self._convert(message)]
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -125,10 +136,13 @@ class _AioStream:
 class EngineClient:
     """The VllmEngine calls the frontend makes, on one channel per process."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, api: str = "auto") -> None:
         self.target = target
+        self.api = api
+        """"vllm", "sglang", or "auto" until GetModelInfo has told."""
         self._channel: grpc.aio.Channel | None = None
         self._stub: vllm_engine_pb2_grpc.VllmEngineStub | None = None
+        self._sglang: sglang_scheduler_pb2_grpc.SglangSchedulerStub | None = None
         addresses = parse_target(target)
         self._h2 = H2Channel(addresses) if addresses else None
 
@@ -139,17 +153,26 @@ class EngineClient:
             self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
         return self._stub
 
+    @property
+    def sglang(self) -> sglang_scheduler_pb2_grpc.SglangSchedulerStub:
+        if self._sglang is None:
+            self.stub  # noqa: B018 - opens the channel
+            self._sglang = sglang_scheduler_pb2_grpc.SglangSchedulerStub(self._channel)
+        return self._sglang
+
     async def close(self) -> None:
         if self._h2 is not None:
             self._h2.close()
         if self._channel is not None:
             await self._channel.close()
-            self._channel, self._stub = None, None
+            self._channel, self._stub, self._sglang = None, None, None
 
     async def generate(self, request: pb.GenerateRequest, metadata: Metadata
                        ) -> GenerateStream:
         """Start a Generate call; the caller reads it and must `cancel()` it if it stops
         early (a client that went away), which makes the engine abort the request at once."""
+        if self.api == "sglang":
+            return await self._generate_sglang(request, metadata)
         if self._h2 is not None:
             try:
                 return await self._h2.start(_GENERATE_PATH, metadata,
@@ -159,7 +182,27 @@ class EngineClient:
                 pass
         return _AioStream(self.stub.Generate(request, metadata=tuple(metadata)))
 
+    async def _generate_sglang(self, request: pb.GenerateRequest, metadata: Metadata
+                               ) -> GenerateStream:
+        message = sglang_client.generate_request(request)
+        if self._h2 is not None:
+            try:
+                return await self._h2.start(sglang_client.GENERATE_PATH, metadata,
+                                            message.SerializeToString(),
+                                            sglang_client.parse_generate_response)
+            except NotAccepted:
+                pass
+        return _AioStream(self.sglang.Generate(message, metadata=tuple(metadata)),
+                          sglang_client.generate_response)
+
     async def embed(self, request: pb.EmbedRequest, metadata: Metadata) -> pb.EmbedResponse:
+        if self.api == "sglang":
+            try:
+                reply = await self.sglang.Embed(sglang_client.embed_request(request),
+                                                metadata=tuple(metadata))
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc) from exc
+            return sglang_client.embed_response(reply)
         try:
             response: pb.EmbedResponse = await self.stub.Embed(request, metadata=tuple(metadata))
         except grpc.aio.AioRpcError as exc:
@@ -167,15 +210,31 @@ class EngineClient:
         return response
 
     async def model_info(self, timeout: float = 5.0) -> pb.GetModelInfoResponse:
+        """The served model; with api "auto", also which API the target speaks."""
         try:
-            info: pb.GetModelInfoResponse = await self.stub.GetModelInfo(
-                pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=False)
+            if self.api != "sglang":
+                try:
+                    info: pb.GetModelInfoResponse = await self.stub.GetModelInfo(
+                        pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=False)
+                except grpc.aio.AioRpcError as exc:
+                    if self.api != "auto" or exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    logger.info("%s does not serve vLLM's API: using SGLang's", self.target)
+                    self.api = "sglang"
+                else:
+                    self.api = "vllm"
+                    return info
+            reply = await self.sglang.GetModelInfo(spb.GetModelInfoRequest(), timeout=timeout,
+                                                   wait_for_ready=False)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, f"the target {self.target}") from exc
-        return info
+        return sglang_client.model_info(reply)
 
     async def health(self, timeout: float = 2.0) -> bool:
         try:
+            if self.api == "sglang":
+                reply = await self.sglang.HealthCheck(spb.HealthCheckRequest(), timeout=timeout)
+                return bool(reply.healthy)
             reply = await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError:
             return False
@@ -186,7 +245,8 @@ class EngineClient:
         target does not serve GetTokenizer."""
         data = io.BytesIO()
         try:
-            call = self.stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout)
+            stub = self.sglang if self.api == "sglang" else self.stub
+            call = stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout)
             async for chunk in call:
                 data.write(chunk.data)
                 if data.tell() > MAX_TOKENIZER_ARCHIVE_BYTES:

@@ -31,9 +31,11 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import FileDescriptor
 
 from kvswitch.protocol import common_pb2, vllm_engine_pb2
+from kvswitch.protocol.sglang import sglang_scheduler_pb2
 
 __all__ = [
     "EmbedRequestView", "GenerateRequestView", "KvEventBatchView", "PackedTokenIds",
+    "SglangEmbedRequestView", "SglangGenerateRequestView",
     "count_token_ids", "pack_token_ids", "unpack_token_ids",
 ]
 
@@ -78,6 +80,9 @@ _engine_view = _view_classes(vllm_engine_pb2.DESCRIPTOR, {("TokenizedInput", "in
 GenerateRequestView = _engine_view("GenerateRequest")
 EmbedRequestView = _engine_view("EmbedRequest")
 _TokenizedInputView = _engine_view("TokenizedInput")
+_sglang_view = _view_classes(sglang_scheduler_pb2.DESCRIPTOR, {("TokenizedInput", "input_ids")})
+SglangGenerateRequestView = _sglang_view("GenerateRequest")
+SglangEmbedRequestView = _sglang_view("EmbedRequest")
 KvEventBatchView = _view_classes(common_pb2.DESCRIPTOR, {("KvBlock", "token_ids")})(
     "KvEventBatch")
 

@@ -84,6 +84,32 @@ def test_bench_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_bench_smoke_on_sglang_engines(tmp_path: Path) -> None:
+    """`--api sglang`: every target drives SGLang engines (pages of 4 tokens), SMG included."""
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "kvswitch", "bench", "--preset", "tiny", "--replicas", "3",
+            "--profile", "llama3-8b-h100", "--time-scale", "4", "--groups", "4",
+            "--api", "sglang", "--page-size", "4",
+            "--targets", "kvswitch,round-robin,oracle,smg-cache-aware", "--out", str(out),
+            "--no-progress", "--drain-timeout", "30", "--no-stream"]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["meta"]["api"] == "sglang"
+    by_name = {t["target"]: t for t in report["targets"]}
+    requests = report["meta"]["requests"]
+    for name in ("kvswitch", "round-robin", "oracle"):
+        assert by_name[name]["overall"]["success_rate"] == 1.0, name
+        assert sum(by_name[name]["engine"]["requests_per_engine"].values()) == requests
+    smg = by_name["smg-cache-aware"]
+    assert not smg.get("unavailable"), smg.get("unavailable")  # smg is a test dependency
+    assert smg["overall"]["success_rate"] == 1.0
+    rr = by_name["round-robin"]["engine_cache_hit_rate"]
+    assert by_name["kvswitch"]["engine_cache_hit_rate"] > rr
+    assert by_name["oracle"]["engine_cache_hit_rate"] > rr
+
+
+@pytest.mark.timeout(240)
 def test_bench_replays_a_trace_and_reports_rows_too_long(tmp_path: Path) -> None:
     rows = [{"timestamp": 250 * i, "input_length": 600 + 100 * (i % 4), "output_length": 8,
              "hash_ids": [0, 1 + i % 3]} for i in range(10)]

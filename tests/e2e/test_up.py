@@ -100,3 +100,52 @@ def test_up_serves_grpc_and_stops_every_child(tmp_path: Path) -> None:
         for pid in children:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_up_api_sglang_serves_sglang_grpc_and_openai(tmp_path: Path) -> None:
+    from kvswitch.protocol.sglang import sglang_scheduler_pb2 as spb
+    from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as srpc
+
+    port = free_port()
+    log = tmp_path / "up.log"
+    argv = [sys.executable, "-m", "kvswitch", "up", "--port", str(port), "--replicas", "2",
+            "--api", "sglang", "--page-size", "4", "--profile", "tiny", "--time-scale", "100",
+            "--mode", "echo", "--grace-period", "1", "--log-dir", str(tmp_path / "state")]
+    with open(log, "wb") as out:
+        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                              start_new_session=True)
+    children: list[int] = []
+    try:
+        waited = threading.Event()
+        for _ in range(600):  # bounded: 600 x 0.1 s
+            if "is up on" in log.read_text() or up.poll() is not None:
+                break
+            waited.wait(0.1)
+        text = log.read_text()
+        assert "sglang.grpc.scheduler.SglangScheduler/Generate" in text, text
+        children = [int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", text)]
+        assert "kvswitch.dev/engine-api: sglang" in (tmp_path / "state" / "pool.yaml").read_text()
+        ids = prompt(1)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = spb.GenerateRequest(
+                request_id="up-sglang", tokenized=spb.TokenizedInput(input_ids=ids),
+                sampling_params=spb.SamplingParams(max_new_tokens=4, temperature=1, top_p=1))
+            (reply,) = list(srpc.SglangSchedulerStub(channel).Generate(request, timeout=20))
+        assert list(reply.complete.output_ids) == ids[:4]
+        if frontend_available():
+            base = f"http://127.0.0.1:{port}/v1"
+            model = httpx.get(f"{base}/models", timeout=20).json()["data"][0]["id"]
+            answer = httpx.post(f"{base}/completions", timeout=20, json={
+                "model": model, "max_tokens": 3, "prompt": "one two three"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == "one two three"
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        assert [pid for pid in children if _alive(pid)] == []
+    finally:
+        if up.poll() is None:
+            os.kill(up.pid, signal.SIGKILL)
+            up.wait(timeout=10)
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

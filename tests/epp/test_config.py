@@ -86,7 +86,7 @@ def test_upstream_config_loads_unchanged(tmp_path: Path) -> None:
 
 def test_examples_load() -> None:
     router, parsers = build(EXAMPLES / "epp-config.yaml", EXAMPLES / "pool.yaml")
-    assert parsers == ["vllmgrpc-parser", "openai-parser"]
+    assert parsers == ["vllmgrpc-parser", "sglanggrpc-parser", "openai-parser"]
     assert router.objectives == {"interactive": 10, "batch": -1}
     assert router.gate.queues.queueing
     assert router.refresher is not None and router.refresher.interval == pytest.approx(0.05)
@@ -94,7 +94,7 @@ def test_examples_load() -> None:
 
 def test_no_config_means_upstream_defaults() -> None:
     router, parsers = build(None)
-    assert parsers == ["vllmgrpc-parser", "openai-parser"]
+    assert parsers == ["vllmgrpc-parser", "sglanggrpc-parser", "openai-parser"]
     profile = router.scheduler.profiles["default"]
     assert [(type(s), w) for s, w in profile.scorers] == [
         (PrefixCacheScorer, 3.0), (QueueScorer, 2.0), (KvCacheUtilizationScorer, 2.0)]
@@ -114,7 +114,8 @@ def test_defaults_are_filled_in_one_place() -> None:
     spec = apply_defaults(parse_config([]), {})
     assert [p.type for p in spec.plugins] == [
         "prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer",
-        "max-score-picker", "single-profile-handler", "vllmgrpc-parser", "openai-parser"]
+        "max-score-picker", "single-profile-handler", "vllmgrpc-parser", "sglanggrpc-parser",
+        "openai-parser"]
 
 
 BASE = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig"}

@@ -1,6 +1,7 @@
 """Collectors: one refresh of one endpoint's load.
 
-- `GrpcCollector` (h2c pools): `GetLoads` every refresh, `HealthCheck` + `GetServerInfo` at most
+- `GrpcCollector` (h2c pools, over the pool's engine API: vLLM's or SGLang's, whose
+  SchedulerLoad has the same fields): `GetLoads` every refresh, `HealthCheck` + `GetServerInfo` at most
   every `health_interval` seconds (and after any failure), over one HTTP/2 connection per
   endpoint (`kvswitch.protocol.h2client`, no grpc.aio poller thread). When that connection
   drops (the engine died or is going away) it calls `on_disconnect()` so the refresher can
@@ -25,15 +26,9 @@ from typing import Protocol
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.epp.datalayer.endpoint import Metrics
-from kvswitch.protocol import method_path, vllm_engine_pb2
+from kvswitch.protocol.engine_apis import engine_api
 from kvswitch.protocol.h2client import H2Channel, StreamError
 
-_HEALTH = method_path("HealthCheck")
-_HEALTH_REQUEST = vllm_engine_pb2.HealthCheckRequest().SerializeToString()
-_SERVER_INFO = method_path("GetServerInfo")
-_SERVER_INFO_REQUEST = vllm_engine_pb2.GetServerInfoRequest().SerializeToString()
-_LOADS = method_path("GetLoads")
-_LOADS_REQUEST = vllm_engine_pb2.GetLoadsRequest().SerializeToString()
 USER_AGENT = "kvswitch-epp"
 
 
@@ -49,8 +44,12 @@ class Collector(Protocol):
 
 class GrpcCollector:
     def __init__(self, address: str, timeout: float = 1.0, health_interval: float = 1.0,
-                 on_disconnect: Callable[[], None] | None = None) -> None:
+                 on_disconnect: Callable[[], None] | None = None, api: str = "vllm") -> None:
         self.address = address
+        self.api = engine_api(api)
+        self._health_path = self.api.path("HealthCheck")
+        self._server_info_path = self.api.path("GetServerInfo")
+        self._loads_path = self.api.path("GetLoads")
         self.timeout = timeout
         self.health_interval = health_interval
         self._channel = H2Channel.to(address, user_agent=USER_AGENT, on_lost=on_disconnect)
@@ -58,15 +57,15 @@ class GrpcCollector:
         self._block_size = 0
 
     async def _check_health(self) -> None:
+        api = self.api
         health = await self._channel.unary(
-            _HEALTH, _HEALTH_REQUEST, vllm_engine_pb2.HealthCheckResponse.FromString,
-            timeout=self.timeout)
+            self._health_path, api.health_request, api.parse_health, timeout=self.timeout)
         if not health.healthy:
             raise CollectorError(f"{self.address}: unhealthy: {health.message}")
         info = await self._channel.unary(
-            _SERVER_INFO, _SERVER_INFO_REQUEST, vllm_engine_pb2.GetServerInfoResponse.FromString,
+            self._server_info_path, api.server_info_request, api.parse_server_info,
             timeout=self.timeout)
-        self._block_size = info.block_size
+        self._block_size = api.kv_granularity(info)
 
     async def collect(self, now: float) -> Metrics:
         try:
@@ -74,7 +73,7 @@ class GrpcCollector:
                 await self._check_health()
                 self._health_due = now + self.health_interval
             loads = await self._channel.unary(
-                _LOADS, _LOADS_REQUEST, vllm_engine_pb2.GetLoadsResponse.FromString,
+                self._loads_path, self.api.loads_request, self.api.parse_loads,
                 timeout=self.timeout)
         except StreamError as exc:
             self._health_due = float("-inf")  # re-check health as soon as it answers again

@@ -41,7 +41,9 @@ class EndpointSpec:
     address: str
     """`ip:port`, exactly what goes into `x-gateway-destination-endpoint`."""
     app_protocol: AppProtocol = HTTP
-    """`http` (Prometheus `/metrics`) or `kubernetes.io/h2c` (vLLM gRPC engine API)."""
+    """`http` (Prometheus `/metrics`) or `kubernetes.io/h2c` (a gRPC engine API)."""
+    api: str = "vllm"
+    """h2c: the engine API the pool speaks, "vllm" or "sglang" (`kvswitch.protocol.engine_apis`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +70,13 @@ class Metrics:
 class Endpoint:
     """One replica. Mutated only by the datalayer (metrics, health) and the router (in-flight)."""
 
-    __slots__ = ("address", "app_protocol", "failures", "healthy", "in_flight", "live_until",
-                 "metrics", "sent", "unreported_requests", "unreported_tokens")
+    __slots__ = ("address", "api", "app_protocol", "failures", "healthy", "in_flight",
+                 "live_until", "metrics", "sent", "unreported_requests", "unreported_tokens")
 
     def __init__(self, spec: EndpointSpec) -> None:
         self.address = spec.address
         self.app_protocol: AppProtocol = spec.app_protocol
+        self.api = spec.api
         self.metrics = Metrics()
         # Not ready until a collector has succeeded once.
         self.healthy = False

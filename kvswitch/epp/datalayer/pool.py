@@ -2,7 +2,9 @@
 
     apiVersion: inference.networking.k8s.io/v1
     kind: InferencePool
-    metadata: {name: qwen3}
+    metadata:
+      name: qwen3
+      annotations: {kvswitch.dev/engine-api: sglang}   # h2c pools: vllm (default) or sglang
     spec:
       selector: {matchLabels: {app: qwen3}}
       targetPorts: [{number: 8000, appProtocol: kubernetes.io/h2c}]   # or http (default)
@@ -32,6 +34,8 @@ POOL_API_VERSIONS = ("inference.networking.k8s.io/v1", "inference.networking.x-k
 OBJECTIVE_API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha2",
                           "inference.networking.k8s.io/v1alpha2", "llm-d.ai/v1alpha1")
 ENDPOINT_LIST_API_VERSION = "kvswitch.dev/v1alpha1"
+ENGINE_API_ANNOTATION = "kvswitch.dev/engine-api"
+ENGINE_APIS = ("vllm", "sglang")
 _DOC_KEYS = ("apiVersion", "kind", "metadata")
 
 
@@ -57,12 +61,25 @@ class PoolSpec:
     """InferenceObjective documents found in the pool file."""
     endpoint_picker: str = ""
     """spec.endpointPickerRef.name."""
+    api: str = "vllm"
+    """The engine API every endpoint speaks (annotation `kvswitch.dev/engine-api`)."""
 
 
 def _name(doc: Mapping[str, Any], path: str) -> str:
     meta = fields(doc.get("metadata", {}), f"{path}.metadata", (),
                   ("name", "namespace", "labels", "annotations"))
     return typed(meta.get("name", ""), f"{path}.metadata.name", str)
+
+
+def _engine_api(doc: Mapping[str, Any], path: str) -> str:
+    """The InferencePool's `kvswitch.dev/engine-api` annotation (default vllm)."""
+    annotations = typed(doc.get("metadata", {}).get("annotations") or {},
+                        f"{path}.metadata.annotations", dict)
+    api = annotations.get(ENGINE_API_ANNOTATION, "vllm")
+    if api not in ENGINE_APIS:
+        raise ConfigError(f"{path}.metadata.annotations[{ENGINE_API_ANNOTATION}]: expected one "
+                          f"of {', '.join(ENGINE_APIS)}, got {api!r}")
+    return str(api)
 
 
 def _api(doc: Mapping[str, Any], path: str, allowed: Sequence[str]) -> None:
@@ -145,8 +162,10 @@ def parse_pool(docs: Sequence[Mapping[str, Any]]) -> PoolSpec:
     if not lists:
         raise ConfigError("pool: no EndpointList document (outside Kubernetes the pool file "
                           "lists its endpoints)")
+    api = _engine_api(pool, path)
     endpoints: list[EndpointSpec] = []
     for i, doc in lists:
-        endpoints.extend(_endpoints(doc, f"pool[{i}]", ports))
+        endpoints.extend(EndpointSpec(e.address, e.app_protocol, api)
+                         for e in _endpoints(doc, f"pool[{i}]", ports))
     return PoolSpec(_name(pool, path), tuple(dict.fromkeys(endpoints)), tuple(objectives),
-                    typed(epp.get("name", ""), f"{path}.spec.endpointPickerRef.name", str))
+                    typed(epp.get("name", ""), f"{path}.spec.endpointPickerRef.name", str), api)

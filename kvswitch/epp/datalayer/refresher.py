@@ -37,7 +37,7 @@ connection to the endpoint drops (collectors without a standing connection never
 def default_collector(spec: EndpointSpec, on_disconnect: Callable[[], None]) -> Collector:
     """gRPC GetLoads for h2c endpoints, Prometheus /metrics for http ones."""
     if spec.app_protocol == H2C:
-        return GrpcCollector(spec.address, on_disconnect=on_disconnect)
+        return GrpcCollector(spec.address, on_disconnect=on_disconnect, api=spec.api)
     return PrometheusCollector(spec.address)
 
 

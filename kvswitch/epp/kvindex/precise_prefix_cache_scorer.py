@@ -84,7 +84,8 @@ class PrecisePrefixCacheScorer:
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
-        self.subscriptions = KvEventSubscriptions(index, on_load=self._pushed_load)
+        self.subscriptions = KvEventSubscriptions(index, on_load=self._pushed_load,
+                                                  api_of=self._api_of)
         self._handle = handle
         self._following: frozenset[str] = frozenset()
         # The datalayer version `_following` was last checked against (-1: never).
@@ -99,6 +100,11 @@ class PrecisePrefixCacheScorer:
         if self._handle is None:
             return frozenset()
         return frozenset(map(_address, self._handle.datalayer.all()))
+
+    def _api_of(self, address: str) -> str:
+        """The endpoint's engine API (an SGLang pool's pages are regrouped into blocks)."""
+        endpoint = self._handle.datalayer.get(address) if self._handle is not None else None
+        return getattr(endpoint, "api", "vllm")
 
     def _follow_pool(self) -> None:
         """Start/stop subscriptions when the pool changed. `produce` calls it only when the

@@ -4,9 +4,11 @@ The calls go over `kvswitch.protocol.h2client` (not grpc.aio: no poller thread, 
 message). Each batch is decoded and applied straight from the connection's `data_received`
 (the call's `on_message`), not in a task woken once per read.
 
-`KvEventSubscriber` follows one endpoint (its connection sends keepalive PINGs, so a silent
-engine's stream ends within two `KEEPALIVE` intervals): it reads `GetServerInfo.block_size` (an engine whose
-block size differs from the index's is never indexed: its blocks could not match), opens the
+`KvEventSubscriber` follows one endpoint over its pool's engine API (`api`, vLLM's or SGLang's;
+its connection sends keepalive PINGs, so a silent engine's stream ends within two `KEEPALIVE`
+intervals): it reads `GetServerInfo.block_size` (a vLLM engine whose block size differs from the
+index's is never indexed: its blocks could not match; an SGLang engine's radix-cache pages are
+regrouped into the index's blocks by a `PageRegrouper`, whatever its page size), opens the
 stream at `SequenceTracker.resume_from()` (after an engine restart, seen as a new start time
 from GetServerInfo's uptime, from an empty index), converts and applies every batch as the tracker says,
 resubscribes at once on a gap, and after a dropped stream or a failed call with bounded
@@ -33,8 +35,10 @@ from kvswitch.epp.kvindex.events import (
     batch_from_proto,
 )
 from kvswitch.epp.kvindex.index import PrefixIndex
+from kvswitch.epp.kvindex.pages import PageRegrouper
 from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
-from kvswitch.protocol import common_pb2, method_path, vllm_engine_pb2
+from kvswitch.protocol import common_pb2
+from kvswitch.protocol.engine_apis import engine_api
 from kvswitch.protocol.h2client import H2Channel, StreamError
 
 log = logging.getLogger(__name__)
@@ -44,9 +48,6 @@ RESTART_TOLERANCE = 1.0
 
 LoadCallback = Callable[[str, LoadRecord], None]
 
-_SERVER_INFO = method_path("GetServerInfo")
-_SERVER_INFO_REQUEST = vllm_engine_pb2.GetServerInfoRequest().SerializeToString()
-_KV_EVENTS = method_path("SubscribeKvEvents")
 USER_AGENT = "kvswitch-epp"
 KEEPALIVE = 5.0
 """Seconds between HTTP/2 PINGs on a KV-event connection: an engine that stops answering
@@ -58,9 +59,13 @@ class KvEventSubscriber:
 
     def __init__(self, address: str, index: PrefixIndex, *, on_load: LoadCallback | None = None,
                  retry_delay: float = 0.1, max_retry_delay: float = 2.0,
-                 rpc_timeout: float = 2.0, keepalive: float | None = KEEPALIVE) -> None:
+                 rpc_timeout: float = 2.0, keepalive: float | None = KEEPALIVE,
+                 api: str = "vllm") -> None:
         self.address = address
         self.keepalive = keepalive
+        self.api = engine_api(api)
+        self.pages = PageRegrouper(index.block_size) if api == "sglang" else None
+        """SGLang: its pages regrouped into the index's blocks."""
         self.index = index
         self.on_load = on_load
         self.retry_delay = retry_delay
@@ -117,7 +122,7 @@ class KvEventSubscriber:
                 log.exception("kv events %s: applying a batch failed; its index is cleared "
                               "and the stream reopened in %.1f s", self.address, delay)
                 self.tracker.forget()
-                self.index.clear(self.address)
+                self._clear()
             self.connected = False
             if self._delivered and not failed:
                 delay = self.retry_delay  # that stream worked: a fresh drop, not a retry
@@ -126,15 +131,17 @@ class KvEventSubscriber:
 
     async def _follow(self, channel: H2Channel) -> bool:
         """One stream, until it ends (False) or skips a sequence number (True)."""
-        info = await channel.unary(_SERVER_INFO, _SERVER_INFO_REQUEST,
-                                   vllm_engine_pb2.GetServerInfoResponse.FromString,
-                                   timeout=self.rpc_timeout)
-        compatible = not info.block_size or info.block_size == self.index.block_size
+        api = self.api
+        info = await channel.unary(api.path("GetServerInfo"), api.server_info_request,
+                                   api.parse_server_info, timeout=self.rpc_timeout)
+        block_size = api.kv_granularity(info)
+        compatible = (self.pages is not None or not block_size
+                      or block_size == self.index.block_size)
         if not compatible:
             if self.compatible:
                 log.warning("%s: block size %d != index block size %d; not indexed",
-                            self.address, info.block_size, self.index.block_size)
-            self.index.clear(self.address)
+                            self.address, block_size, self.index.block_size)
+            self._clear()
         self.compatible = compatible
         self._check_restart(time.time() - info.uptime_seconds)
         start = self.tracker.resume_from()
@@ -142,7 +149,7 @@ class KvEventSubscriber:
             start_sequence_number=start, load_records_before_first_batch=True)
         self._gap = False
         self.tracker.stream_opened(start)  # before the call: it may deliver as it starts
-        call = await channel.start(_KV_EVENTS, (), request.SerializeToString(),
+        call = await channel.start(api.path("SubscribeKvEvents"), (), request.SerializeToString(),
                                    KvEventBatchView.FromString, on_message=self._receive)
         self.streams_opened += 1
         self.connected = True
@@ -169,7 +176,7 @@ class KvEventSubscriber:
         if previous is not None and abs(started_at - previous) > RESTART_TOLERANCE:
             log.info("%s restarted: resynchronising its KV index", self.address)
             self.tracker.forget()
-            self.index.clear(self.address)
+            self._clear()
 
     def handle(self, batch: EventBatch) -> Verdict:
         """Apply one batch as the tracker says (the loop's only effect on the index)."""
@@ -180,19 +187,28 @@ class KvEventSubscriber:
                 self.on_load(self.address, batch.load)
         verdict = self.tracker.receive(batch)
         if verdict is Verdict.RESET:
-            self.index.clear(self.address)
+            self._clear()
         if verdict in (Verdict.APPLY, Verdict.RESET) and self.compatible:
-            self.index.apply(self.address, batch.events)
+            events = batch.events if self.pages is None else self.pages.regroup(batch.events)
+            self.index.apply(self.address, events)
         return verdict
+
+    def _clear(self) -> None:
+        self.index.clear(self.address)
+        if self.pages is not None:
+            self.pages.clear()
 
 
 class KvEventSubscriptions:
     """One `KvEventSubscriber` per endpoint of a set that changes (discovery)."""
 
     def __init__(self, index: PrefixIndex, *, on_load: LoadCallback | None = None,
+                 api_of: Callable[[str], str] | None = None,
                  **subscriber_options: float) -> None:
         self.index = index
         self.on_load = on_load
+        self.api_of = api_of
+        """address -> the engine API it speaks (None: every endpoint speaks vLLM's)."""
         self._options = subscriber_options
         self.subscribers: dict[str, KvEventSubscriber] = {}
 
@@ -203,7 +219,8 @@ class KvEventSubscriptions:
             self.index.remove_endpoint(address)
         for address in wanted - self.subscribers.keys():
             subscriber = KvEventSubscriber(address, self.index, on_load=self.on_load,
-                                           **self._options)
+                                           api=self.api_of(address) if self.api_of else "vllm",
+                                           **self._options)  # type: ignore[arg-type]
             self.subscribers[address] = subscriber
             await subscriber.start()
 

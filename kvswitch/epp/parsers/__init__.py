@@ -30,7 +30,9 @@ def needs_body(parser: Parser | None) -> bool:
 
 
 def default_parsers() -> list[Parser]:
-    """vllmgrpc then openai: what `kvswitch epp` uses when the config names no parsers."""
-    from kvswitch.epp.parsers import openai, vllmgrpc
+    """vllmgrpc, sglanggrpc, openai: what `kvswitch epp` uses when the config names no parsers."""
+    from kvswitch.epp.parsers import openai, sglanggrpc, vllmgrpc
 
-    return [vllmgrpc.create("vllmgrpc-parser", {}, None), openai.create("openai-parser", {}, None)]
+    return [vllmgrpc.create("vllmgrpc-parser", {}, None),
+            sglanggrpc.create("sglanggrpc-parser", {}, None),
+            openai.create("openai-parser", {}, None)]

@@ -39,20 +39,27 @@ class VllmGrpcParser:
         return path == GENERATE_PATH or path == EMBED_PATH
 
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> ParsedBody:
-        message = single_message(body, self.max_message_bytes)
-        if message is None or headers.get("grpc-encoding") not in _IDENTITY:
-            messages = decode_all(
-                body, encoding=headers.get("grpc-encoding"),
-                max_message_bytes=self.max_message_bytes,
-            )
-            if len(messages) != 1:
-                raise InvalidRequest(
-                    f"{path} takes exactly one request message, the body holds {len(messages)}"
-                )
-            message = messages[0]
+        message = request_message(path, headers, body, self.max_message_bytes)
         if path == EMBED_PATH:
             return _parse_embed(message)
         return _parse_generate(message)
+
+
+def request_message(path: str, headers: Mapping[str, str], body: bytes,
+                    max_message_bytes: int) -> bytes:
+    """The one message of a unary-request gRPC body (every frame read, inflated per
+    `grpc-encoding`); `InvalidRequest` / `PayloadTooLarge` otherwise."""
+    message = single_message(body, max_message_bytes)
+    if message is None or headers.get("grpc-encoding") not in _IDENTITY:
+        messages = decode_all(
+            body, encoding=headers.get("grpc-encoding"), max_message_bytes=max_message_bytes,
+        )
+        if len(messages) != 1:
+            raise InvalidRequest(
+                f"{path} takes exactly one request message, the body holds {len(messages)}"
+            )
+        message = messages[0]
+    return message
 
 
 def _parse_generate(message: bytes) -> ParsedBody:

@@ -1,0 +1,361 @@
+"""`sglang.grpc.scheduler.SglangScheduler` over an `Engine` backend, with SGLang's semantics.
+
+The SGLang twin of `kvswitch.engine.servicer` (same engine, pacing, metrics and request log);
+request and response shapes live in `sglang_conversion`. Where SGLang's gRPC server differs
+from vLLM's, this one answers as SGLang's does:
+- errors are gRPC statuses: a request SGLang refuses is INVALID_ARGUMENT with its wording; a
+  request aborted by the Abort RPC ends INTERNAL "Request aborted" (SGLang's request manager
+  turns the scheduler's abort notice into that error); an abort the engine decides itself
+  ends the sequence with finish_reason "abort".
+- Abort takes one request id and answers success for any id (SGLang forwards it to the
+  scheduler without looking it up).
+- GetLoads reads `include` (core, memory, spec, lora, disagg, queues, all; default all; any
+  other section is INVALID_ARGUMENT) and adds the aggregate; a dp_rank other than 0 gets none.
+- SubscribeKvEvents publishes the radix cache's pages (`sglang_kv_events`), as SGLang started
+  with `--kv-events-config '{"publisher": "zmq"}'`, each batch carrying an `EngineLoad`.
+- LoRA is off, as in SGLang without `--enable-lora`: loads and unloads fail with its message,
+  the list is empty, a request naming an adapter is INVALID_ARGUMENT; so are hidden states,
+  multimodal inputs and input embeddings. `stream_interval` is not honoured (one chunk per
+  engine read).
+Deviations, on purpose: HealthCheck answers at once (SGLang runs a one-token request and polls
+each second); n>1 unary completes carry their index; `tokenized.original_text` alone (no
+input_ids) is tokenized here; Generate and Embed end with the `x-kvswitch-usage` trailer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.struct_pb2 import Struct
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from kvswitch import __version__
+from kvswitch.engine.base import Engine, GenerationRequest, engine_clock
+from kvswitch.engine.conversion import max_prompt_len
+from kvswitch.engine.kv_events import KvEventStream
+from kvswitch.engine.metrics import EngineMetrics
+from kvswitch.engine.request_log import RequestLog
+from kvswitch.engine.servicer import _pace_interval, _Timer
+from kvswitch.engine.sglang_conversion import (
+    SglangResponseBuilder,
+    prompt_from_sglang,
+    sampling_from_sglang,
+)
+from kvswitch.engine.sglang_kv_events import check_page_size, split_pages
+from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
+from kvswitch.errors import InvalidRequest, KvswitchError
+from kvswitch.protocol import common_pb2
+from kvswitch.protocol.headers import USAGE_TRAILER
+from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
+from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc
+from kvswitch.tokenization import TokenizerBundle
+
+logger = logging.getLogger(__name__)
+
+_PACE_FROM = 8
+LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to True."
+SERVER_TYPE = "grpc"
+
+
+class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
+    def __init__(self, engine: Engine, tokenizer: TokenizerBundle, *, page_size: int = 1,
+                 tokenizer_dir: str | None = None, metrics: EngineMetrics | None = None,
+                 request_log: RequestLog | None = None):
+        self.engine = engine
+        self.card = engine.model
+        check_page_size(page_size, self.card.block_size)
+        self.page_size = page_size
+        self.tokenizer = tokenizer
+        self.tokenizer_dir = tokenizer_dir
+        self.metrics = metrics
+        self.request_log = request_log
+        self._clock = engine_clock(engine)
+        self.start_time = time.time()
+        self.last_receive_timestamp = 0.0
+        self.active_requests = 0
+        self.draining = asyncio.Event()
+        self._aborted: set[str] = set()
+        """Requests the Abort RPC ended: their Generate ends as SGLang's does (an error)."""
+        self._archive: TokenizerArchive | None = None
+        self._archive_lock = asyncio.Lock()
+
+    # ---- Generate / Embed ---------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        self.last_receive_timestamp = received = time.time()
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        logger.info("Receive generation request: %s (stream=%s)", request_id, request.stream)
+        try:
+            prompt = prompt_from_sglang(request, self.card, self.tokenizer.encode)
+            check_features_off(request)
+            sampling, prefill_only = sampling_from_sglang(request, self.card, len(prompt))
+            updates = self.engine.generate(GenerationRequest(
+                request_id, prompt, sampling, received, incremental=request.stream))
+        except KvswitchError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        builder = SglangResponseBuilder(
+            request_id, prompt, sampling, request.stream, eos_token_ids=self.card.eos_token_ids,
+            prefill_only=prefill_only, logprob_start_len=request.logprob_start_len)
+        timer = _Timer(self.metrics, self._clock, track=self.request_log is not None)
+        failure: KvswitchError | None = None
+        self.active_requests += 1
+        loop = asyncio.get_running_loop()
+        last_read = 0.0
+        try:
+            async for update in updates:
+                timer.update(update)
+                if update.finished and request_id in self._aborted:
+                    failure = KvswitchError("Request aborted")
+                    break
+                for message in builder.feed(update):
+                    yield message
+                if self.active_requests >= _PACE_FROM and not update.finished:
+                    now = loop.time()
+                    wait = _pace_interval(self.active_requests) - (now - last_read)
+                    if wait >= 0.001:
+                        await asyncio.sleep(wait)
+                        now += wait
+                    last_read = now
+        except KvswitchError as exc:
+            failure = exc
+        except Exception as exc:
+            logger.exception("Generate failed for request %s", request_id)
+            failure = KvswitchError(str(exc) or type(exc).__name__)
+        finally:
+            self.active_requests -= 1
+            self._aborted.discard(request_id)
+            close = getattr(updates, "aclose", None)
+            if close is not None:
+                await close()
+            if self.request_log is not None:
+                self.request_log.append(timer.record(
+                    request_id, received, builder, request.stream,
+                    "error" if failure is not None else None))
+        trailer = ((USAGE_TRAILER, builder.usage_trailer()),)
+        if failure is not None:
+            await context.abort(failure.grpc_code, failure.message, trailing_metadata=trailer)
+        timer.finish()
+        context.set_trailing_metadata(trailer)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+                    ) -> pb.EmbedResponse:
+        self.last_receive_timestamp = time.time()
+        request_id = request.request_id or f"grpc-embed-{uuid.uuid4().hex}"
+        logger.info("Receive embedding request: %s", request_id)
+        self.active_requests += 1
+        token_ids: list[int] = []
+        try:
+            token_ids = prompt_from_sglang(request, self.card, self.tokenizer.encode)
+            embedding = await self.engine.embed(request_id, token_ids)
+        except KvswitchError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        except Exception as exc:
+            logger.exception("Embed failed for request %s", request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc) or type(exc).__name__)
+        finally:
+            self.active_requests -= 1
+        usage = f"prompt_tokens={len(token_ids)};completion_tokens=0;cached_tokens=0"
+        context.set_trailing_metadata(((USAGE_TRAILER, usage),))
+        return pb.EmbedResponse(embedding=embedding, prompt_tokens=len(token_ids),
+                                embedding_dim=len(embedding))
+
+    # ---- management ---------------------------------------------------------------------
+
+    async def HealthCheck(self, request: pb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+        if self.draining.is_set():
+            return pb.HealthCheckResponse(healthy=False, message="Server is shutting down")
+        if not self.engine.is_healthy():
+            return pb.HealthCheckResponse(healthy=False, message="Scheduler is not responding")
+        return pb.HealthCheckResponse(healthy=True, message="Health check passed")
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> pb.AbortResponse:
+        rid = request.request_id
+        logger.info("Receive abort request: %s", rid)
+        if rid.startswith("HEALTH_CHECK"):
+            return pb.AbortResponse(success=False, message=f"Request {rid} not found")
+        if self.engine.has_request(rid):
+            self._aborted.add(rid)
+            await self.engine.abort([rid])
+        return pb.AbortResponse(success=True, message=f"Request {rid} aborted")
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        card = self.card
+        return pb.GetModelInfoResponse(
+            model_path=card.model_path,
+            tokenizer_path=card.tokenizer_path or self.tokenizer.source,
+            is_generation=card.is_generation,
+            weight_version="default",
+            served_model_name=card.served_model_name,
+            max_context_length=card.max_model_len,
+            vocab_size=card.vocab_size,
+            supports_vision=False,
+            model_type=card.model_type,
+            eos_token_ids=list(card.eos_token_ids),
+            pad_token_id=card.pad_token_id,
+            bos_token_id=card.bos_token_id,
+            max_req_input_len=max_prompt_len(card),
+            architectures=list(card.architectures),
+        )
+
+    def server_args(self) -> dict[str, object]:
+        """The ServerArgs fields a client reads (SGLang sends all of them)."""
+        card = self.card
+        return {
+            "model_path": card.model_path, "served_model_name": card.served_model_name,
+            "tokenizer_path": card.tokenizer_path or self.tokenizer.source,
+            "context_length": card.max_model_len, "page_size": self.page_size,
+            "max_running_requests": card.max_num_seqs,
+            "max_total_tokens": card.num_gpu_blocks * card.block_size,
+            "chunked_prefill_size": card.max_num_batched_tokens, "dp_size": 1, "tp_size": 1,
+            "is_embedding": not card.is_generation, "enable_lora": False,
+            "kv_events_config": '{"publisher": "zmq"}', "disaggregation_mode": "null",
+        }
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        card = self.card
+        server_args, scheduler_info = Struct(), Struct()
+        server_args.update(self.server_args())
+        total = card.num_gpu_blocks * card.block_size
+        scheduler_info.update({"max_total_num_tokens": total, "max_req_input_len":
+                               max_prompt_len(card), "is_generation": card.is_generation})
+        start = Timestamp()
+        start.FromSeconds(int(self.start_time))
+        return pb.GetServerInfoResponse(
+            server_args=server_args, scheduler_info=scheduler_info,
+            active_requests=self.active_requests, is_paused=False,
+            last_receive_timestamp=self.last_receive_timestamp,
+            uptime_seconds=time.time() - self.start_time, sglang_version=f"kvswitch-{__version__}",
+            server_type=SERVER_TYPE, start_time=start, max_total_num_tokens=total)
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.GetLoadsResponse:
+        include = set(request.include) or {"all"}
+        unknown = sorted(include - LOAD_SECTIONS)
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"Invalid include sections: {unknown}; valid sections: "
+                                f"{sorted(LOAD_SECTIONS)}")
+        loads = []
+        if not request.HasField("dp_rank") or request.dp_rank == 0:
+            loads.append(sglang_load(self.engine, include))
+        response = pb.GetLoadsResponse(
+            timestamp=datetime.datetime.now(datetime.UTC).isoformat(),
+            version=f"kvswitch-{__version__}", dp_rank_count=len(loads), loads=loads)
+        if loads:
+            load = loads[0]
+            response.aggregate.CopyFrom(pb.AggregateMetrics(
+                total_running_reqs=load.num_running_reqs,
+                total_waiting_reqs=load.num_waiting_reqs, total_reqs=load.num_total_reqs,
+                avg_token_usage=round(load.token_usage, 4),
+                avg_throughput=round(load.gen_throughput, 2),
+                avg_utilization=round(load.utilization, 4)))
+        return response
+
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async with self._archive_lock:
+            if self._archive is None:
+                self._archive = await asyncio.to_thread(
+                    build_tokenizer_archive, self.tokenizer_dir, self.card, self.tokenizer)
+        chunks = self._archive.chunks()
+        for i, data in enumerate(chunks):
+            last = i == len(chunks) - 1
+            yield common_pb2.GetTokenizerChunk(data=data,
+                                               sha256=self._archive.sha256 if last else "")
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        logger.info("SubscribeKvEvents from sequence %d", request.start_sequence_number)
+        await context.send_initial_metadata(())
+        stream = KvEventStream(self.engine, request.start_sequence_number,
+                               load_first=request.load_records_before_first_batch)
+        async for batch in stream.run(self.draining):
+            split_pages(batch, self.page_size, self.card.block_size)
+            yield batch
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
+        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+        while True:
+            load = self.engine.load()
+            idle = load.running == 0 and load.waiting == 0
+            if idle or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        flushed = idle and await self.engine.flush_cache()
+        message = ("Cache flushed." if flushed else
+                   "Cache not flushed: there are running or waiting requests.")
+        return common_pb2.FlushCacheResponse(success=flushed, message=message)
+
+    async def StartProfile(self, request: common_pb2.StartProfileRequest,
+                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
+        return common_pb2.ProfileResponse(
+            success=True, message="Start profiling (simulated engine: nothing to profile).")
+
+    async def StopProfile(self, request: common_pb2.StopProfileRequest,
+                          context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
+        return common_pb2.ProfileResponse(
+            success=True, message="Stop profiling (simulated engine: no traces written).")
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoadLoRAAdapterResponse:
+        return pb.LoadLoRAAdapterResponse(success=False, message=LORA_DISABLED)
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.UnloadLoRAAdapterResponse:
+        return pb.UnloadLoRAAdapterResponse(success=False, message=LORA_DISABLED)
+
+    async def ListLoadedLoRAAdapters(self, request: pb.ListLoadedLoRAAdaptersRequest,
+                                     context: grpc.aio.ServicerContext
+                                     ) -> pb.ListLoadedLoRAAdaptersResponse:
+        return pb.ListLoadedLoRAAdaptersResponse()
+
+
+def check_features_off(request: pb.GenerateRequest) -> None:
+    """What the simulator cannot do, refused as SGLang refuses it with the feature off."""
+    if request.lora_id:
+        raise InvalidRequest(LORA_DISABLED, param="lora_id")
+    if request.return_hidden_states:
+        raise InvalidRequest("return_hidden_states=True requires the server to be started with "
+                             "--enable-return-hidden-states.", param="return_hidden_states")
+    if request.HasField("mm_inputs"):
+        raise InvalidRequest("This model does not support multimodal inputs (mm_inputs).",
+                             param="mm_inputs")
+    if request.input_embeds:
+        raise InvalidRequest("input_embeds is not supported by this server.",
+                             param="input_embeds")
+
+
+def sglang_load(engine: Engine, include: set[str]) -> pb.SchedulerLoad:
+    """SGLang's SchedulerLoad for the one DP rank; optional sections as `include` asks."""
+    load = engine.load()
+    out = pb.SchedulerLoad(
+        dp_rank=0, num_running_reqs=load.running, num_waiting_reqs=load.waiting,
+        num_total_reqs=load.running + load.waiting, num_used_tokens=load.used_tokens,
+        max_total_num_tokens=load.total_tokens, token_usage=load.token_usage,
+        gen_throughput=load.gen_throughput, cache_hit_rate=load.cache_hit_rate,
+        utilization=load.token_usage, max_running_requests=load.max_running,
+        num_waiting_uncached_tokens=load.waiting_uncached_tokens)
+    every = "all" in include
+    if every or "memory" in include:
+        out.memory.CopyFrom(pb.MemoryMetrics(token_capacity=load.total_tokens))
+    if every or "queues" in include:
+        out.queues.CopyFrom(pb.QueueMetrics(waiting=load.waiting))
+    if every or "disagg" in include:
+        out.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
+    return out
