@@ -1,6 +1,7 @@
 """`kvswitch epp`: run the endpoint picker, an Envoy ext_proc server, with Prometheus metrics.
 
     kvswitch epp --config epp.yaml --pool pool.yaml --port 9002 --metrics-port 9090
+    kvswitch epp --pool-name qwen3 [--pool-namespace NS] [--kubeconfig FILE]   # in Kubernetes
 
 Envoy must call it with ext_proc processing_mode request_header SEND, request_body
 FULL_DUPLEX_STREAMED (or BUFFERED), response_body NONE, and route on the
@@ -40,8 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="EPP_YAML",
                         help="EndpointPickerConfig YAML (llm-d.ai/v1alpha1); omitted: defaults "
                              "(vllmgrpc + openai parsers, prefix/queue/kv-cache scorers)")
-    parser.add_argument("--pool", metavar="POOL_YAML", required=True,
-                        help="InferencePool YAML with the EndpointList of model servers")
+    parser.add_argument("--pool", metavar="POOL_YAML",
+                        help="InferencePool YAML with the EndpointList of model servers (file "
+                             "discovery); or --pool-name")
+    parser.add_argument("--pool-name", metavar="NAME",
+                        help="watch this InferencePool and its pods through the Kubernetes API "
+                             "instead of a pool file")
+    parser.add_argument("--pool-namespace", metavar="NS",
+                        help="the InferencePool's namespace (default: $POD_NAMESPACE, else the "
+                             "service account's, else default)")
+    parser.add_argument("--kubeconfig", metavar="FILE",
+                        help="kubeconfig for --pool-name (default: in-cluster, else ~/.kube)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve ext_proc on")
     parser.add_argument("--port", type=int, default=9002, help="ext_proc (gRPC) port")
     parser.add_argument("--metrics-port", type=int, default=9090,
@@ -78,13 +88,28 @@ def _with_refresh_interval(config: str | None, interval: str) -> list[dict[str, 
     return docs
 
 
+def _kubernetes_discovery(args: argparse.Namespace) -> Any:
+    if args.pool_name is None:
+        return None
+    from kvswitch.epp.datalayer.kube_discovery import (
+        KubernetesDiscovery,
+        api_client,
+        default_namespace,
+    )
+
+    return KubernetesDiscovery(args.pool_name, args.pool_namespace or default_namespace(),
+                               lambda: api_client(args.kubeconfig))
+
+
 def build_picker(args: argparse.Namespace) -> EndpointPicker:
     from kvswitch.epp.config import build_endpoint_picker
 
     config: Any = args.config
     if args.refresh_interval is not None:
         config = _with_refresh_interval(args.config, args.refresh_interval)
-    picker = build_endpoint_picker(config, args.pool)
+    if (args.pool is None) == (args.pool_name is None):
+        raise ValueError("give exactly one of --pool (a pool file) and --pool-name (Kubernetes)")
+    picker = build_endpoint_picker(config, args.pool, discovery=_kubernetes_discovery(args))
     return dataclasses.replace(picker, max_body_bytes=args.max_body_bytes)
 
 
