@@ -47,9 +47,11 @@ from kvswitch.protocol.headers import (
     USAGE_TRAILER,
 )
 
-__all__ = ["EPP_HEADERS", "GatewayOptions", "PoolTarget", "Routing", "build_bootstrap"]
+__all__ = ["EPP_HEADERS", "FailureMode", "GatewayOptions", "PoolTarget", "Routing",
+           "build_bootstrap"]
 
 Routing = Literal["original-dst", "override-host"]
+FailureMode = Literal["FailClose", "FailOpen"]
 
 H2C = "kubernetes.io/h2c"
 POOL_CLUSTER = "kvswitch_pool"
@@ -100,6 +102,10 @@ class PoolTarget:
     """`ip:port` of every replica (STATIC clusters; ORIGINAL_DST ignores it)."""
     app_protocol: str = H2C
     """`kubernetes.io/h2c` → HTTP/2 upstream; `http` → HTTP/1.1 upstream."""
+    service: str = ""
+    """`name:port` of a DNS name that resolves to every ready replica (a headless Service in
+    Kubernetes): the cluster is STRICT_DNS over it, re-resolved every second, instead of the
+    static `endpoints`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +128,10 @@ class GatewayOptions:
     """Retries onto fallback endpoints (`override-host` routing only)."""
     access_log: bool = False
     frontend_paths: tuple[str, ...] = field(default=("/v1/", "/health"))
+    epp_failure_mode: FailureMode = "FailClose"
+    """The InferencePool's endpointPickerRef.failureMode: `FailOpen` routes requests the EPP
+    cannot answer (unreachable, broken) by the pool cluster's own round robin; `FailClose`
+    answers them 503 / UNAVAILABLE."""
     epp_headers: tuple[str, ...] | None = EPP_HEADERS
     """Headers sent to the EPP (a trailing `*`: a prefix); None: all of them. Add any request
     header an EPP plugin reads, e.g. a session-affinity-scorer's own `headerName`."""
@@ -274,7 +284,7 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
         "typed_config": {
             "@type": _EXT_PROC,
             "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
-            "failure_mode_allow": False,
+            "failure_mode_allow": options.epp_failure_mode == "FailOpen",
             "allow_mode_override": False,
             "message_timeout": f"{options.message_timeout_s:g}s",
             "processing_mode": {
@@ -352,12 +362,21 @@ def _no_circuit_breaking() -> dict[str, Any]:
                             "max_requests": big, "max_retries": big}]}
 
 
+def _replicas_cluster(pool: PoolTarget) -> dict[str, Any]:
+    http2 = pool.app_protocol == H2C
+    if not pool.service:
+        return _static_cluster(POOL_CLUSTER, pool.endpoints, http2=http2)
+    cluster = _static_cluster(POOL_CLUSTER, [pool.service], http2=http2)
+    cluster.update(type="STRICT_DNS", dns_refresh_rate="1s", dns_lookup_family="V4_PREFERRED")
+    return cluster
+
+
 def _pool_cluster(options: GatewayOptions) -> dict[str, Any]:
     http2 = options.pool.app_protocol == H2C
     if options.round_robin:
-        return _static_cluster(POOL_CLUSTER, options.pool.endpoints, http2=http2)
+        return _replicas_cluster(options.pool)
     if options.routing == "override-host":
-        cluster = _static_cluster(POOL_CLUSTER, options.pool.endpoints, http2=http2)
+        cluster = _replicas_cluster(options.pool)
         del cluster["lb_policy"]
         cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.override_host",

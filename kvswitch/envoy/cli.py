@@ -16,7 +16,17 @@ __all__ = ["add_arguments", "read_pool", "render", "run", "session_headers"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pool", required=True, help="InferencePool YAML listing the endpoints")
+    parser.add_argument("--pool", help="InferencePool YAML listing the endpoints (or "
+                        "--pool-service)")
+    parser.add_argument("--pool-service", metavar="NAME:PORT",
+                        help="instead of --pool: a DNS name resolving to every ready replica "
+                             "(a headless Service), re-resolved every second")
+    parser.add_argument("--app-protocol", choices=["kubernetes.io/h2c", "http"],
+                        default="kubernetes.io/h2c", help="the pool's appProtocol with "
+                        "--pool-service")
+    parser.add_argument("--epp-failure-mode", choices=["FailClose", "FailOpen"],
+                        default="FailClose", help="when the EPP cannot answer: 503 "
+                        "(FailClose) or route by the pool cluster's round robin (FailOpen)")
     parser.add_argument("--epp", default="127.0.0.1:9002", help="EPP ext_proc host:port")
     parser.add_argument("--port", type=int, default=8000, help="public listener port")
     parser.add_argument("--host", default="127.0.0.1", help="public listener address")
@@ -44,8 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.pool is None) == (args.pool_service is None):
+        raise SystemExit("envoy-config: give exactly one of --pool and --pool-service")
+    pool = (read_pool(args.pool) if args.pool is not None
+            else PoolTarget((), app_protocol=args.app_protocol, service=args.pool_service))
     options = GatewayOptions(
-        pool=read_pool(args.pool), epp=args.epp, port=args.port, host=args.host,
+        pool=pool, epp=args.epp, epp_failure_mode=args.epp_failure_mode, port=args.port, host=args.host,
         admin_port=args.admin_port, frontends=tuple(args.frontend),
         round_robin=args.round_robin, routing=args.routing,
         message_timeout_s=args.message_timeout, access_log=args.access_log,

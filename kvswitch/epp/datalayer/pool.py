@@ -29,7 +29,7 @@ from kvswitch.epp.datalayer.endpoint import H2C, HTTP, AppProtocol, EndpointSpec
 from kvswitch.epp.framework import ConfigError, fields, typed
 
 POOL_API_VERSIONS = ("inference.networking.k8s.io/v1", "inference.networking.x-k8s.io/v1alpha2")
-OBJECTIVE_API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha2",
+OBJECTIVE_API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha2", "llm-d.ai/v1alpha2",
                           "inference.networking.k8s.io/v1alpha2", "llm-d.ai/v1alpha1")
 ENDPOINT_LIST_API_VERSION = "kvswitch.dev/v1alpha1"
 _DOC_KEYS = ("apiVersion", "kind", "metadata")
