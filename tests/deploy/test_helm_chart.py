@@ -215,3 +215,16 @@ def test_gateway_modes() -> None:
 def test_bad_values_fail_naming_the_value(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmError, match=message):
         render(values)
+
+
+def test_default_image_is_what_the_dockerfile_builds() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    built = next(line.split("docker build -t ")[1].split()[0]
+                 for line in dockerfile.splitlines() if "docker build -t " in line)
+    images = {c["image"] for d in by_kind(render({"modelServers": {"enabled": True}}),
+                                          "Deployment")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == {built}
+    # Non-root, and `kvswitch` is the entrypoint the chart's args follow.
+    assert "\nUSER 10001:10001\n" in dockerfile
+    assert 'ENTRYPOINT ["kvswitch"]' in dockerfile
