@@ -43,6 +43,7 @@ from kvswitch.protocol.headers import (
     DESTINATION_METADATA_NAMESPACE,
     GATEWAY_METADATA_NAMESPACE,
     REQUEST_ID,
+    SERVED_ENDPOINT,
     SESSION_TOKEN,
     USAGE_TRAILER,
 )
@@ -56,6 +57,7 @@ FailureMode = Literal["FailClose", "FailOpen"]
 H2C = "kubernetes.io/h2c"
 POOL_CLUSTER = "kvswitch_pool"
 EPP_CLUSTER = "kvswitch_epp"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 FRONTEND_CLUSTER = "kvswitch_frontend"
 
 _T = "type.googleapis.com/"
@@ -132,6 +134,9 @@ class GatewayOptions:
     """The InferencePool's endpointPickerRef.failureMode: `FailOpen` routes requests the EPP
     cannot answer (unreachable, broken) by the pool cluster's own round robin; `FailClose`
     answers them 503 / UNAVAILABLE."""
+    report_served_endpoint: bool = False
+    """Add `x-gateway-destination-endpoint-served: ip:port` (the replica that served it) to
+    every pool response."""
     epp_headers: tuple[str, ...] | None = EPP_HEADERS
     """Headers sent to the EPP (a trailing `*`: a prefix); None: all of them. Add any request
     header an EPP plugin reads, e.g. a session-affinity-scorer's own `headerName`."""
@@ -143,7 +148,10 @@ def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
     if not options.round_robin:
         if not options.epp:
             raise ValueError("an EPP address is required unless round_robin is set")
-        clusters.append(_static_cluster(EPP_CLUSTER, [options.epp], http2=True))
+        epp_cluster = _static_cluster(EPP_CLUSTER, [options.epp], http2=True)
+        if options.epp_failure_mode == "FailOpen":
+            epp_cluster.update(_epp_health_checks())
+        clusters.append(epp_cluster)
     if options.frontends:
         clusters.append(_static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False))
     return {
@@ -253,7 +261,14 @@ def _route_config(options: GatewayOptions) -> dict[str, Any]:
             "retry_on": "connect-failure,refused-stream,reset-before-request",
             "num_retries": options.fallback_retries,
         }
-    routes.append({"match": {"prefix": "/"}, "route": pool_route})
+    route: dict[str, Any] = {"match": {"prefix": "/"}, "route": pool_route}
+    if options.report_served_endpoint:
+        # The replica that actually served the request (GAIE's served-endpoint report), for
+        # clients that check the gateway honoured the pick; it names pod addresses, so opt-in.
+        route["response_headers_to_add"] = [{
+            "header": {"key": SERVED_ENDPOINT, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    routes.append(route)
     return {"name": "kvswitch", "virtual_hosts": [
         {"name": "kvswitch", "domains": ["*"], "routes": routes},
     ]}
@@ -351,6 +366,21 @@ def _static_cluster(name: str, addresses: Sequence[str], *, http2: bool) -> dict
         "load_assignment": _load_assignment(name, addresses),
         "typed_extension_protocol_options": _protocol_options(http2),
         "circuit_breakers": _no_circuit_breaking(),
+    }
+
+
+def _epp_health_checks() -> dict[str, Any]:
+    """Active gRPC health checks of the EPP, and no panic routing: Envoy fails open only while
+    no body chunk has gone to the EPP, which holds when the EPP is known down before a request
+    starts (no healthy host: the ext_proc stream fails at once) rather than found down by a
+    refused connection after the first chunk."""
+    return {
+        "health_checks": [{
+            "timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
+            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+        }],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
     }
 
 

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epp-all-headers", action="store_true",
                         help="send the EPP every request header (plugins of your own that read "
                              "headers kvswitch does not know)")
+    parser.add_argument("--report-served-endpoint", action="store_true",
+                        help="add x-gateway-destination-endpoint-served (the replica's ip:port) "
+                             "to every pool response")
     parser.add_argument("-o", "--output", help="file to write (.yaml or .json); default stdout")
 
 
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     pool = (read_pool(args.pool) if args.pool is not None
             else PoolTarget((), app_protocol=args.app_protocol, service=args.pool_service))
     options = GatewayOptions(
-        pool=pool, epp=args.epp, epp_failure_mode=args.epp_failure_mode, port=args.port, host=args.host,
+        pool=pool, epp=args.epp, epp_failure_mode=args.epp_failure_mode,
+        report_served_endpoint=args.report_served_endpoint, port=args.port, host=args.host,
         admin_port=args.admin_port, frontends=tuple(args.frontend),
         round_robin=args.round_robin, routing=args.routing,
         message_timeout_s=args.message_timeout, access_log=args.access_log,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 # Where the EPP tells the proxy to send a request (header and `envoy.lb` metadata key).
 DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
+# The replica that served a request, as the gateway reports it.
+SERVED_ENDPOINT = "x-gateway-destination-endpoint-served"
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
 # The subset of endpoints the proxy allows (metadata namespace and header).
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"

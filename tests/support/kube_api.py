@@ -279,3 +279,33 @@ def inference_objective(name: str, priority: int, pool: str,
             "metadata": {"name": name, "namespace": namespace},
             "spec": {"priority": priority,
                      "poolRef": {"group": "inference.networking.k8s.io", "name": pool}}}
+
+
+class ThreadedKubeApi:
+    """The double on its own event loop in a thread, for tests driving processes synchronously:
+    `call(fn, *args)` runs `fn` (a double method, sync or async) on that loop and returns."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.double = KubeApiDouble()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="kube-api-double")
+        self._thread.start()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        async def run() -> Any:
+            result = fn(*args)
+            return await result if asyncio.iscoroutine(result) else result
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    def start(self) -> int:
+        return int(self.call(self.double.start))
+
+    def close(self) -> None:
+        self.call(self.double.stop)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
