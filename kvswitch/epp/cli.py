@@ -101,6 +101,19 @@ def _kubernetes_discovery(args: argparse.Namespace) -> Any:
                                lambda: api_client(args.kubeconfig))
 
 
+def _register_upstream_names(picker: EndpointPicker, pool_name: str) -> None:
+    """Serve the router's metrics under llm-d's `llm_d_epp_*` names as well."""
+    import prometheus_client
+
+    from kvswitch.epp.router import EppRouter
+    from kvswitch.epp.upstream_metrics import UpstreamNames
+
+    router = picker.router
+    if isinstance(router, EppRouter) and router.metrics.registry is prometheus_client.REGISTRY:
+        UpstreamNames(router.metrics, router.datalayer, lambda: router.objectives,
+                      pool_name).register(prometheus_client.REGISTRY)
+
+
 def build_picker(args: argparse.Namespace) -> EndpointPicker:
     from kvswitch.epp.config import build_endpoint_picker
 
@@ -146,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         import prometheus_client
 
+        _register_upstream_names(picker, args.pool_name or "")
         prometheus_client.start_http_server(args.metrics_port, addr=args.host)
         logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     try:

@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
 from kvswitch.envoy.bootstrap import EPP_CLUSTER
@@ -220,6 +221,13 @@ def test_routing_over_the_pod_set_discovery_builds(pool: Pool) -> None:
             assert served == _epp_pick(pool.supervisor, "epp-kube", request_id)
         for endpoint in pool.endpoints:
             _until_served(port, endpoint, grpc.StatusCode.OK)
+        # The EPP serves llm-d's metric names beside its own.
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as reply:
+            samples = {s.name: s.value for f in text_string_to_metric_families(
+                reply.read().decode()) for s in f.samples if not s.labels or s.name.endswith(
+                "ready_endpoints")}
+        assert samples["llm_d_epp_ready_endpoints"] == samples[
+            "kvswitch_epp_pool_ready_endpoints"] == len(HOSTS)
         # A pod failing its readiness probe leaves the pool; back Ready, it returns.
         first = pool.endpoints[0]
         api.call(api.double.put, "pods", pod("engine-0", HOSTS[0], ready=False))
