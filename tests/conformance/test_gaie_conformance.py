@@ -238,3 +238,31 @@ def test_routing_over_the_pod_set_discovery_builds(pool: Pool) -> None:
         _until_served(port, first, grpc.StatusCode.OK)
     finally:
         api.close()
+
+
+def test_pool_by_dns_as_the_charts_standalone_envoy(pool: Pool) -> None:
+    """The Helm chart's standalone Envoy finds replicas by DNS (a headless Service) rather than
+    an endpoint list: the pick is honoured, and FailOpen serves with the EPP gone."""
+    port = free_port()
+    spec = engine_spec("engine-dns", port, profile="tiny", time_scale=100.0, mode="echo",
+                       grace_period=1.0)
+    pool.supervisor.start(spec)
+    endpoint = f"127.0.0.1:{port}"
+    pool_file = write_pool_file(pool.tmp / "dns-pool.yaml", [endpoint])
+    config = pool.tmp / "dns-epp.yaml"
+    config.write_text(yaml.safe_dump(CONFIG))
+    epp_port, metrics = free_port(), free_port()
+    pool.supervisor.start(dataclasses.replace(
+        epp_spec(config, pool_file, epp_port, metrics, ("--log-level", "debug"), want_ready=1),
+        name="epp-dns"))
+    gateway, admin = _envoy(pool, "envoy-dns", epp_port, epp_failure_mode="FailOpen",
+                            target=PoolTarget((), service=f"localhost:{port}"))
+    status, served, request_id = _generate(gateway, 600)
+    assert (status, served) == (grpc.StatusCode.OK, endpoint)
+    assert _epp_pick(pool.supervisor, "epp-dns", request_id) == endpoint
+    os.kill(pool.supervisor.get("epp-dns").pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not _epp_marked_down(admin):
+        assert time.monotonic() < deadline, "Envoy never marked the EPP down"
+        time.sleep(0.05)
+    assert _generate(gateway, 601)[:2] == (grpc.StatusCode.OK, endpoint)
