@@ -149,6 +149,7 @@ class KubernetesDiscovery:
             last = view.endpoints()
             priorities = view.priorities()
             self._publish_objectives(priorities)
+            log.info("pool %s/%s: %d endpoints", self.namespace, self.pool_name, len(last))
             yield last
             while True:
                 await self._next_change()
