@@ -217,6 +217,18 @@ async def test_bookmarks_keep_the_resource_version_current(
     assert f.discovery.relists == 0
 
 
+async def test_malformed_event_relists(api: KubeApiDouble, follow: Callable[..., Follower]):
+    _seed(api)
+    f = follow()
+    await f.until_set("10.0.0.1:8000", "10.0.0.2:8000")
+    await until(lambda: api.watchers("pods") == 1)
+    api.send_raw("pods", b'{"type": "ADDED", "object": [1, 2]}\n')
+    api.send_raw("pods", b"not json\n")
+    api.put("pods", pod("c", "10.0.0.5"))
+    await f.until_set("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.5:8000")
+    await until(lambda: f.discovery.relists >= 1 and f.discovery.ready)
+
+
 async def test_api_server_restart_mid_watch(api: KubeApiDouble, follow: Callable[..., Follower]):
     _seed(api)
     f = follow()

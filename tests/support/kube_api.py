@@ -44,7 +44,7 @@ class _Watch:
     selector: dict[str, str]
     name: str | None
     bookmarks: bool
-    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[dict[str, Any] | bytes | None] = field(default_factory=asyncio.Queue)
     transport: asyncio.Transport | None = None
 
 
@@ -154,6 +154,12 @@ class KubeApiDouble:
                 watch.transport.abort()
             watch.queue.put_nowait(None)
 
+    def send_raw(self, plural: str, line: bytes) -> None:
+        """Write `line` as it is to every watch of `plural` (a malformed event)."""
+        for watch in self._watches:
+            if watch.plural == plural:
+                watch.queue.put_nowait(line)
+
     def watchers(self, plural: str) -> int:
         return sum(1 for w in self._watches if w.plural == plural)
 
@@ -238,8 +244,9 @@ class KubeApiDouble:
         return response
 
     @staticmethod
-    async def _send(response: web.StreamResponse, event: Mapping[str, Any]) -> None:
-        await response.write(json.dumps(event).encode() + b"\n")
+    async def _send(response: web.StreamResponse, event: Mapping[str, Any] | bytes) -> None:
+        await response.write(event if isinstance(event, bytes)
+                             else json.dumps(event).encode() + b"\n")
 
 
 def pod(name: str, ip: str | None, *, ready: bool = True, labels: Mapping[str, str] | None = None,

@@ -230,6 +230,13 @@ class KubernetesDiscovery:
                             exc or type(exc).__name__, delay)
                 if not kind.synced:
                     kind.problem = f"API server unreachable: {exc or type(exc).__name__}"
+            except Exception as exc:
+                # A malformed answer must not end discovery: relist, as after 410.
+                log.exception("%s: unexpected answer from the API server; relisting in %.1fs",
+                              kind.name, delay)
+                version = None
+                if not kind.synced:
+                    kind.problem = f"unexpected answer: {exc}"
             self._update_health()
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
