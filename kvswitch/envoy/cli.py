@@ -101,7 +101,7 @@ def read_pool(path: str | Path) -> PoolTarget:
     spec = pool.get("spec") or {}
     target_ports = spec.get("targetPorts") or [{}]
     ports = [p.get("number") for p in target_ports if p.get("number") is not None]
-    app_protocol = str(target_ports[0].get("appProtocol") or "http")
+    app_protocol = str(target_ports[0].get("appProtocol") or spec.get("appProtocol") or "http")
     listed = next((d for d in docs if d.get("kind") == "EndpointList"), None)
     raw = (listed or {}).get("endpoints") or spec.get("endpoints") or pool.get("endpoints") or []
     endpoints = tuple(a for entry in raw for a in _addresses(entry, ports))

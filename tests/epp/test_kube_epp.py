@@ -99,3 +99,23 @@ def test_pool_view_addresses_and_rejections() -> None:
     bad["spec"]["targetPorts"] = [{"number": p} for p in range(1, 10)]
     view.set_pool(bad)
     assert view.endpoints() == () and "targetPorts" in view.pool_error
+
+
+def test_a_v1_inference_pool_works_for_file_discovery_too(tmp_path: Path) -> None:
+    """The same InferencePool object (spec.appProtocol, as the v1 CRD has it) in a pool file."""
+    import yaml
+
+    from kvswitch.envoy import read_pool
+    from kvswitch.epp.config import ConfigError, parse_pool
+
+    pool = inference_pool("qwen3", ports=(8000, 8001))
+    endpoints = {"apiVersion": "kvswitch.dev/v1alpha1", "kind": "EndpointList",
+                 "endpoints": ["10.0.0.1"]}
+    spec = parse_pool([pool, endpoints])
+    assert spec.endpoints == (EndpointSpec("10.0.0.1:8000", H2C), EndpointSpec("10.0.0.1:8001", H2C))
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump_all([pool, endpoints]))
+    assert read_pool(path).app_protocol == H2C
+    pool["spec"]["appProtocol"] = "grpc"
+    with pytest.raises(ConfigError, match=r"spec\.appProtocol: expected http"):
+        parse_pool([pool, endpoints])
