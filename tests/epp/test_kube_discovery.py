@@ -286,6 +286,24 @@ async def test_objectives_set_priorities(api: KubeApiDouble, follow: Callable[..
     await until(lambda: f.priorities[-1] == {"interactive": 5})
 
 
+async def test_credentials_that_do_not_load_are_retried_not_ready(
+        api: KubeApiDouble, tmp_path: Path) -> None:
+    _seed(api)
+    kubeconfig = tmp_path / "late-kubeconfig"
+    discovery = KubernetesDiscovery(POOL, "default", lambda: api_client(str(kubeconfig)),
+                                    backoff_initial=0.01, backoff_max=0.05)
+    f = Follower(discovery)
+    try:
+        # The EPP gets an (empty) first set so it can start, and says why it is not ready.
+        await until(lambda: f.current == ())
+        assert not discovery.ready and "cannot load Kubernetes credentials" in discovery.problem
+        api.kubeconfig(tmp_path).rename(kubeconfig)  # mounted late, e.g. a projected volume
+        await f.until_set("10.0.0.1:8000", "10.0.0.2:8000")
+        await until(lambda: discovery.ready)
+    finally:
+        await f.close()
+
+
 async def test_missing_objective_crd_counts_as_none(api: KubeApiDouble,
                                                     follow: Callable[..., Follower]):
     _seed(api)

@@ -122,10 +122,32 @@ class KubernetesDiscovery:
         self._listeners.append(listener)
         listener(self.ready, self.problem)
 
+    async def _connect(self) -> AsyncIterator[Any]:
+        """Yield None after each failure to load credentials (retried with backoff), then the
+        ApiClient."""
+        delay = self.backoff_initial
+        while True:
+            try:
+                api = await self.client_factory()
+            except Exception as exc:  # noqa: BLE001 - any config error: say so and retry
+                self._set_health(False, f"cannot load Kubernetes credentials: {exc}")
+                yield None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.backoff_max)
+            else:
+                yield api
+                return
+
     async def watch(self) -> AsyncIterator[Sequence[EndpointSpec]]:
         from kubernetes_asyncio import client as k8s
 
-        api = await self.client_factory()
+        last: tuple[EndpointSpec, ...] | None = None
+        api = None
+        async for api in self._connect():
+            if api is None and last is None:
+                last = ()
+                yield last  # (the EPP starts, not ready, while credentials are retried)
+        assert api is not None
         core, custom = k8s.CoreV1Api(api), k8s.CustomObjectsApi(api)
         view = self.view
         self._kinds = [
@@ -146,11 +168,12 @@ class KubernetesDiscovery:
         try:
             while not all(k.synced or k.problem for k in self._kinds):
                 await self._next_change()
-            last = view.endpoints()
             priorities = view.priorities()
             self._publish_objectives(priorities)
-            log.info("pool %s/%s: %d endpoints", self.namespace, self.pool_name, len(last))
-            yield last
+            if last is None or view.endpoints() != last:
+                last = view.endpoints()
+                log.info("pool %s/%s: %d endpoints", self.namespace, self.pool_name, len(last))
+                yield last
             while True:
                 await self._next_change()
                 if (now := view.priorities()) != priorities:
@@ -185,20 +208,24 @@ class KubernetesDiscovery:
             problems.append(self.view.pool_error)
         if not problems and self.view.target is None:
             problems.append(f"InferencePool {self.namespace}/{self.pool_name} not found")
-        ready, problem = not problems, "; ".join(problems)
-        if (ready, problem) != (self.ready, self.problem):
-            self.ready, self.problem = ready, problem
-            if ready:
-                log.info("pool %s/%s: discovery ready", self.namespace, self.pool_name)
-            elif all(k.synced or not k.problem for k in self._kinds) and any(
-                    not k.synced for k in self._kinds):
-                log.debug("pool %s/%s: listing", self.namespace, self.pool_name)
-            else:
-                log.error("pool %s/%s: discovery not ready: %s", self.namespace,
-                          self.pool_name, problem)
-            for listener in self._listeners:
-                listener(ready, problem)
+        listing = all(k.synced or not k.problem for k in self._kinds) and any(
+            not k.synced for k in self._kinds)
+        self._set_health(not problems, "; ".join(problems), quiet=listing)
         self._changed.set()
+
+    def _set_health(self, ready: bool, problem: str, *, quiet: bool = False) -> None:
+        if (ready, problem) == (self.ready, self.problem):
+            return
+        self.ready, self.problem = ready, problem
+        if ready:
+            log.info("pool %s/%s: discovery ready", self.namespace, self.pool_name)
+        elif quiet:  # still listing: not a problem yet
+            log.debug("pool %s/%s: listing", self.namespace, self.pool_name)
+        else:
+            log.error("pool %s/%s: discovery not ready: %s", self.namespace, self.pool_name,
+                      problem)
+        for listener in self._listeners:
+            listener(ready, problem)
 
     async def _reflect(self, kind: _Kind) -> None:
         """List-then-watch `kind` forever (see the module docstring)."""
