@@ -52,14 +52,24 @@ def test_hot_group_spreads_once_its_replica_queue_grows() -> None:
     assert all(p != "e0:1" for p in picks[first_spill:])  # and keeps winning as e0 grows
 
 
-def test_burst_before_a_load_update_spreads_by_in_flight() -> None:
+def sent(e: Endpoint, requests: int, uncached: int) -> None:
+    """The EPP routed `requests` here, `uncached` prompt tokens each, that no report covers."""
+    e.sent.clear()
+    e.unreported_tokens = 0
+    datalayer = Datalayer(clock=lambda: 0.0)
+    for _ in range(requests):
+        datalayer.record_sent(e, uncached)
+
+
+def test_burst_before_a_load_update_spreads_by_unreported_prefill() -> None:
     eps = endpoints(2)
-    eps[0].in_flight = 3  # routed by the EPP, not yet seen by the engine
+    sent(eps[0], 3, 1200)  # routed by the EPP, not yet in a load report
     assert pick(eps, {"e0:1": 375, "e1:1": 375}) == "e1:1"
-    # A hot group's burst stays on its holder until the unseen work outweighs the saving.
-    eps[0].in_flight = 2
+    # A hot group's burst stays on its holder until the unseen work outweighs the saving:
+    # each costs the holder 1,200 uncached tokens, an empty replica 7,200.
+    sent(eps[0], 2, 1200)
     assert pick(eps, {"e0:1": 375}) == "e0:1"
-    eps[0].in_flight = 6
+    sent(eps[0], 6, 1200)
     assert pick(eps, {"e0:1": 375}) == "e1:1"
 
 

@@ -32,14 +32,16 @@ speculated, so a hot prefix costs O(unique suffix blocks) per request.
 Lifecycle: the router calls `start()` (one HTTP/2 stream per endpoint of the datalayer) and
 `stop()`; afterwards subscriptions follow the endpoint set as scheduling cycles see it change.
 Push-based load: every `EngineLoad` record on a stream goes into the endpoint's metrics
-(`Datalayer.push`), so load scorers and flow control see the engine's scheduler-step load and
-the refresher polls GetLoads only rarely while records flow.
+(`Datalayer.push`, with the record's age from the batch timestamp, so the datalayer knows which
+routed requests it covers), so load scorers and flow control see the engine's scheduler-step
+load and the refresher polls GetLoads only rarely while records flow.
 """
 
 from __future__ import annotations
 
 import asyncio
 import operator
+import time
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -113,9 +115,11 @@ class PrecisePrefixCacheScorer:
 
     def _pushed_load(self, address: str, load: LoadRecord) -> None:
         if self._handle is not None:
+            # The record's age tells the datalayer which routed requests it covers.
+            age = time.time() - load.timestamp if load.timestamp else 0.0
             self._handle.datalayer.push(
                 address, running=load.running, waiting=load.waiting, kv_usage=load.token_usage,
-                waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl)
+                waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl, age=age)
 
     async def start(self) -> None:
         self._following = self._pool()
@@ -164,7 +168,7 @@ class PrecisePrefixCacheScorer:
             tokens = self._token_ids(request, state)
         hashes = self.index.block_hashes(tokens) if tokens else []
         matched = self.index.match_held(hashes, map(_address, endpoints)) if hashes else {}
-        state[STATE_KEY] = PrefixMatch(hashes, matched)
+        state[STATE_KEY] = PrefixMatch(hashes, matched, self.index.block_size)
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:

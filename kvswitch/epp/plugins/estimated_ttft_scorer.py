@@ -2,17 +2,16 @@
 
 A prefix hit on an overloaded replica is not a win: what a request waits for is the prefill
 work queued ahead of it plus its own uncached prefill. Per endpoint e, in prompt tokens
-(prefill cost per token, ~17 us on the H100 fit of DESIGN section 4, is the same on every
+(prefill cost per token, ~17 us in the simulator's H100 step model, is the same on every
 replica and cancels out):
 
     P        = the prompt's tokens (token ids; else full blocks x block size)
     m(e)     = matched leading blocks / prompt blocks   (the prefix index's `PrefixMatch`)
     Wq(e)    = queued uncached prefill tokens the engine reports (waiting_tokens), or
                waiting(e) x P when the engine does not report tokens
-    U(e)     = max(0, in_flight(e) - running(e) - waiting(e))
-               requests the EPP sent that the engine has not reported yet (a burst between
-               two load updates), assumed to look like this one (a hot group's burst)
-    est(e)   = Wq(e) + (U(e) + 1) x (1 - m(e)) x P + runningRequestTokens x running(e)
+    Ws(e)    = uncached prompt tokens the EPP routed to e that no report covers yet
+               (`Endpoint.unreported_tokens`: a burst between two load reports)
+    est(e)   = Wq(e) + Ws(e) + (1 - m(e)) x P + runningRequestTokens x running(e)
     score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
                                                        +1 keeps an idle all-cached pool finite)
 
@@ -27,7 +26,8 @@ shortest queue when imbalanced) turned continuous: the threshold is where the sa
 equals the extra queue, measured in the same unit, instead of fixed ratios (0.5, 32, 1.1).
 The ratio normalisation keeps scale: twice the work scores 0.5, whatever the prompt length.
 Inputs: `state["prefix-index"]` (written by precise-prefix-cache-scorer or prefix-cache-scorer,
-either must be configured), `Metrics.waiting_tokens/waiting/running`, `Endpoint.in_flight`.
+either must be configured), `Metrics.waiting_tokens/waiting/running`,
+`Endpoint.unreported_tokens`.
 Parameters: runningRequestTokens (float >= 0, default 16): prefill-token equivalent of one
 running request (decode steps interleave with prefill; 6 us per decode token vs 17 us per
 prefill token in the step model, over a few steps of a queued prefill).
@@ -40,22 +40,10 @@ from typing import Any
 
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
-from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
+from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, prompt_tokens
 from kvswitch.epp.request import InferenceRequest
 
 TYPE = "estimated-ttft-scorer"
-_DEFAULT_BLOCK = 16
-
-
-def prompt_tokens(request: InferenceRequest, match: PrefixMatch | None) -> int:
-    body = request.body
-    if body.prompt_token_ids is not None:
-        return len(body.prompt_token_ids)
-    if match is not None and match.hashes:
-        return len(match.hashes) * _DEFAULT_BLOCK
-    if body.prompt_text:
-        return len(body.prompt_text) // 4  # ~4 characters per token
-    return 0
 
 
 def estimated_work(endpoint: Endpoint, prompt: int, matched_fraction: float,
@@ -63,8 +51,8 @@ def estimated_work(endpoint: Endpoint, prompt: int, matched_fraction: float,
     """est(e) of the module docstring, in prompt tokens."""
     m = endpoint.metrics
     queued = m.waiting_tokens if m.waiting_tokens else m.waiting * prompt
-    unseen = max(0, endpoint.in_flight - m.running - m.waiting)
-    return queued + (unseen + 1) * (1.0 - matched_fraction) * prompt + running_tokens * m.running
+    return (queued + endpoint.unreported_tokens + (1.0 - matched_fraction) * prompt
+            + running_tokens * m.running)
 
 
 class EstimatedTtftScorer:

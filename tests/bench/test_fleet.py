@@ -1,0 +1,120 @@
+"""The fleet simulator: deterministic, conserving, and its routers behave as they claim."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from kvswitch.bench.fleet import EppRouter, best_of, make_router, run_fleet
+from kvswitch.bench.fleet.routers import RoundRobin
+from kvswitch.bench.workloads import SharedPrefixShape, build_workload
+from kvswitch.engine.sim.profiles import get_profile
+from kvswitch.tokenization import load_tokenizer
+
+PROFILE = get_profile("qwen3-32b-2xh100")
+
+
+@pytest.fixture(scope="module")
+def shared_prefix() -> Any:
+    # 24 groups of 2,000-token system prompts: where a request lands decides its cache hit.
+    shape = SharedPrefixShape(24, 4, 2000, 100, 40)
+    return build_workload(shape, (12.0, 24.0), 8.0, load_tokenizer(None), seed=3)
+
+
+def _summary(result: Any) -> Any:
+    return ([r.to_json() for r in result.records], result.requests_per_replica, result.steps)
+
+
+def test_same_seed_same_result(shared_prefix: Any) -> None:
+    for name in ("kvswitch", "random", "smg-cache-aware-model"):
+        first = run_fleet(shared_prefix, make_router(name, seed=1), PROFILE, 4, seed=1)
+        again = run_fleet(shared_prefix, make_router(name, seed=1), PROFILE, 4, seed=1)
+        assert _summary(first) == _summary(again), name
+
+
+def test_every_request_finishes_or_is_reported(shared_prefix: Any) -> None:
+    n = len(shared_prefix.requests)
+    for name in ("kvswitch", "oracle", "oracle-lookahead", "round-robin"):
+        result = run_fleet(shared_prefix, make_router(name), PROFILE, 4)
+        assert len(result.records) + len(result.rejected) + len(result.unfinished) == n
+        assert len(result.records) == n, name
+        assert sum(result.requests_per_replica) == n
+        assert all(r.completion_tokens == 40 and r.finish_reason == "length"
+                   for r in result.records)
+
+
+def test_a_drain_limit_reports_the_requests_still_running(shared_prefix: Any) -> None:
+    result = run_fleet(shared_prefix, RoundRobin(), PROFILE, 1, drain_limit=0.0)
+    n = len(shared_prefix.requests)
+    assert result.unfinished and len(result.records) + len(result.unfinished) == n
+
+
+def test_round_robin_spreads_evenly(shared_prefix: Any) -> None:
+    result = run_fleet(shared_prefix, make_router("round-robin"), PROFILE, 4)
+    counts = result.requests_per_replica
+    assert max(counts) - min(counts) <= 1
+
+
+def test_the_oracle_beats_random_on_a_shared_prefix_workload(shared_prefix: Any) -> None:
+    oracle = run_fleet(shared_prefix, make_router("oracle"), PROFILE, 4)
+    rand = run_fleet(shared_prefix, make_router("random", seed=0), PROFILE, 4)
+    assert oracle.overall["cache_hit_rate"] > rand.overall["cache_hit_rate"] + 0.05
+    assert oracle.overall["ttft_p90"] < rand.overall["ttft_p90"]
+
+
+def test_oracle_best_is_the_variant_with_the_lowest_ttft_p90(shared_prefix: Any) -> None:
+    runs = [run_fleet(shared_prefix, make_router(n), PROFILE, 4)
+            for n in ("oracle", "oracle-conserve")]
+    best = best_of(runs)
+    assert best.router == "oracle-best"
+    assert best.overall["ttft_p90"] == min(r.overall["ttft_p90"] for r in runs)
+    assert best.overall["from"] in ("oracle", "oracle-conserve")
+
+
+class _Recorder(EppRouter):
+    """The kvswitch profile, recording when each batch is published and delivered."""
+
+    def __init__(self, delay: float) -> None:
+        from kvswitch.up import DEFAULT_EPP_CONFIG
+
+        super().__init__(DEFAULT_EPP_CONFIG, "recorder", kv_delay=delay)
+        self.published: dict[tuple[int, int], float] = {}
+        self.delivered: list[tuple[int, int, float, int, int]] = []
+
+    def kv_batch(self, replica: int, batch: Any, now: float) -> None:
+        self.published[(replica, batch.sequence_number)] = now
+        super().kv_batch(replica, batch, now)
+
+    def _deliver(self, replica: int, data: bytes) -> None:
+        from kvswitch.epp.kvindex.events import batch_from_proto
+        from kvswitch.protocol.packed import KvEventBatchView
+
+        seq = batch_from_proto(KvEventBatchView.FromString(data)).sequence_number
+        index = next(iter(self.subscribers[0].values())).index
+        address = self.addresses[replica]
+        before = index.num_blocks(address)
+        super()._deliver(replica, data)
+        self.delivered.append((replica, seq, self.ctx.now(), before,
+                               index.num_blocks(address)))
+
+
+def test_kv_events_reach_the_epp_only_after_their_delivery_delay(shared_prefix: Any) -> None:
+    router = _Recorder(delay=0.2)
+    result = run_fleet(shared_prefix, router, PROFILE, 4)
+    assert len(result.records) == len(shared_prefix.requests)
+    assert router.delivered
+    grew = 0
+    for replica, seq, at, before, after in router.delivered:
+        assert at == pytest.approx(router.published[(replica, seq)] + 0.2)
+        grew += after > before
+    assert grew  # blocks entered the index, and only inside these deliveries
+
+
+def test_kv_batches_are_coalesced_per_window(shared_prefix: Any) -> None:
+    router = _Recorder(delay=0.0)
+    run_fleet(shared_prefix, router, PROFILE, 2, coalesce_seconds=0.05)
+    for replica in range(2):
+        times = sorted(t for (r, _), t in router.published.items() if r == replica)
+        assert all(b - a >= 0.05 - 1e-9 for a, b in itertools.pairwise(times))
