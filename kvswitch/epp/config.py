@@ -35,6 +35,7 @@ from kvswitch.epp.config_spec import (
     parse_config,
 )
 from kvswitch.epp.datalayer import Datalayer, Discovery, Refresher, StaticDiscovery
+from kvswitch.epp.datalayer.discovery import SuppliesObjectives
 from kvswitch.epp.datalayer.pool import PoolSpec, parse_pool
 from kvswitch.epp.flowcontrol import FlowGate
 from kvswitch.epp.framework import (
@@ -260,7 +261,7 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
     objectives = {o.name: o.priority for o in (*pool.objectives, *spec.objectives)}
     router = EppRouter(scheduler, datalayer, gate, refresher, objectives,
                        metrics if metrics is not None else default_metrics())
-    if discovery is not None and hasattr(discovery, "on_objectives"):
+    if isinstance(discovery, SuppliesObjectives):
         # Watched InferenceObjectives win over the config file's, as a pool file's would.
         discovery.on_objectives = lambda found: setattr(router, "objectives",
                                                         {**objectives, **found})

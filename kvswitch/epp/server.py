@@ -41,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvswitch.epp import access_log
 from kvswitch.epp.access_log import AccessLogSink
+from kvswitch.epp.datalayer.discovery import ReportsHealth
 from kvswitch.epp.extproc import Action, ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.h2server import INTERNAL, NOT_FOUND, Call, H2GrpcServer, HandlerFactory
 from kvswitch.epp.request import EndpointPicker, Router, RoutingDecision
@@ -492,9 +493,8 @@ class EppServer:
         """Start the router, bind, serve; returns the bound port (useful with port 0)."""
         await self._set_health(LIVENESS, _SERVING)
         discovery = getattr(getattr(self.picker.router, "refresher", None), "discovery", None)
-        add_health_listener = getattr(discovery, "add_health_listener", None)
-        if add_health_listener is not None:
-            add_health_listener(self._discovery_health)
+        if isinstance(discovery, ReportsHealth):
+            discovery.add_health_listener(self._discovery_health)
         await self.picker.router.start()
         self._started = True
         if self._h2 is not None:

@@ -25,6 +25,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -84,10 +85,11 @@ def _envoy(pool: Pool, name: str, epp_port: int, **options: object) -> tuple[int
     """Start an Envoy in front of the pool; its (public, admin) ports."""
     port, admin = free_port(), free_port()
     config = pool.tmp / f"{name}.yaml"
-    target = options.pop("target", PoolTarget(pool.endpoints))
+    target: Any = options.pop("target", PoolTarget(pool.endpoints))
+    extra: Any = options
     config.write_text(render(build_bootstrap(GatewayOptions(
-        pool=target, epp=f"127.0.0.1:{epp_port}", port=port, admin_port=admin,  # type: ignore[arg-type]
-        report_served_endpoint=True, **options))))  # type: ignore[arg-type]
+        pool=target, epp=f"127.0.0.1:{epp_port}", port=port, admin_port=admin,
+        report_served_endpoint=True, **extra))))
     pool.supervisor.start(dataclasses.replace(envoy_spec(config, admin), name=name))
     return port, admin
 
@@ -145,7 +147,7 @@ def _epp_pick(supervisor: Supervisor, name: str, request_id: str) -> str:
 def test_gateway_follows_the_epps_pick(pool: Pool) -> None:
     """GatewayFollowingEPPRouting and InferencePoolAppProtocol (h2c)."""
     epp_port, epp = _epp_file(pool, "epp-follow")
-    port, _ = _envoy(pool, "envoy-follow", epp_port)
+    port, admin = _envoy(pool, "envoy-follow", epp_port)
     served = set()
     for seed in range(12):
         status, endpoint, request_id = _generate(port, seed)
@@ -153,6 +155,12 @@ def test_gateway_follows_the_epps_pick(pool: Pool) -> None:
         assert endpoint == _epp_pick(pool.supervisor, epp, request_id)
         served.add(endpoint)
     assert served <= set(pool.endpoints) and served
+    # appProtocol kubernetes.io/h2c: Envoy reached the pool over HTTP/2 only.
+    url = f"http://127.0.0.1:{admin}/stats?filter=kvswitch_pool.upstream_cx_http"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        stats = dict(line.split(": ") for line in reply.read().decode().splitlines())
+    assert int(stats["cluster.kvswitch_pool.upstream_cx_http2_total"]) >= 1
+    assert int(stats["cluster.kvswitch_pool.upstream_cx_http1_total"]) == 0
 
 
 def test_gateway_reports_the_served_endpoint(pool: Pool) -> None:

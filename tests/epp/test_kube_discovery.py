@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,7 +67,7 @@ async def follow(api: KubeApiDouble, tmp_path: Path) -> AsyncIterator[Callable[.
     kubeconfig = api.kubeconfig(tmp_path)
     followers: list[Follower] = []
 
-    def start(**kwargs: object) -> Follower:
+    def start(**kwargs: Any) -> Follower:
         discovery = KubernetesDiscovery(POOL, "default", lambda: api_client(str(kubeconfig)),
                                         backoff_initial=0.01, backoff_max=0.05, **kwargs)
         followers.append(Follower(discovery))

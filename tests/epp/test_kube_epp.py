@@ -112,7 +112,8 @@ def test_a_v1_inference_pool_works_for_file_discovery_too(tmp_path: Path) -> Non
     endpoints = {"apiVersion": "kvswitch.dev/v1alpha1", "kind": "EndpointList",
                  "endpoints": ["10.0.0.1"]}
     spec = parse_pool([pool, endpoints])
-    assert spec.endpoints == (EndpointSpec("10.0.0.1:8000", H2C), EndpointSpec("10.0.0.1:8001", H2C))
+    assert spec.endpoints == (EndpointSpec("10.0.0.1:8000", H2C),
+                              EndpointSpec("10.0.0.1:8001", H2C))
     path = tmp_path / "pool.yaml"
     path.write_text(yaml.safe_dump_all([pool, endpoints]))
     assert read_pool(path).app_protocol == H2C

@@ -110,17 +110,17 @@ class KubeApiDouble:
 
     def put(self, plural: str, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Create or replace an object (ADDED or MODIFIED)."""
-        obj = copy.deepcopy(dict(obj))
-        meta = obj.setdefault("metadata", {})
+        stored: dict[str, Any] = copy.deepcopy(dict(obj))
+        meta = stored.setdefault("metadata", {})
         meta.setdefault("namespace", "default")
         key = (plural, meta["namespace"], meta["name"])
         kind = "MODIFIED" if key in self._objects else "ADDED"
         self.revision = next(self._revision)
         meta["resourceVersion"] = str(self.revision)
         meta.setdefault("uid", f"uid-{meta['name']}-{self.revision}")
-        self._objects[key] = obj
-        self._emit(kind, plural, obj)
-        return obj
+        self._objects[key] = stored
+        self._emit(kind, plural, stored)
+        return stored
 
     def delete(self, plural: str, name: str, namespace: str = "default") -> None:
         obj = self._objects.pop((plural, namespace, name))

@@ -15,7 +15,8 @@ list-then-watch with kubernetes_asyncio:
   succeeds; `404` for InferenceObjectives (CRD not installed) counts as none.
 `ready` (see `add_health_listener`) is True while every kind has been listed, none is
 forbidden and the pool exists and parses. Credentials that do not load are retried with the same
-backoff (an empty first set is yielded meanwhile, so the EPP starts, not ready). InferenceObjective priorities go to `on_objectives`.
+backoff (an empty first set is yielded meanwhile, so the EPP starts, not ready).
+InferenceObjective priorities go to `on_objectives`.
 Pods are watched namespace-wide and matched to the selector here, so a selector change needs no
 new watch.
 """
