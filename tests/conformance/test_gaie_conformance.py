@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
@@ -274,3 +275,37 @@ def test_pool_by_dns_as_the_charts_standalone_envoy(pool: Pool) -> None:
         assert time.monotonic() < deadline, "Envoy never marked the EPP down"
         time.sleep(0.05)
     assert _generate(gateway, 601)[:2] == (grpc.StatusCode.OK, endpoint)
+
+
+def _readiness(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+        return int(reply.status)
+
+
+def test_forbidden_epp_process_is_not_ready_and_says_why(pool: Pool) -> None:
+    """`kvswitch epp --pool-name` when RBAC forbids reading pods: it serves, its readiness is
+    NOT_SERVING and its log names the API server's refusal; allowed again, it becomes ready."""
+    api = ThreadedKubeApi()
+    try:
+        api.start()
+        api.call(api.double.put, "inferencepools", inference_pool("qwen3", ports=(pool.port,)))
+        api.call(api.double.put, "pods", pod("engine-0", HOSTS[0]))
+        api.call(api.double.forbidden.add, "pods")
+        kubeconfig = api.double.kubeconfig(pool.tmp)
+        epp_port = free_port()
+        argv = kvswitch_argv("epp", "--pool-name", "qwen3", "--kubeconfig", str(kubeconfig),
+                             "--port", str(epp_port), "--metrics-port", "0")
+        child = pool.supervisor.start(ChildSpec("epp-forbidden", argv,
+                                                ready=port_open(epp_port), stop_timeout=10.0))
+        assert _readiness(epp_port) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert 'forbidden: User "system:serviceaccount:default:epp" cannot list resource ' \
+            '"pods"' in child.tail(20_000)
+        api.call(api.double.forbidden.clear)
+        deadline = time.monotonic() + 10
+        while _readiness(epp_port) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, child.tail()
+            time.sleep(0.05)
+    finally:
+        api.close()
