@@ -8,8 +8,8 @@ Upstream's tests (conformance/tests/ in gateway-api-inference-extension) and the
   the EPP was restricted to (the subset hint stands in for upstream's test header);
 - EppUnAvailableFailOpen: with the EPP gone, FailOpen still serves and FailClose answers
   UNAVAILABLE;
-- InferencePoolAppProtocol: an h2c pool is reached over HTTP/2 (an HTTP/1.1 pool: e2e/
-  test_http_pool.py);
+- InferencePoolAppProtocol: an h2c pool is reached over HTTP/2 only, an `http` pool and one
+  without appProtocol over HTTP/1.1 only;
 - the same routing against the pod set Kubernetes discovery builds from the API server double,
   following a pod that turns unready and back.
 The engines listen on 127.0.0.2 and 127.0.0.3 at one port, as pods share their target port.
@@ -18,9 +18,12 @@ The engines listen on 127.0.0.2 and 127.0.0.3 at one port, as pods share their t
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import json
 import os
 import re
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -33,7 +36,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
+from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, read_pool, render
 from kvswitch.envoy.bootstrap import EPP_CLUSTER
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
@@ -47,6 +50,8 @@ from kvswitch.up import (
     kvswitch_argv,
     write_pool_file,
 )
+from tests.e2e.test_http_pool import CONFIG as HTTP_CONFIG
+from tests.e2e.test_http_pool import _ModelServer as HttpModelServer
 from tests.support.kube_api import ThreadedKubeApi, inference_pool, pod
 from tests.support.processes import free_port
 
@@ -309,3 +314,46 @@ def test_forbidden_epp_process_is_not_ready_and_says_why(pool: Pool) -> None:
             time.sleep(0.05)
     finally:
         api.close()
+
+
+@pytest.mark.parametrize("app_protocol", ["http", None])
+def test_http_pool_is_reached_over_http1(pool: Pool, app_protocol: str | None) -> None:
+    """InferencePoolAppProtocol's other cases: `http`, and appProtocol omitted (HTTP/1.1 by
+    default), with an OpenAI-compatible model server that speaks HTTP/1.1 only."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HttpModelServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        name = f"http-{app_protocol}"
+        spec: dict[str, Any] = inference_pool(name, ports=(server.server_address[1],))
+        if app_protocol is None:
+            del spec["spec"]["appProtocol"]
+        else:
+            spec["spec"]["appProtocol"] = app_protocol
+        pool_file = pool.tmp / f"{name}-pool.yaml"
+        pool_file.write_text(yaml.safe_dump_all([spec, {
+            "apiVersion": "kvswitch.dev/v1alpha1", "kind": "EndpointList",
+            "endpoints": [address]}]))
+        config = pool.tmp / f"{name}-epp.yaml"
+        config.write_text(yaml.safe_dump(HTTP_CONFIG))
+        epp_port, metrics = free_port(), free_port()
+        pool.supervisor.start(dataclasses.replace(
+            epp_spec(config, pool_file, epp_port, metrics, want_ready=1), name=f"epp-{name}"))
+        target = read_pool(pool_file)
+        assert target.app_protocol == "http"
+        gateway, admin = _envoy(pool, f"envoy-{name}", epp_port, target=target)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{gateway}/v1/completions", headers={"content-type":
+                                                                    "application/json"},
+            data=json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode())
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT) as reply:
+            assert reply.status == 200
+            assert reply.headers[SERVED_ENDPOINT] == address
+        url = f"http://127.0.0.1:{admin}/stats?filter=kvswitch_pool.upstream_cx_http"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            stats = dict(line.split(": ") for line in reply.read().decode().splitlines())
+        assert int(stats["cluster.kvswitch_pool.upstream_cx_http1_total"]) >= 1
+        assert int(stats["cluster.kvswitch_pool.upstream_cx_http2_total"]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
