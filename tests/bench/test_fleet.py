@@ -118,3 +118,39 @@ def test_kv_batches_are_coalesced_per_window(shared_prefix: Any) -> None:
     for replica in range(2):
         times = sorted(t for (r, _), t in router.published.items() if r == replica)
         assert all(b - a >= 0.05 - 1e-9 for a, b in itertools.pairwise(times))
+
+
+def test_fleet_cli_runs_routers_and_writes_json(tmp_path: Any) -> None:
+    import json
+
+    from kvswitch.bench.fleet.__main__ import main
+
+    out = tmp_path / "fleet.json"
+    assert main(["--preset", "tiny", "--routers", "round-robin,kvswitch", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["router"] for r in results] == ["round-robin", "kvswitch"]
+    assert all(sum(r["requests_per_replica"]) == 59 for r in results)
+
+
+def test_the_panel_checks_issue_24s_targets_per_member_and_step() -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_panel.py"
+    spec = importlib.util.spec_from_file_location("routing_panel", path)
+    assert spec is not None and spec.loader is not None
+    panel_module = importlib.util.module_from_spec(spec)
+    sys.modules["routing_panel"] = panel_module  # (its dataclasses look their module up)
+    spec.loader.exec_module(panel_module)
+
+    def steps(*p90: float) -> dict[str, Any]:
+        return {"steps": [{"qps": float(i + 1), "ttft_p90": v} for i, v in enumerate(p90)]}
+
+    panel = [{"member": "m", "routers": {
+        "oracle-best": steps(1.0, 1.0), "round-robin": steps(1.5, 1.1),
+        "smg-cache-aware-model": steps(1.3, 2.0), "mine": steps(1.19, 1.3)}}]
+    result = panel_module.check_targets(panel, ["mine"], 0.0)["mine"]
+    assert result["rows"] == 2 and not result["all_met"]
+    assert result["misses"] == {"oracle-best x1.2": ["m@2"], "round-robin": ["m@2"],
+                                "smg-cache-aware-model": []}

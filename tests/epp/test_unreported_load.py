@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import time
-
 from kvswitch.engine.base import EngineLoadSnapshot
 from kvswitch.engine.kv_events import load_record
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle
-from kvswitch.epp.kvindex import KvEventBatchView, PrefixIndex, batch_from_proto
+from kvswitch.epp.kvindex import (
+    BlocksStored,
+    KvEventBatchView,
+    LoadRecord,
+    PrefixIndex,
+    StoredBlock,
+    batch_from_proto,
+)
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.plugins.kv_cache_utilization_scorer import KvCacheUtilizationScorer
 from kvswitch.epp.plugins.prefix_index import PrefixMatch, uncached_tokens
@@ -78,25 +83,31 @@ def test_a_poll_covers_what_was_sent_before_it_started() -> None:
     assert (e.unreported_requests, e.unreported_tokens) == (1, 20)
 
 
-def test_pushed_records_carry_the_engine_timestamp_as_age() -> None:
+def record(timestamp: float) -> LoadRecord:
     snapshot = EngineLoadSnapshot(running=1, waiting=2, waiting_uncached_tokens=300,
                                   used_blocks=1, total_blocks=10, block_size=16, max_running=8,
                                   gen_throughput=0.0, cache_hit_rate=0.0)
-    sampled = time.time() - 0.5
-    message = common_pb2.KvEventBatch(sequence_number=1, timestamp=sampled,
+    message = common_pb2.KvEventBatch(sequence_number=1, timestamp=timestamp,
                                       load=load_record(snapshot, 1, load_only=True, full=False))
     batch = batch_from_proto(KvEventBatchView.FromString(message.SerializeToString()))
-    assert batch.load is not None and batch.load.timestamp == sampled
+    assert batch.load is not None and batch.load.timestamp == timestamp
+    return batch.load
+
+
+def test_a_pushed_record_is_as_old_as_its_lag_beyond_the_fastest() -> None:
     datalayer, clock, e = setup()
     scorer = PrecisePrefixCacheScorer("p", PrefixIndex(16), PluginHandle(datalayer))
-    # The record arrives at 101.5, sampled ~0.5 s before: at ~101.0.
-    datalayer.record_sent(e, 7)  # at 100.0: covered
+    engine_offset = 5000.0  # the engine's clock reads 5,000 s ahead of the datalayer's
+    scorer._pushed_load("e:1", record(clock.now + engine_offset))  # delivered at once
+    datalayer.record_sent(e, 7)  # at 100.0: covered by a sample taken at 101.0
     clock.now += 1.2
     datalayer.record_sent(e, 9)  # at 101.2: not covered
     clock.now += 0.3
-    scorer._pushed_load("e:1", batch.load)
+    scorer._pushed_load("e:1", record(101.0 + engine_offset))  # arrives 0.5 s late
     assert (e.unreported_requests, e.unreported_tokens) == (1, 9)
     assert (e.metrics.waiting, e.metrics.waiting_tokens) == (2, 300)
+    scorer._pushed_load("e:1", record(clock.now + engine_offset))
+    assert e.unreported_requests == 0
 
 
 def test_uncached_tokens_subtract_the_picked_endpoints_match() -> None:
@@ -119,3 +130,56 @@ def test_load_scorers_add_the_unreported_account() -> None:
     assert QueueScorer("q").score(request, {}, [a, b]) == [1.0, 0.0]  # 1 waiting < 0 + 2 sent
     free = KvCacheUtilizationScorer("k").score(request, {}, [a, b])
     assert free[0] == 0.8 and abs(free[1] - 0.4) < 1e-12
+
+
+def test_prefill_in_progress_ends_when_the_prompts_last_block_is_stored() -> None:
+    now = [0.0]
+    index = PrefixIndex(16, clock=lambda: now[0])
+    index.add_endpoint("e:1")
+    prompt = list(range(64))  # 4 blocks
+    hashes = index.block_hashes(prompt)
+    index.speculate("e:1", hashes, 2.0)
+    index.await_prefill("e:1", hashes[-1], 64, 30.0)
+    assert index.pending_prefill("e:1") == 64
+    # The first chunk's blocks: still prefilling.
+    index.apply("e:1", [BlocksStored(tuple(StoredBlock.of(i, prompt[i * 16:(i + 1) * 16])
+                                           for i in range(2)), None, 16)])
+    assert index.pending_prefill("e:1") == 64
+    # The last block, after its speculative entry expired: the prefill is over all the same.
+    now[0] = 5.0
+    index.expire()
+    index.apply("e:1", [BlocksStored(tuple(StoredBlock.of(i, prompt[i * 16:(i + 1) * 16])
+                                           for i in range(2, 4)), 1, 16)])
+    assert index.pending_prefill("e:1") == 0
+
+
+def test_prefill_never_stored_expires_and_a_clear_drops_it() -> None:
+    now = [0.0]
+    index = PrefixIndex(16, clock=lambda: now[0])
+    index.add_endpoint("e:1")
+    index.await_prefill("e:1", 111, 500, 30.0)
+    index.await_prefill("e:1", 111, 200, 30.0)  # the same prompt twice
+    now[0] = 20.0
+    index.await_prefill("e:1", 222, 50, 30.0)
+    assert index.pending_prefill("e:1") == 750
+    now[0] = 31.0
+    index.await_prefill("e:1", 333, 1, 30.0)  # (expiry is checked on the next call)
+    assert index.pending_prefill("e:1") == 51
+    index.clear("e:1")
+    assert index.pending_prefill("e:1") == 0
+
+
+def test_estimated_ttft_counts_prefill_the_engine_admitted() -> None:
+    from kvswitch.epp.plugins.estimated_ttft_scorer import create
+
+    a, b = Endpoint(EndpointSpec("a:1")), Endpoint(EndpointSpec("b:1"))
+    # Both report nothing waiting; a has 8,000 tokens of admitted prompts still prefilling.
+    pending = {"a:1": 8000, "b:1": 0}
+    scorer = create("t", {"runningRequestTokens": 0}, PluginHandle(Datalayer()))
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * 1600))
+    match = PrefixMatch(tuple(range(100)), {"a:1": 100}, 16, pending.get)
+    scores = scorer.score(request, {"prefix-index": match}, [a, b])
+    assert scores[1] == 1.0 and scores[0] < 1.0  # 8,000 queued > 1,600 saved
+    pending["a:1"] = 1000
+    scores = scorer.score(request, {"prefix-index": match}, [a, b])
+    assert scores[0] == 1.0 and scores[1] < 1.0  # 1,000 queued < 1,600 saved

@@ -1,6 +1,6 @@
 """KV events as the index consumes them: small frozen records, and the protobuf conversion.
 
-The engine API streams `smg.grpc.common.KvEventBatch` messages (DESIGN §4). The index never
+The engine API streams `smg.grpc.common.KvEventBatch` messages. The index never
 sees protobuf: `batch_from_proto` turns one message, read through `KvEventBatchView`, into an
 `EventBatch` whose `events` keep the engine's order (a batch may remove a block and store it
 again).

@@ -11,7 +11,10 @@ replica and cancels out):
                waiting(e) x P when the engine does not report tokens
     Ws(e)    = uncached prompt tokens the EPP routed to e that no report covers yet
                (`Endpoint.unreported_tokens`: a burst between two load reports)
-    est(e)   = Wq(e) + Ws(e) + (1 - m(e)) x P + runningRequestTokens x running(e)
+    Wp(e)    = uncached prompt tokens the EPP routed to e whose prefill has not ended, by the
+               KV events (`PrefixMatch.pending_prefill`; 0 without the precise index): unlike
+               Wq it counts requests the engine admitted that are still prefilling
+    est(e)   = max(Wq(e) + Ws(e), Wp(e)) + (1 - m(e)) x P + runningRequestTokens x running(e)
     score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
                                                        +1 keeps an idle all-cached pool finite)
 
@@ -27,7 +30,7 @@ equals the extra queue, measured in the same unit, instead of fixed ratios (0.5,
 The ratio normalisation keeps scale: twice the work scores 0.5, whatever the prompt length.
 Inputs: `state["prefix-index"]` (written by precise-prefix-cache-scorer or prefix-cache-scorer,
 either must be configured), `Metrics.waiting_tokens/waiting/running`,
-`Endpoint.unreported_tokens`.
+`Endpoint.unreported_tokens`, `PrefixMatch.pending_prefill`.
 Parameters: runningRequestTokens (float >= 0, default 16): prefill-token equivalent of one
 running request (decode steps interleave with prefill; 6 us per decode token vs 17 us per
 prefill token in the step model, over a few steps of a queued prefill).
@@ -47,11 +50,12 @@ TYPE = "estimated-ttft-scorer"
 
 
 def estimated_work(endpoint: Endpoint, prompt: int, matched_fraction: float,
-                   running_tokens: float) -> float:
-    """est(e) of the module docstring, in prompt tokens."""
+                   running_tokens: float, pending: int = 0) -> float:
+    """est(e) of the module docstring, in prompt tokens; `pending` is Wp(e)."""
     m = endpoint.metrics
-    queued = m.waiting_tokens if m.waiting_tokens else m.waiting * prompt
-    return (queued + endpoint.unreported_tokens + (1.0 - matched_fraction) * prompt
+    queued = (m.waiting_tokens if m.waiting_tokens else m.waiting * prompt) \
+        + endpoint.unreported_tokens
+    return (max(queued, pending) + (1.0 - matched_fraction) * prompt
             + running_tokens * m.running)
 
 
@@ -66,8 +70,11 @@ class EstimatedTtftScorer:
         prompt = prompt_tokens(request, match)
         blocks = len(match.hashes) if match is not None else 0
         matched = match.matched if match is not None and blocks else {}
+        pending = match.pending_prefill if match is not None else None
         work = [estimated_work(e, prompt, matched.get(e.address, 0) / blocks if blocks else 0.0,
-                               self.running_tokens) for e in endpoints]
+                               self.running_tokens,
+                               pending(e.address) if pending is not None else 0)
+                for e in endpoints]
         least = min(work) + 1.0
         return [least / (w + 1.0) for w in work]
 

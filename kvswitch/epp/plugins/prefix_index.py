@@ -20,7 +20,7 @@ request costs an endpoint.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvswitch.epp.datalayer import Endpoint
@@ -42,6 +42,9 @@ class PrefixMatch:
     """endpoint address -> leading blocks it holds; absent means 0."""
     block_tokens: int = 16
     """Prompt tokens per block (the index's block size)."""
+    pending_prefill: Callable[[str], int] | None = None
+    """endpoint address -> uncached prompt tokens routed there whose prefill has not ended
+    (the precise index's, from KV events); None when the producer cannot tell."""
 
 
 def prompt_tokens(request: InferenceRequest, match: PrefixMatch | None) -> int:
