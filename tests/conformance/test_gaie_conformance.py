@@ -357,3 +357,49 @@ def test_http_pool_is_reached_over_http1(pool: Pool, app_protocol: str | None) -
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_pod_leaving_drains(pool: Pool) -> None:
+    """A pod that turns unready gets no new requests, while a stream it is serving finishes."""
+    slow = f"127.0.0.4:{pool.port}"
+    spec = engine_spec("engine-slow", pool.port, profile="tiny", time_scale=0.1, mode="echo",
+                       grace_period=1.0, extra=("--host", "127.0.0.4"))
+    pool.supervisor.start(dataclasses.replace(spec, ready=port_open(pool.port, "127.0.0.4")))
+    api = ThreadedKubeApi()
+    try:
+        api.start()
+        api.call(api.double.put, "inferencepools", inference_pool("qwen3", ports=(pool.port,)))
+        api.call(api.double.put, "pods", pod("slow", "127.0.0.4"))
+        api.call(api.double.put, "pods", pod("engine-1", HOSTS[1]))
+        kubeconfig = api.double.kubeconfig(pool.tmp)
+        epp_port, metrics = free_port(), free_port()
+        argv = kvswitch_argv("epp", "--pool-name", "qwen3", "--kubeconfig", str(kubeconfig),
+                             "--port", str(epp_port), "--metrics-port", str(metrics))
+        pool.supervisor.start(ChildSpec(
+            "epp-drain", argv, ready=lambda: port_open(epp_port)() and epp_pool_ready(
+                metrics, 2)(), stop_timeout=10.0))
+        port, admin = _envoy(pool, "envoy-drain", epp_port, routing="original-dst",
+                             target=PoolTarget(()))
+        request = pb.GenerateRequest(
+            request_id="drain-stream", tokenized=pb.TokenizedInput(input_ids=list(range(1, 65))),
+            sampling_params=pb.SamplingParams(max_tokens=300, ignore_eos=True), stream=True)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = rpc.VllmEngineStub(channel).Generate(
+                request, metadata=((DESTINATION_SUBSET, slow),), timeout=CALL_TIMEOUT)
+            first = next(stream)
+            assert dict(stream.initial_metadata())[SERVED_ENDPOINT] == slow
+            api.call(api.double.put, "pods", pod("slow", "127.0.0.4", ready=False))
+            _until_served(port, slow, grpc.StatusCode.UNAVAILABLE)  # no new requests
+            assert _generate(port, 700)[1] == pool.endpoints[1]
+            # The stream was still in flight on the pod the pool no longer has...
+            url = f"http://127.0.0.1:{admin}/stats?filter=kvswitch_pool.upstream_rq_active"
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                active = dict(line.split(": ") for line in reply.read().decode().splitlines())
+            assert active["cluster.kvswitch_pool.upstream_rq_active"] == "1"
+            rest = list(stream)  # ...and goes on to its end.
+        assert first.HasField("chunk") and rest[-1].HasField("complete")
+        assert rest[-1].complete.finish_reason == "length"
+        # (a stream's chunks carry the deltas; their sum is the completion)
+        assert sum(r.chunk.completion_tokens for r in (first, *rest) if r.HasField("chunk")) == 300
+    finally:
+        api.close()
