@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,10 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def render(values: Mapping[str, Any]) -> list[dict[str, Any]]:
+def render(values: Mapping[str, Any], name: str = "qwen3",
+           namespace: str = "llm") -> list[dict[str, Any]]:
     chart = helm_python.Chart.load(str(CHART))
-    files = chart.render(dict(values), name="qwen3", namespace="llm")
+    files = chart.render(dict(values), name=name, namespace=namespace)
     return [doc for name, text in sorted(files.items()) if name.endswith(".yaml")
             for doc in yaml.safe_load_all(text) if doc]
 
@@ -85,18 +87,49 @@ def test_lint() -> None:
         assert helm_python.lint(str(CHART), values)["errors"] == []
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_object_is_valid(mode: str) -> None:
-    docs = render(MODES[mode])
+def validate(docs: list[dict[str, Any]], namespace: str = "llm") -> None:
     assert docs
     for doc in docs:
         key = (doc["apiVersion"], doc["kind"])
         if key in CRD_SCHEMAS:
             jsonschema.validate(doc, CRD_SCHEMAS[key])
         elif key in OTHER_CRDS:
-            assert doc["metadata"]["namespace"] == "llm" and doc["spec"], doc
+            assert doc["metadata"]["namespace"] == namespace and doc["spec"], doc
         else:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_object_is_valid(mode: str) -> None:
+    validate(render(MODES[mode]))
+
+
+def _merge(into: dict[str, Any], values: Mapping[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _documented_installs() -> list[list[str]]:
+    """The `helm install` commands of docs/kubernetes.md, continuation lines joined."""
+    text = (REPO / "docs" / "kubernetes.md").read_text().replace("\\\n", " ")
+    return [shlex.split(line.split("#")[0]) for line in text.splitlines()
+            if line.startswith("helm install ")]
+
+
+def test_the_documented_helm_installs_render_valid_objects() -> None:
+    installs = _documented_installs()
+    assert len(installs) >= 4
+    for argv in installs:
+        assert argv[3] == "deploy/helm/kvswitch", argv
+        values: dict[str, Any] = {}
+        for i, arg in enumerate(argv):
+            if arg == "--set":
+                _merge(values, helm_python.parse_set_string(argv[i + 1]))
+        namespace = argv[argv.index("--namespace") + 1]
+        validate(render(values, name=argv[2], namespace=namespace), namespace)
 
 
 @pytest.mark.parametrize("mode", MODES)
