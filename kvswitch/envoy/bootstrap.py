@@ -370,14 +370,15 @@ def _static_cluster(name: str, addresses: Sequence[str], *, http2: bool) -> dict
 
 
 def _epp_health_checks() -> dict[str, Any]:
-    """Active gRPC health checks of the EPP, and no panic routing: Envoy fails open only while
-    no body chunk has gone to the EPP, which holds when the EPP is known down before a request
-    starts (no healthy host: the ext_proc stream fails at once) rather than found down by a
-    refused connection after the first chunk."""
+    """Active gRPC health checks of the EPP (every second; down after two failures, so one slow
+    answer does not bypass it), and no panic routing: Envoy fails open only while no body chunk
+    has gone to the EPP, which holds when the EPP is known down before a request starts (no
+    healthy host: the ext_proc stream fails at once) rather than found down by a refused
+    connection after the first chunk."""
     return {
         "health_checks": [{
             "timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
-            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "unhealthy_threshold": 2, "healthy_threshold": 1,
             "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
         }],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
