@@ -51,17 +51,21 @@ from kvswitch.protocol.headers import (
     EPP_REPLICA,
     GATEWAY_METADATA_NAMESPACE,
     REQUEST_ID,
+    SERVED_ENDPOINT,
     SESSION_TOKEN,
     USAGE_TRAILER,
 )
 
-__all__ = ["EPP_HEADERS", "GatewayOptions", "PoolTarget", "Routing", "build_bootstrap"]
+__all__ = ["EPP_HEADERS", "FailureMode", "GatewayOptions", "PoolTarget", "Routing",
+           "build_bootstrap"]
 
 Routing = Literal["original-dst", "override-host"]
+FailureMode = Literal["FailClose", "FailOpen"]
 
 H2C = "kubernetes.io/h2c"
 POOL_CLUSTER = "kvswitch_pool"
 EPP_CLUSTER = "kvswitch_epp"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 FRONTEND_CLUSTER = "kvswitch_frontend"
 
 _T = "type.googleapis.com/"
@@ -108,6 +112,10 @@ class PoolTarget:
     """`ip:port` of every replica (STATIC clusters; ORIGINAL_DST ignores it)."""
     app_protocol: str = H2C
     """`kubernetes.io/h2c` → HTTP/2 upstream; `http` → HTTP/1.1 upstream."""
+    service: str = ""
+    """`name:port` of a DNS name that resolves to every ready replica (a headless Service in
+    Kubernetes): the cluster is STRICT_DNS over it, re-resolved every second, instead of the
+    static `endpoints`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +140,13 @@ class GatewayOptions:
     access_log: bool = False
     frontend_paths: tuple[str, ...] = field(default=("/v1/", "/health", "/tokenize",
                                                     "/detokenize"))
+    epp_failure_mode: FailureMode = "FailClose"
+    """The InferencePool's endpointPickerRef.failureMode: `FailOpen` routes requests the EPP
+    cannot answer (unreachable, broken) by the pool cluster's own round robin; `FailClose`
+    answers them 503 / UNAVAILABLE."""
+    report_served_endpoint: bool = False
+    """Add `x-gateway-destination-endpoint-served: ip:port` (the replica that served it) to
+    every pool response."""
     epp_headers: tuple[str, ...] | None = EPP_HEADERS
     """Headers sent to the EPP (a trailing `*`: a prefix); None: all of them. Add any request
     header an EPP plugin reads, e.g. a session-affinity-scorer's own `headerName`."""
@@ -152,7 +167,7 @@ def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
             raise ValueError("an EPP address is required unless round_robin is set")
         if len(set(options.epps)) != len(options.epps):
             raise ValueError(f"EPP addresses repeat: {', '.join(options.epps)}")
-        clusters += _epp_clusters(options.epps)
+        clusters += _epp_clusters(options.epps, options.epp_failure_mode)
     if options.frontends:
         clusters.append(_static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False))
     return {
@@ -213,25 +228,20 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
     }
 
 
-def _epp_clusters(epps: Sequence[str]) -> list[dict[str, Any]]:
-    """The ext_proc cluster of every EPP; with several, also one cluster per EPP for its own
-    access log."""
+def _epp_clusters(epps: Sequence[str], failure_mode: FailureMode) -> list[dict[str, Any]]:
+    """The ext_proc cluster of every EPP, health-checked when there are several or the pool
+    fails open; with several, also one cluster per EPP for its own access log."""
     cluster = _static_cluster(EPP_CLUSTER, epps, http2=True)
+    if len(epps) > 1 or failure_mode == "FailOpen":
+        cluster.update(_epp_health_checks())
     if len(epps) == 1:
         return [cluster]
     cluster["lb_policy"] = "LEAST_REQUEST"
-    cluster["health_checks"] = [{
-        "timeout": "0.5s", "interval": "0.5s", "no_traffic_interval": "0.5s",
-        "unhealthy_threshold": 1, "healthy_threshold": 1,
-        "grpc_health_check": {"service_name": "readiness"},
-    }]
     # A refused connection ejects the EPP at once, before the next health check notices.
     cluster["outlier_detection"] = {
         "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
         "interval": "1s", "base_ejection_time": "2s", "max_ejection_percent": 100,
     }
-    # Never spread over dead EPPs because most are dead: route to the live ones only.
-    cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
     return [cluster, *(_static_cluster(_epp_log_cluster(i), [epp], http2=True)
                        for i, epp in enumerate(epps))]
 
@@ -306,7 +316,14 @@ def _route_config(options: GatewayOptions) -> dict[str, Any]:
             "retry_on": "connect-failure,refused-stream,reset-before-request",
             "num_retries": options.fallback_retries,
         }
-    routes.append({"match": {"prefix": "/"}, "route": pool_route})
+    route: dict[str, Any] = {"match": {"prefix": "/"}, "route": pool_route}
+    if options.report_served_endpoint:
+        # The replica that actually served the request (GAIE's served-endpoint report), for
+        # clients that check the gateway honoured the pick; it names pod addresses, so opt-in.
+        route["response_headers_to_add"] = [{
+            "header": {"key": SERVED_ENDPOINT, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    routes.append(route)
     return {"name": "kvswitch", "virtual_hosts": [
         {"name": "kvswitch", "domains": ["*"], "routes": routes},
     ]}
@@ -337,7 +354,7 @@ def _http_filters(options: GatewayOptions) -> list[dict[str, Any]]:
         "typed_config": {
             "@type": _EXT_PROC,
             "grpc_service": _ext_proc_service(options.epps),
-            "failure_mode_allow": False,
+            "failure_mode_allow": options.epp_failure_mode == "FailOpen",
             "allow_mode_override": False,
             "message_timeout": f"{options.message_timeout_s:g}s",
             "processing_mode": {
@@ -424,6 +441,23 @@ def _static_cluster(name: str, addresses: Sequence[str], *, http2: bool) -> dict
     }
 
 
+def _epp_health_checks() -> dict[str, Any]:
+    """Active gRPC health checks of the EPPs (every second; down after two failures, so one slow
+    answer does not bypass it), and no panic routing (never spread over dead EPPs because most
+    are dead). Failing open needs it: Envoy fails open only while no body chunk has gone to the
+    EPP, which holds when the EPP is known down before a request starts (no healthy host: the
+    ext_proc stream fails at once) rather than found down by a refused connection after the
+    first chunk."""
+    return {
+        "health_checks": [{
+            "timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
+            "unhealthy_threshold": 2, "healthy_threshold": 1,
+            "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+        }],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+    }
+
+
 def _no_circuit_breaking() -> dict[str, Any]:
     # Envoy's defaults (1024 requests / pending) would shed a benchmark before the EPP does;
     # admission is flow control's job.
@@ -432,12 +466,21 @@ def _no_circuit_breaking() -> dict[str, Any]:
                             "max_requests": big, "max_retries": big}]}
 
 
+def _replicas_cluster(pool: PoolTarget) -> dict[str, Any]:
+    http2 = pool.app_protocol == H2C
+    if not pool.service:
+        return _static_cluster(POOL_CLUSTER, pool.endpoints, http2=http2)
+    cluster = _static_cluster(POOL_CLUSTER, [pool.service], http2=http2)
+    cluster.update(type="STRICT_DNS", dns_refresh_rate="1s", dns_lookup_family="V4_PREFERRED")
+    return cluster
+
+
 def _pool_cluster(options: GatewayOptions) -> dict[str, Any]:
     http2 = options.pool.app_protocol == H2C
     if options.round_robin:
-        return _static_cluster(POOL_CLUSTER, options.pool.endpoints, http2=http2)
+        return _replicas_cluster(options.pool)
     if options.routing == "override-host":
-        cluster = _static_cluster(POOL_CLUSTER, options.pool.endpoints, http2=http2)
+        cluster = _replicas_cluster(options.pool)
         del cluster["lb_policy"]
         cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.override_host",

@@ -16,7 +16,17 @@ __all__ = ["add_arguments", "read_pool", "render", "run", "session_headers"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pool", required=True, help="InferencePool YAML listing the endpoints")
+    parser.add_argument("--pool", help="InferencePool YAML listing the endpoints (or "
+                        "--pool-service)")
+    parser.add_argument("--pool-service", metavar="NAME:PORT",
+                        help="instead of --pool: a DNS name resolving to every ready replica "
+                             "(a headless Service), re-resolved every second")
+    parser.add_argument("--app-protocol", choices=["kubernetes.io/h2c", "http"],
+                        default="kubernetes.io/h2c", help="the pool's appProtocol with "
+                        "--pool-service")
+    parser.add_argument("--epp-failure-mode", choices=["FailClose", "FailOpen"],
+                        default="FailClose", help="when the EPP cannot answer: 503 "
+                        "(FailClose) or route by the pool cluster's round robin (FailOpen)")
     parser.add_argument("--epp", action="append", default=None, metavar="HOST:PORT",
                         help="EPP ext_proc address (default 127.0.0.1:9002); repeat for several "
                              "EPPs active-active, each run with --replica-name set to its "
@@ -43,13 +53,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epp-all-headers", action="store_true",
                         help="send the EPP every request header (plugins of your own that read "
                              "headers kvswitch does not know)")
+    parser.add_argument("--report-served-endpoint", action="store_true",
+                        help="add x-gateway-destination-endpoint-served (the replica's ip:port) "
+                             "to every pool response")
     parser.add_argument("-o", "--output", help="file to write (.yaml or .json); default stdout")
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.pool is None) == (args.pool_service is None):
+        raise SystemExit("envoy-config: give exactly one of --pool and --pool-service")
+    pool = (read_pool(args.pool) if args.pool is not None
+            else PoolTarget((), app_protocol=args.app_protocol, service=args.pool_service))
     options = GatewayOptions(
-        pool=read_pool(args.pool), epps=tuple(args.epp or ("127.0.0.1:9002",)), port=args.port,
-        host=args.host,
+        pool=pool, epps=tuple(args.epp or ("127.0.0.1:9002",)),
+        epp_failure_mode=args.epp_failure_mode,
+        report_served_endpoint=args.report_served_endpoint, port=args.port, host=args.host,
         admin_port=args.admin_port, frontends=tuple(args.frontend),
         round_robin=args.round_robin, routing=args.routing,
         message_timeout_s=args.message_timeout, access_log=args.access_log,
@@ -87,7 +105,7 @@ def read_pool(path: str | Path) -> PoolTarget:
     spec = pool.get("spec") or {}
     target_ports = spec.get("targetPorts") or [{}]
     ports = [p.get("number") for p in target_ports if p.get("number") is not None]
-    app_protocol = str(target_ports[0].get("appProtocol") or "http")
+    app_protocol = str(target_ports[0].get("appProtocol") or spec.get("appProtocol") or "http")
     listed = next((d for d in docs if d.get("kind") == "EndpointList"), None)
     raw = (listed or {}).get("endpoints") or spec.get("endpoints") or pool.get("endpoints") or []
     endpoints = tuple(a for entry in raw for a in _addresses(entry, ports))

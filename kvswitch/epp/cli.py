@@ -1,6 +1,7 @@
 """`kvswitch epp`: run the endpoint picker, an Envoy ext_proc server, with Prometheus metrics.
 
     kvswitch epp --config epp.yaml --pool pool.yaml --port 9002 --metrics-port 9090
+    kvswitch epp --pool-name qwen3 [--pool-namespace NS] [--kubeconfig FILE]   # in Kubernetes
 
 Envoy must call it with ext_proc processing_mode request_header SEND, request_body
 FULL_DUPLEX_STREAMED (or BUFFERED), response_body NONE, and route on the
@@ -42,9 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EndpointPickerConfig YAML (llm-d.ai/v1alpha1); omitted: defaults "
                              "(vllmgrpc + sglanggrpc + openai parsers, prefix/queue/kv-cache "
                              "scorers)")
-    parser.add_argument("--pool", metavar="POOL_YAML", required=True,
-                        help="InferencePool YAML with the EndpointList of model servers (annotation "
-                             "kvswitch.dev/engine-api: sglang for an SGLang gRPC pool)")
+    parser.add_argument("--pool", metavar="POOL_YAML",
+                        help="InferencePool YAML with the EndpointList of model servers (file "
+                             "discovery; annotation kvswitch.dev/engine-api: sglang for an SGLang "
+                             "gRPC pool); or --pool-name")
+    parser.add_argument("--pool-name", metavar="NAME",
+                        help="watch this InferencePool and its pods through the Kubernetes API "
+                             "instead of a pool file")
+    parser.add_argument("--pool-namespace", metavar="NS",
+                        help="the InferencePool's namespace (default: $POD_NAMESPACE, else the "
+                             "service account's, else default)")
+    parser.add_argument("--kubeconfig", metavar="FILE",
+                        help="kubeconfig for --pool-name (default: in-cluster, else ~/.kube)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve ext_proc on")
     parser.add_argument("--port", type=int, default=9002, help="ext_proc (gRPC) port")
     parser.add_argument("--metrics-port", type=int, default=9090,
@@ -87,13 +97,41 @@ def _with_refresh_interval(config: str | None, interval: str) -> list[dict[str, 
     return docs
 
 
+def _kubernetes_discovery(args: argparse.Namespace) -> Any:
+    if args.pool_name is None:
+        return None
+    from kvswitch.epp.datalayer.kube_discovery import (
+        KubernetesDiscovery,
+        api_client,
+        default_namespace,
+    )
+
+    return KubernetesDiscovery(args.pool_name, args.pool_namespace or default_namespace(),
+                               lambda: api_client(args.kubeconfig))
+
+
+def _register_upstream_names(picker: EndpointPicker, pool_name: str) -> None:
+    """Serve the router's metrics under llm-d's `llm_d_epp_*` names as well."""
+    import prometheus_client
+
+    from kvswitch.epp.router import EppRouter
+    from kvswitch.epp.upstream_metrics import UpstreamNames
+
+    router = picker.router
+    if isinstance(router, EppRouter) and router.metrics.registry is prometheus_client.REGISTRY:
+        UpstreamNames(router.metrics, router.datalayer, lambda: router.objectives,
+                      pool_name).register(prometheus_client.REGISTRY)
+
+
 def build_picker(args: argparse.Namespace) -> EndpointPicker:
     from kvswitch.epp.config import build_endpoint_picker
 
     config: Any = args.config
     if args.refresh_interval is not None:
         config = _with_refresh_interval(args.config, args.refresh_interval)
-    picker = build_endpoint_picker(config, args.pool)
+    if (args.pool is None) == (args.pool_name is None):
+        raise ValueError("give exactly one of --pool (a pool file) and --pool-name (Kubernetes)")
+    picker = build_endpoint_picker(config, args.pool, discovery=_kubernetes_discovery(args))
     return dataclasses.replace(picker, max_body_bytes=args.max_body_bytes,
                                sampling_limits=sampling_from_args(args),
                                replica_name=args.replica_name)
@@ -132,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         import prometheus_client
 
+        _register_upstream_names(picker, args.pool_name or "")
         prometheus_client.start_http_server(args.metrics_port, addr=args.host)
         logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     try:

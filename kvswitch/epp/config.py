@@ -34,7 +34,8 @@ from kvswitch.epp.config_spec import (
     default_staleness,
     parse_config,
 )
-from kvswitch.epp.datalayer import Datalayer, Refresher, StaticDiscovery
+from kvswitch.epp.datalayer import Datalayer, Discovery, Refresher, StaticDiscovery
+from kvswitch.epp.datalayer.discovery import SuppliesObjectives
 from kvswitch.epp.datalayer.pool import PoolSpec, parse_pool
 from kvswitch.epp.flowcontrol import FlowGate
 from kvswitch.epp.framework import (
@@ -233,8 +234,10 @@ def _profiles(spec: ConfigSpec, built: Mapping[str, object]) -> dict[str, Schedu
 
 
 def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = None,
-                 handle: PluginHandle | None = None) -> tuple[EppRouter, list[Parser]]:
-    """Instantiate a parsed config against a parsed pool."""
+                 handle: PluginHandle | None = None,
+                 discovery: Discovery | None = None) -> tuple[EppRouter, list[Parser]]:
+    """Instantiate a parsed config against a parsed pool (or `discovery`, which then supplies
+    the endpoints, and objective priorities if it has `on_objectives`)."""
     dl = spec.data_layer
     datalayer = Datalayer(staleness=dl.staleness_threshold)
     handle = handle or PluginHandle(datalayer)
@@ -256,7 +259,8 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
     plugins = [*built.values(), *handle.shared_objects()]
     scheduler = Scheduler(handler, _profiles(spec, built),
                           [p for p in plugins if _role(p) != "parser"])
-    refresher = Refresher(datalayer, StaticDiscovery(pool.endpoints), interval=dl.refresh_interval)
+    refresher = Refresher(datalayer, discovery or StaticDiscovery(pool.endpoints),
+                          interval=dl.refresh_interval)
     gate = FlowGate(datalayer.ready, spec.saturation, spec.flow_control,
                     tick=dl.refresh_interval, queueing=spec.queueing)
     objectives = {o.name: o.priority for o in (*pool.objectives, *spec.objectives)}
@@ -265,19 +269,27 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
         if isinstance(index := getattr(plugin, "index", None), PrefixIndex):
             metrics.indexed_blocks.watch(index)
     router = EppRouter(scheduler, datalayer, gate, refresher, objectives, metrics)
+    if isinstance(discovery, SuppliesObjectives):
+        # Watched InferenceObjectives win over the config file's, as a pool file's would.
+        discovery.on_objectives = lambda found: setattr(router, "objectives",
+                                                        {**objectives, **found})
     return router, parsers
 
 
 Source = Path | str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
 
-def build_endpoint_picker(config: Source | None, pool: Source,
-                          metrics: EppMetrics | None = None) -> EndpointPicker:
-    """The EPP's parsers and router from an EndpointPickerConfig (None: all defaults) and a pool.
+def build_endpoint_picker(config: Source | None, pool: Source | None,
+                          metrics: EppMetrics | None = None,
+                          discovery: Discovery | None = None) -> EndpointPicker:
+    """The EPP's parsers and router from an EndpointPickerConfig (None: all defaults) and a pool
+    file, or a `discovery` (Kubernetes) in place of the pool file.
 
     Paths are read as YAML (several documents allowed); a str containing a newline is YAML text.
     """
     spec = parse_config(load_documents(config, "config") if config is not None else [])
-    pool_spec = parse_pool(load_documents(pool, "pool"))
-    router, parsers = build_router(spec, pool_spec, metrics)
+    if pool is None and discovery is None:
+        raise ConfigError("pool: a pool file or a discovery is required")
+    pool_spec = parse_pool(load_documents(pool, "pool")) if pool is not None else PoolSpec("", ())
+    router, parsers = build_router(spec, pool_spec, metrics, discovery=discovery)
     return EndpointPicker(parsers=parsers, router=router)

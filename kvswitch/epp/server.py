@@ -12,6 +12,9 @@ port is bound, and NOT_SERVING at shutdown. Readiness deliberately does not depe
 having ready endpoints: with none, the EPP still answers every request correctly (503 with a
 dropped reason, gRPC UNAVAILABLE), which is more useful to clients than a proxy failing to
 reach its ext_proc server (Envoy then fails requests with a bare 500 or skips the EPP).
+A discovery that reports health (`add_health_listener`, Kubernetes discovery) does gate
+readiness: while it cannot read the pool (RBAC forbids it, the pool is missing) the EPP is not
+ready, so Kubernetes and gateways see it.
 
 Two transports serve the same streams (`EppServer(transport=...)`, `kvswitch epp --transport`):
 - `h2` (default): `kvswitch.epp.h2server`, a lean asyncio HTTP/2 gRPC server; `_ProcessCall`
@@ -41,6 +44,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvswitch.epp import access_log
 from kvswitch.epp.access_log import AccessLogSink
+from kvswitch.epp.datalayer.discovery import ReportsHealth
 from kvswitch.epp.extproc import Action, ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.h2server import INTERNAL, NOT_FOUND, Call, H2GrpcServer, HandlerFactory
 from kvswitch.epp.request import EndpointPicker, Router, RoutingDecision
@@ -453,6 +457,21 @@ class EppServer:
             if sink is not None:
                 _AccessLogServicer(sink).add_to_server(self._grpc)
         self._started = False
+        self._serving = False
+        self._discovery_ready = True
+        self._health_tasks: set[asyncio.Task[None]] = set()
+
+    def _discovery_health(self, ready: bool, problem: str) -> None:
+        self._discovery_ready = ready
+        if self._serving:
+            task = asyncio.get_running_loop().create_task(self._set_readiness())
+            self._health_tasks.add(task)
+            task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_readiness(self) -> None:
+        status = _SERVING if self._discovery_ready else _NOT_SERVING
+        for service in (READINESS, EXT_PROC_SERVICE):
+            await self._set_health(service, status)
 
     def _access_log(self, sink: AccessLogSink, call: Call) -> _AccessLogCall:
         handler = _AccessLogCall(sink, self._access_logs, call)
@@ -476,6 +495,9 @@ class EppServer:
     async def start(self) -> int:
         """Start the router, bind, serve; returns the bound port (useful with port 0)."""
         await self._set_health(LIVENESS, _SERVING)
+        discovery = getattr(getattr(self.picker.router, "refresher", None), "discovery", None)
+        if isinstance(discovery, ReportsHealth):
+            discovery.add_health_listener(self._discovery_health)
         await self.picker.router.start()
         self._started = True
         if self._h2 is not None:
@@ -486,8 +508,8 @@ class EppServer:
             if not self.port:
                 raise OSError(f"cannot bind the EPP to {self.host}")
             await self._grpc.start()
-        for service in (READINESS, EXT_PROC_SERVICE):
-            await self._set_health(service, _SERVING)
+        self._serving = True
+        await self._set_readiness()
         logger.info("endpoint picker listening on %s:%d (%s)", self.host, self.port,
                     self.transport)
         return self.port

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 # Where the EPP tells the proxy to send a request (header and `envoy.lb` metadata key).
 DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
+# The replica that served a request, as the gateway reports it.
+SERVED_ENDPOINT = "x-gateway-destination-endpoint-served"
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
 # The EPP replica that routed a request, beside its destination under `envoy.lb` metadata: a
 # gateway with several EPPs sends each one the access-log entries of the requests it routed.

@@ -7,7 +7,8 @@
       annotations: {kvswitch.dev/engine-api: sglang}   # h2c pools: vllm (default) or sglang
     spec:
       selector: {matchLabels: {app: qwen3}}
-      targetPorts: [{number: 8000, appProtocol: kubernetes.io/h2c}]   # or http (default)
+      targetPorts: [{number: 8000}]
+      appProtocol: kubernetes.io/h2c    # or http (default); a targetPort may carry its own
       endpointPickerRef: {name: qwen3-epp, port: {number: 9002}}
     ---
     apiVersion: kvswitch.dev/v1alpha1      # outside Kubernetes: who matches the selector
@@ -31,7 +32,7 @@ from kvswitch.epp.config_fields import ConfigError, fields, typed
 from kvswitch.epp.datalayer.endpoint import H2C, HTTP, AppProtocol, EndpointSpec
 
 POOL_API_VERSIONS = ("inference.networking.k8s.io/v1", "inference.networking.x-k8s.io/v1alpha2")
-OBJECTIVE_API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha2",
+OBJECTIVE_API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha2", "llm-d.ai/v1alpha2",
                           "inference.networking.k8s.io/v1alpha2", "llm-d.ai/v1alpha1")
 ENDPOINT_LIST_API_VERSION = "kvswitch.dev/v1alpha1"
 ENGINE_API_ANNOTATION = "kvswitch.dev/engine-api"
@@ -98,10 +99,18 @@ def parse_objective(doc: Mapping[str, Any], path: str) -> ObjectiveSpec:
     return ObjectiveSpec(name, typed(spec.get("priority", 0), f"{path}.spec.priority", int))
 
 
+def _protocol(raw: Any, path: str) -> AppProtocol:
+    if raw not in (HTTP, H2C):
+        raise ConfigError(f"{path}: expected {HTTP} or {H2C}, got {raw!r}")
+    return raw  # type: ignore[no-any-return]
+
+
 def _target_ports(spec: Mapping[str, Any], path: str) -> list[tuple[int, AppProtocol]]:
     ports = typed(spec["targetPorts"], f"{path}.targetPorts", list)
     if not ports:
         raise ConfigError(f"{path}.targetPorts: at least one port is required")
+    # The v1 CRD's spec.appProtocol; a port's own appProtocol (kvswitch's form) overrides it.
+    pool_proto = _protocol(spec.get("appProtocol", HTTP), f"{path}.appProtocol")
     out: list[tuple[int, AppProtocol]] = []
     for i, raw in enumerate(ports):
         p = f"{path}.targetPorts[{i}]"
@@ -109,10 +118,7 @@ def _target_ports(spec: Mapping[str, Any], path: str) -> list[tuple[int, AppProt
         number = typed(port["number"], f"{p}.number", int)
         if not 0 < number < 65536:
             raise ConfigError(f"{p}.number: {number} is not a port")
-        proto = port.get("appProtocol", HTTP)
-        if proto not in (HTTP, H2C):
-            raise ConfigError(f"{p}.appProtocol: expected {HTTP} or {H2C}, got {proto!r}")
-        out.append((number, proto))
+        out.append((number, _protocol(port.get("appProtocol", pool_proto), f"{p}.appProtocol")))
     return out
 
 
@@ -155,7 +161,7 @@ def parse_pool(docs: Sequence[Mapping[str, Any]]) -> PoolSpec:
     fields(pool, path, ("apiVersion", "kind", "spec"), ("metadata", "status"))
     _api(pool, path, POOL_API_VERSIONS)
     spec = fields(pool["spec"], f"{path}.spec", ("targetPorts",),
-                  ("selector", "endpointPickerRef"))
+                  ("selector", "endpointPickerRef", "appProtocol"))
     ports = _target_ports(spec, f"{path}.spec")
     epp = fields(spec.get("endpointPickerRef", {}), f"{path}.spec.endpointPickerRef", (),
                  ("name", "kind", "group", "port", "failureMode"))

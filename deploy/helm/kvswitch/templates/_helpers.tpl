@@ -1,0 +1,74 @@
+{{/* The EPP's name: its Deployment, Service and InferencePool endpointPickerRef. */}}
+{{- define "kvswitch.name" -}}
+{{- printf "%s-epp" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvswitch.poolName" -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvswitch.engineName" -}}
+{{- printf "%s-engine" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvswitch.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvswitch.name" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvswitch.labels" -}}
+app.kubernetes.io/name: kvswitch
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvswitch.selectorLabels" -}}
+app.kubernetes.io/name: kvswitch
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: epp
+{{- end -}}
+
+{{- define "kvswitch.image" -}}
+{{- printf "%s/%s:%s" .Values.image.registry .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "kvswitch.appProtocol" -}}
+{{- if eq .Values.router.modelServers.protocol "grpc" -}}kubernetes.io/h2c{{- else -}}http{{- end -}}
+{{- end -}}
+
+{{- define "kvswitch.targetPort" -}}
+{{- (index .Values.router.modelServers.targetPorts 0).number -}}
+{{- end -}}
+
+{{/* Fails the render on values that cannot work, naming the value. */}}
+{{- define "kvswitch.validate" -}}
+{{- if not (has .Values.mode (list "standalone" "gateway")) -}}
+{{- fail (printf "mode: expected standalone or gateway, got %q" .Values.mode) -}}
+{{- end -}}
+{{- if not (has .Values.router.modelServers.protocol (list "grpc" "http")) -}}
+{{- fail (printf "router.modelServers.protocol: expected grpc or http, got %q" .Values.router.modelServers.protocol) -}}
+{{- end -}}
+{{- if not .Values.router.modelServers.matchLabels -}}
+{{- fail "router.modelServers.matchLabels: at least one label is required" -}}
+{{- end -}}
+{{- if not .Values.router.modelServers.targetPorts -}}
+{{- fail "router.modelServers.targetPorts: at least one port is required" -}}
+{{- end -}}
+{{- if not (has .Values.provider.name (list "none" "gke" "istio")) -}}
+{{- fail (printf "provider.name: expected none, gke or istio, got %q" .Values.provider.name) -}}
+{{- end -}}
+{{- if and .Values.router.frontend.enabled (ne .Values.mode "standalone") -}}
+{{- fail "router.frontend.enabled: the frontend runs in standalone mode only" -}}
+{{- end -}}
+{{- if and .Values.router.frontend.enabled (ne .Values.router.modelServers.protocol "grpc") -}}
+{{- fail "router.frontend.enabled: the frontend needs a grpc pool" -}}
+{{- end -}}
+{{- if and .Values.modelServers.enabled (not (has .Values.modelServers.kind (list "simulated" "vllm"))) -}}
+{{- fail (printf "modelServers.kind: expected simulated or vllm, got %q" .Values.modelServers.kind) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,263 @@
+"""The Helm chart, rendered by Helm's own Go SDK (helm-python-sdk) in every mode, each object
+validated against the Kubernetes schemas (kubernetes-validate) or its CRD's own schema, and the
+containers' commands checked against kvswitch's CLIs (Envoy validates the bootstrap the chart's
+init container writes)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvswitch.cli import main as kvswitch_main
+from kvswitch.envoy.process import validate_config
+from kvswitch.epp import cli as epp_cli
+from kvswitch.epp.datalayer import kube_discovery
+from tests.support.processes import REPO
+
+CHART = REPO / "deploy" / "helm" / "kvswitch"
+CRDS = Path(__file__).parent / "crds"
+KUBE_VERSION = "1.33"
+# Kinds from other projects' CRDs not copied here: checked for their fields by the tests below.
+OTHER_CRDS = {("gateway.networking.k8s.io/v1", "HTTPRoute"),
+              ("networking.istio.io/v1", "DestinationRule"),
+              ("networking.gke.io/v1", "HealthCheckPolicy"),
+              ("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+MODES: dict[str, dict[str, Any]] = {
+    "standalone": {},
+    "standalone-frontend-simulated": {
+        "router": {"frontend": {"enabled": True, "servedModelNames": ["qwen3"]},
+                   "monitoring": {"prometheus": {"enabled": True}},
+                   "inferenceObjectives": [{"name": "batch", "priority": -1},
+                                           {"name": "chat", "priority": 5}],
+                   "epp": {"flags": {"log-level": "debug"}}},
+        "modelServers": {"enabled": True}},
+    "standalone-fail-close-http": {
+        "router": {"proxy": {"failOpen": False},
+                   "modelServers": {"protocol": "http", "targetPorts": [{"number": 8000},
+                                                                        {"number": 8001}]}}},
+    "gateway": {"mode": "gateway", "httpRoute": {"create": True}},
+    "gateway-gke": {"mode": "gateway", "provider": {"name": "gke"},
+                    "httpRoute": {"create": True}},
+    "gateway-istio-vllm": {"mode": "gateway", "provider": {"name": "istio"},
+                           "httpRoute": {"create": True, "inferenceGatewayNamespace": "gw"},
+                           "modelServers": {"enabled": True, "kind": "vllm"}},
+    "gateway-existing-pool": {"mode": "gateway", "router": {"inferencePool": {"create": False}}},
+}
+
+
+def render(values: Mapping[str, Any], name: str = "qwen3",
+           namespace: str = "llm") -> list[dict[str, Any]]:
+    chart = helm_python.Chart.load(str(CHART))
+    files = chart.render(dict(values), name=name, namespace=namespace)
+    return [doc for name, text in sorted(files.items()) if name.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def _crd_schema(file: str) -> dict[str, Any]:
+    crd = yaml.safe_load((CRDS / file).read_text())
+    return dict(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+CRD_SCHEMAS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"):
+        _crd_schema("inference.networking.k8s.io_inferencepools.yaml"),
+    ("llm-d.ai/v1alpha2", "InferenceObjective"): _crd_schema("llm-d.ai_inferenceobjectives.yaml"),
+}
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_lint() -> None:
+    assert helm_python.lint(str(CHART))["errors"] == []
+    for values in MODES.values():
+        assert helm_python.lint(str(CHART), values)["errors"] == []
+
+
+def validate(docs: list[dict[str, Any]], namespace: str = "llm") -> None:
+    assert docs
+    for doc in docs:
+        key = (doc["apiVersion"], doc["kind"])
+        if key in CRD_SCHEMAS:
+            jsonschema.validate(doc, CRD_SCHEMAS[key])
+        elif key in OTHER_CRDS:
+            assert doc["metadata"]["namespace"] == namespace and doc["spec"], doc
+        else:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_object_is_valid(mode: str) -> None:
+    validate(render(MODES[mode]))
+
+
+def _merge(into: dict[str, Any], values: Mapping[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _documented_installs() -> list[list[str]]:
+    """The `helm install` commands of docs/kubernetes.md, continuation lines joined."""
+    text = (REPO / "docs" / "kubernetes.md").read_text().replace("\\\n", " ")
+    return [shlex.split(line.split("#")[0]) for line in text.splitlines()
+            if line.startswith("helm install ")]
+
+
+def test_the_documented_helm_installs_render_valid_objects() -> None:
+    installs = _documented_installs()
+    assert len(installs) >= 4
+    for argv in installs:
+        assert argv[3] == "deploy/helm/kvswitch", argv
+        values: dict[str, Any] = {}
+        for i, arg in enumerate(argv):
+            if arg == "--set":
+                _merge(values, helm_python.parse_set_string(argv[i + 1]))
+        namespace = argv[argv.index("--namespace") + 1]
+        validate(render(values, name=argv[2], namespace=namespace), namespace)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_containers_run_kvswitch_commands_that_parse(mode: str, tmp_path: Path) -> None:
+    docs = render(MODES[mode])
+    for deployment in by_kind(docs, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            args = container.get("args", [])
+            if container.get("command") or not args:
+                continue
+            if args[0] == "epp":
+                parser = argparse.ArgumentParser()
+                epp_cli.add_arguments(parser)
+                parsed = parser.parse_args(args[1:])
+                assert parsed.pool_name == "qwen3" and parsed.pool_namespace == "llm"
+            elif args[0] == "envoy-config":
+                # The bootstrap the init container writes, and Envoy accepts it.
+                out = tmp_path / "envoy.yaml"
+                config = tmp_path / "epp.yaml"
+                config.write_text("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n")
+                argv = [a for a in args if not a.startswith(("--output=", "--epp-config="))]
+                with contextlib.redirect_stdout(io.StringIO()):
+                    assert kvswitch_main([*argv, f"--epp-config={config}",
+                                          f"--output={out}"]) == 0
+                checked = validate_config(out)
+                assert checked.returncode == 0, checked.stdout + checked.stderr
+            else:
+                assert args[0] in ("engine", "frontend"), args
+
+
+def test_standalone_is_one_deployment_and_service_wired_like_kvswitch_up() -> None:
+    docs = render(MODES["standalone-frontend-simulated"])
+    epp = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "qwen3-epp")
+    pod = epp["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    assert set(containers) == {"epp", "envoy", "frontend"}
+    init = pod["initContainers"][0]["args"]
+    assert "--frontend=127.0.0.1:8200" in init and "--epp=127.0.0.1:9002" in init
+    assert "--epp-failure-mode=FailOpen" in init
+    assert "--target=127.0.0.1:8081" in containers["frontend"]["args"]
+    # One image for all, non-root.
+    images = {c["image"] for c in [*pod["containers"], *pod["initContainers"]]}
+    assert images == {"ghcr.io/kvswitch/kvswitch:0.1.0"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    # Probes on the EPP's grpc.health.v1 services.
+    assert containers["epp"]["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert containers["epp"]["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    assert all("resources" in c for c in pod["containers"])
+    service = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"] == "qwen3-epp")
+    assert service["spec"]["selector"] == epp["spec"]["template"]["metadata"]["labels"]
+    assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc-ext-proc",
+                                                              "http-metrics"}
+    # The simulated engines are what the pool selects, on its h2c target port.
+    pool = by_kind(docs, "InferencePool")[0]
+    engines = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] != "qwen3-epp")
+    labels = engines["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pool["spec"]["appProtocol"] == "kubernetes.io/h2c"
+    engine = engines["spec"]["template"]["spec"]["containers"][0]
+    assert engine["args"][:3] == ["engine", "--host=0.0.0.0", "--port=8000"]
+    assert engine["readinessProbe"]["grpc"] == {"port": 8000}
+    assert {o["metadata"]["name"]: o["spec"]["priority"]
+            for o in by_kind(docs, "InferenceObjective")} == {"batch": -1, "chat": 5}
+    assert by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "http-metrics"
+    config = by_kind(docs, "ConfigMap")[0]["data"]["default-plugins.yaml"]
+    assert yaml.safe_load(config)["kind"] == "EndpointPickerConfig"
+
+
+def test_rbac_is_exactly_what_discovery_reads() -> None:
+    docs = render({})
+    (role,) = by_kind(docs, "Role")
+    rules = {(g, r, tuple(rule["verbs"])) for rule in role["rules"]
+             for g in rule["apiGroups"] for r in rule["resources"]}
+    read = ("list", "watch")  # all discovery does: no get
+    assert rules == {("", "pods", read),
+                     (kube_discovery.POOL_GROUP, kube_discovery.POOL_PLURAL, read),
+                     (kube_discovery.OBJECTIVE_GROUP, kube_discovery.OBJECTIVE_PLURAL, read)}
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["subjects"][0]["name"] == by_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
+
+
+def test_gateway_modes() -> None:
+    docs = render(MODES["gateway"])
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "InferencePool", "HTTPRoute"}
+    (epp,) = by_kind(docs, "Deployment")
+    assert [c["name"] for c in epp["spec"]["template"]["spec"]["containers"]] == ["epp"]
+    (route,) = by_kind(docs, "HTTPRoute")
+    assert route["spec"]["rules"][0]["backendRefs"][0] == {
+        "group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "qwen3"}
+    assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
+    (pool,) = by_kind(docs, "InferencePool")
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": "qwen3-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    gke = render(MODES["gateway-gke"])
+    policies = by_kind(gke, "HealthCheckPolicy")
+    assert {p["spec"]["targetRef"]["kind"] for p in policies} == {"InferencePool", "Service"}
+    assert "timeouts" not in by_kind(gke, "HTTPRoute")[0]["spec"]["rules"][0]
+    istio = render(MODES["gateway-istio-vllm"])
+    (rule,) = by_kind(istio, "DestinationRule")
+    assert rule["spec"]["host"] == "qwen3-epp.llm.svc.cluster.local"
+    vllm = next(d for d in by_kind(istio, "Deployment") if d["metadata"]["name"] == "qwen3-engine")
+    container = vllm["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["vllm", "serve"] and "--grpc" in container["args"]
+    assert not by_kind(render(MODES["gateway-existing-pool"]), "InferencePool")
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"mode": "sidecar"}, "mode: expected standalone or gateway"),
+    ({"router": {"modelServers": {"protocol": "grpcs"}}}, "router.modelServers.protocol"),
+    ({"router": {"modelServers": {"matchLabels": None}}}, "matchLabels"),
+    ({"mode": "gateway", "router": {"frontend": {"enabled": True}}}, "standalone mode only"),
+    ({"provider": {"name": "aws"}}, "provider.name"),
+])
+def test_bad_values_fail_naming_the_value(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmError, match=message):
+        render(values)
+
+
+def test_default_image_is_what_the_dockerfile_builds() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    built = next(line.split("docker build -t ")[1].split()[0]
+                 for line in dockerfile.splitlines() if "docker build -t " in line)
+    images = {c["image"] for d in by_kind(render({"modelServers": {"enabled": True}}),
+                                          "Deployment")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == {built}
+    # Non-root, and `kvswitch` is the entrypoint the chart's args follow.
+    assert "\nUSER 10001:10001\n" in dockerfile
+    assert 'ENTRYPOINT ["kvswitch"]' in dockerfile
