@@ -21,7 +21,7 @@ from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as rpc
 from kvswitch.tokenization import load_tokenizer
 from kvswitch.up import DEFAULT_EPP_CONFIG
-from tests.e2e.conftest import BLOCK, CALL_TIMEOUT, Gateway, epp_samples, prompt, running_gateway
+from tests.support.gateway import BLOCK, CALL_TIMEOUT, Gateway, epp_samples, prompt, running_gateway
 
 TENANT = [(FAIRNESS_ID, "tenant-sglang")]
 

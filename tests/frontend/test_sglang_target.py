@@ -11,7 +11,7 @@ import pytest
 from kvswitch.frontend import sglang_client
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as spb
-from tests.frontend.conftest import _engine_argv, _frontend_argv, _wait_ready
+from tests.support.frontend_stack import engine_argv, frontend_argv, wait_ready
 from tests.support.processes import free_port, running
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -21,12 +21,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     logs = tmp_path_factory.mktemp("sglang-frontend")
     engine_port, frontend_port = free_port(), free_port()
-    with running(_engine_argv(engine_port, "--api", "sglang", "--time-scale", "1000"),
+    with running(engine_argv(engine_port, "--api", "sglang", "--time-scale", "1000"),
                  engine_port, logs / "engine.log", timeout=60), \
-            running(_frontend_argv(frontend_port, f"127.0.0.1:{engine_port}"), frontend_port,
+            running(frontend_argv(frontend_port, f"127.0.0.1:{engine_port}"), frontend_port,
                     logs / "frontend.log", timeout=60):
         base = f"http://127.0.0.1:{frontend_port}"
-        _wait_ready(base)
+        wait_ready(base)
         yield openai.OpenAI(base_url=base + "/v1", api_key="-", timeout=30)
 
 
