@@ -94,7 +94,7 @@ def _envoy(pool: Pool, name: str, epp_port: int, **options: object) -> tuple[int
     target: Any = options.pop("target", PoolTarget(pool.endpoints))
     extra: Any = options
     config.write_text(render(build_bootstrap(GatewayOptions(
-        pool=target, epp=f"127.0.0.1:{epp_port}", port=port, admin_port=admin,
+        pool=target, epps=(f"127.0.0.1:{epp_port}",), port=port, admin_port=admin,
         report_served_endpoint=True, **extra))))
     pool.supervisor.start(dataclasses.replace(envoy_spec(config, admin), name=name))
     return port, admin

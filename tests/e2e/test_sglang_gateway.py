@@ -106,7 +106,7 @@ def routed_to(gateway: Gateway, tokenized: pb.TokenizedInput) -> str:
 
 def endpoint_of(gateway: Gateway, tenant: str) -> str:
     """Where the EPP routed the one request of `tenant` (its per-endpoint routing counter)."""
-    url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics}/metrics"
+    url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics[0]}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
     (endpoint,) = {s.labels["endpoint"] for family in text_string_to_metric_families(text)
