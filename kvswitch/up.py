@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from kvswitch.engine.sim.profiles import PROFILES
 from kvswitch.envoy import (
     EPP_HEADERS,
     GatewayOptions,
@@ -243,9 +244,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Envoy admin port (default: a free port)")
     parser.add_argument("--replicas", type=int, default=4,
                         help="simulated engines (default: %(default)s)")
-    parser.add_argument("--profile", default="llama3-8b-h100",
-                        help="engine profile: llama3-8b-h100, qwen3-32b-2xh100 or tiny "
-                             "(default: %(default)s)")
+    parser.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES),
+                        help="engine profile: a model on GPUs, its step times and KV capacity "
+                             "(docs/simulator.md; default: %(default)s)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="simulated seconds per real second (default: %(default)s)")
     parser.add_argument("--mode", choices=["echo", "random"], default="random",

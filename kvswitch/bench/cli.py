@@ -45,7 +45,7 @@ from kvswitch.bench.workloads import (
     build_workload,
 )
 from kvswitch.cli import DefaultsHelpFormatter
-from kvswitch.engine.sim.profiles import get_profile
+from kvswitch.engine.sim.profiles import PROFILES, get_profile
 from kvswitch.supervisor import Supervisor
 from kvswitch.tokenization import load_tokenizer
 
@@ -64,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated: {', '.join(TARGET_NAMES)}, or kvswitch:CONFIG; "
                              "@N after an EPP target runs N EPPs behind its Envoy (kvswitch@2)")
     parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--profile", default="qwen3-32b-2xh100", help="engine profile")
+    parser.add_argument("--profile", default="qwen3-32b-2xh100", choices=sorted(PROFILES),
+                        help="engine profile (a --trace needs one whose max_model_len holds its "
+                             "prompts, e.g. qwen3-32b-2xh100-128k)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="engines run X times faster than real time; latencies are "
                              "reported in simulated seconds (default: the preset's; keep the "
