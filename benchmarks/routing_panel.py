@@ -176,7 +176,7 @@ def check_targets(panel: list[dict[str, Any]], epp: list[str],
                     other = routers.get(ref, {}).get("steps", [{}] * (i + 1))[i].get("ttft_p90")
                     if (mine is not None and other is not None
                             and mine > factor * other * (1 + tolerance)):
-                        misses[key].append(f"{m['member']}@{step['qps']:g}")
+                        misses[key].append(f"{m['member']}@{step['qps']:.3g}")
         out[name] = {"rows": rows, "misses": misses,
                      "all_met": not any(misses.values())}
     return out
