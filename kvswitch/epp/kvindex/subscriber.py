@@ -140,8 +140,6 @@ class KvEventSubscriber:
         if not compatible and self.compatible:
             log.warning("%s: block size %d != index block size %d; not indexed",
                         self.address, block_size, self.index.block_size)
-        if not compatible and self.pages is not None:
-            self.pages.clear()
         self.index.set_indexed(self.address, compatible)  # (clears it when not)
         self.compatible = compatible
         self._check_restart(time.time() - info.uptime_seconds)
