@@ -18,6 +18,7 @@ from kvswitch.limits import (
     message_from_args,
     sampling_from_args,
 )
+from kvswitch.tls import add_tls_flags, tls_from_args
 from kvswitch.tokenization import load_tokenizer
 
 logger = logging.getLogger("kvswitch.engine")
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "a cache clear goes out at once")
     add_sampling_flags(parser)
     add_message_flags(parser)
+    add_tls_flags(parser)
     faults = parser.add_argument_group("failure injection")
     faults.add_argument("--failure-rate", type=float, default=None, metavar="F",
                         help="fraction of requests that fail (0-1)")
@@ -146,7 +148,7 @@ async def _serve(args: argparse.Namespace) -> None:
     options = ServerOptions(host=args.host, port=args.port, http_port=args.http_port,
                             grace_period=args.grace_period, tokenizer_dir=args.tokenizer,
                             description=description, sampling_limits=sampling_from_args(args),
-                            message_limits=message_from_args(args))
+                            message_limits=message_from_args(args), tls=tls_from_args(args))
     server = EngineServer(engine, tokenizer, options)
     request_log = None
     if args.request_log is not None:

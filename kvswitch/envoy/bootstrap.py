@@ -47,6 +47,7 @@ from kvswitch.protocol.headers import (
     SESSION_TOKEN,
     USAGE_TRAILER,
 )
+from kvswitch.tls import TlsFiles, envoy_downstream_tls
 
 __all__ = ["EPP_HEADERS", "GatewayOptions", "PoolTarget", "Routing", "build_bootstrap"]
 
@@ -130,6 +131,8 @@ class GatewayOptions:
     """Downstream limits, as the frontend applies them: the head's size (KiB, rounded up) and
     field count (431), `head_timeout` for the whole head (Envoy's request_headers_timeout: 408)
     and `idle_timeout` for a connection with no stream."""
+    tls: TlsFiles | None = None
+    """TLS on the listener (mTLS with a client CA); None: plaintext."""
     request_timeout_s: float = 120.0
     """Envoy's request_timeout: the whole request must be received (routing, and so the EPP's
     flow-control wait, included) within it; a response already started disarms it."""
@@ -193,13 +196,12 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         access_logs.append(_epp_access_log())
     if access_logs:
         hcm["access_log"] = access_logs
-    return {
-        "name": "kvswitch",
-        "address": _socket(options.host, options.port),
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm,
-        }]}],
-    }
+    chain: dict[str, Any] = {"filters": [{
+        "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+    if options.tls is not None:
+        chain["transport_socket"] = envoy_downstream_tls(options.tls)
+    return {"name": "kvswitch", "address": _socket(options.host, options.port),
+            "filter_chains": [chain]}
 
 
 def _epp_access_log() -> dict[str, Any]:

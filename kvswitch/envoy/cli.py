@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from kvswitch.envoy.bootstrap import EPP_HEADERS, H2C, GatewayOptions, PoolTarget, build_bootstrap
+from kvswitch.tls import add_tls_flags, tls_from_args
 
 __all__ = ["add_arguments", "read_pool", "render", "run", "session_headers"]
 
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the EPP every request header (plugins of your own that read "
                              "headers kvswitch does not know)")
     parser.add_argument("-o", "--output", help="file to write (.yaml or .json); default stdout")
+    add_tls_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         epp_headers=None if args.epp_all_headers else (
             *EPP_HEADERS, *args.epp_header,
             *(session_headers(Path(args.epp_config)) if args.epp_config else ())),
+        tls=tls_from_args(args),
     )
     text = render(build_bootstrap(options), json_format=bool(args.output and
                                                              args.output.endswith(".json")))

@@ -1,0 +1,73 @@
+"""TLS settings for kvswitch's servers: certificate files, and optional client certificates.
+
+`TlsFiles(cert, key, client_ca)`: a PEM certificate chain and its key; with `client_ca`, clients
+must present a certificate signed by it (mTLS). `grpc_server_credentials` makes grpcio server
+credentials of them (`kvswitch engine --tls-cert ...`); `envoy_downstream_tls` the transport
+socket of Envoy's listener (`kvswitch envoy-config --tls-cert ...`), which offers h2 and
+http/1.1 by ALPN so gRPC and the OpenAI API share the port as in plaintext.
+`add_tls_flags(parser)` / `tls_from_args(args)` are the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TlsFiles", "add_tls_flags", "envoy_downstream_tls", "grpc_server_credentials",
+           "tls_from_args"]
+
+_DOWNSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+                   "DownstreamTlsContext")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+    """Require client certificates signed by this CA (mTLS); None: no client certificate."""
+
+
+def grpc_server_credentials(tls: TlsFiles) -> Any:
+    import grpc
+
+    ca = tls.client_ca.read_bytes() if tls.client_ca else None
+    return grpc.ssl_server_credentials([(tls.key.read_bytes(), tls.cert.read_bytes())],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+def envoy_downstream_tls(tls: TlsFiles) -> dict[str, Any]:
+    context: dict[str, Any] = {
+        "common_tls_context": {
+            "tls_certificates": [{"certificate_chain": {"filename": str(tls.cert.resolve())},
+                                  "private_key": {"filename": str(tls.key.resolve())}}],
+            "alpn_protocols": ["h2", "http/1.1"],
+        },
+    }
+    if tls.client_ca is not None:
+        context["require_client_certificate"] = True
+        context["common_tls_context"]["validation_context"] = {
+            "trusted_ca": {"filename": str(tls.client_ca.resolve())}}
+    return {"name": "envoy.transport_sockets.tls",
+            "typed_config": {"@type": _DOWNSTREAM_TLS, **context}}
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS (all unset: plaintext)")
+    group.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                       help="serve TLS with this certificate chain")
+    group.add_argument("--tls-key", type=Path, default=None, metavar="PEM",
+                       help="the certificate's private key")
+    group.add_argument("--tls-client-ca", type=Path, default=None, metavar="PEM",
+                       help="require client certificates signed by this CA (mTLS)")
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
+    cert, key, ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if cert is None and key is None and ca is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return TlsFiles(cert, key, ca)
