@@ -99,6 +99,18 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = EppServer(picker, host=args.host, port=args.port, transport=args.transport)
+    metrics = None
+    if args.metrics_port:
+        # Served on this loop by the engine's hardened /metrics server (a head deadline, a
+        # bounded head): prometheus_client's own server spends a thread per connection with no
+        # timeout, so slow clients could pile threads up.
+        import prometheus_client
+
+        from kvswitch.engine.metrics import MetricsHttpServer
+
+        metrics = MetricsHttpServer(lambda: prometheus_client.generate_latest(), lambda: True)
+        await metrics.start(args.host, args.metrics_port)
+        logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     await server.start()
     logger.info("parsers: %s; max body %d bytes", ", ".join(p.name for p in picker.parsers),
                 picker.max_body_bytes)
@@ -107,6 +119,8 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
         logger.info("stopping (grace %.1fs)", args.grace)
     finally:
         await server.stop(args.grace)
+        if metrics is not None:
+            await metrics.stop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,11 +135,6 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - config errors name the field; no traceback
         logger.error("cannot build the endpoint picker: %s", exc)
         return 2
-    if args.metrics_port:
-        import prometheus_client
-
-        prometheus_client.start_http_server(args.metrics_port, addr=args.host)
-        logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     try:
         import uvloop
 
