@@ -36,8 +36,16 @@ from kvswitch.bench.engines import EnginePool
 from kvswitch.bench.report import target_summary, write_report
 from kvswitch.bench.runner import TargetRun, run_target
 from kvswitch.bench.targets import TARGET_NAMES, RunContext, TargetUnavailable, make_target
-from kvswitch.bench.workloads import PRESETS, SharedPrefixShape, build_workload
+from kvswitch.bench.trace import TraceWorkload, ideal_prefix_hit_ratio, load_trace
+from kvswitch.bench.workloads import (
+    ARRIVALS,
+    PRESETS,
+    Arrivals,
+    SharedPrefixShape,
+    build_workload,
+)
 from kvswitch.cli import DefaultsHelpFormatter
+from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.supervisor import Supervisor
 from kvswitch.tokenization import load_tokenizer
 
@@ -68,6 +76,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop generating requests after this many")
     parser.add_argument("--groups", type=int, default=None,
                         help="override the preset's num_groups (scale a workload down)")
+    parser.add_argument("--arrivals", default="poisson", choices=list(ARRIVALS),
+                        help="poisson: one request at a time; bursts: --burst-min..--burst-max "
+                             "requests at once, the same mean rate")
+    parser.add_argument("--burst-min", type=int, default=10)
+    parser.add_argument("--burst-max", type=int, default=50)
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="replay a Mooncake JSONL trace (timestamp ms, input_length, "
+                             "output_length, hash_ids of 512-token blocks) instead of --preset; "
+                             "see kvswitch.bench.trace")
+    parser.add_argument("--trace-start", type=float, default=0.0,
+                        help="trace seconds to start the slice at")
+    parser.add_argument("--trace-duration", type=float, default=None,
+                        help="trace seconds in the slice (default: to the end)")
+    parser.add_argument("--speedup", type=float, default=1.0,
+                        help="replay the trace this many times faster than recorded")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drain-timeout", type=float, default=300.0,
                         help="wall seconds to wait for stragglers after the last send")
@@ -97,12 +120,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace) -> Any:
+    if args.trace is not None:
+        return load_trace(args.trace, load_tokenizer(None), start=args.trace_start,
+                          duration=args.trace_duration, speedup=args.speedup,
+                          max_model_len=get_profile(args.profile).max_model_len,
+                          seed=args.seed, max_requests=args.max_requests)
     preset = PRESETS[args.preset]
     shape = preset.shape
     if args.groups:
         shape = SharedPrefixShape(**{**_asdict(shape), "num_groups": args.groups})
     return build_workload(shape, args.qps or preset.qps, args.duration or preset.stage_duration,
-                          load_tokenizer(None), seed=args.seed, max_requests=args.max_requests)
+                          load_tokenizer(None), seed=args.seed, max_requests=args.max_requests,
+                          arrivals_shape=Arrivals(args.arrivals, args.burst_min, args.burst_max))
+
+
+def _workload_meta(workload: Any) -> dict[str, Any]:
+    """What the report says about the workload: its shape, or the trace slice it replays."""
+    if isinstance(workload, TraceWorkload):
+        return {"trace": {"source": workload.source, "start": workload.start,
+                          "duration": workload.duration, "speedup": workload.speedup,
+                          **workload.meta, "skipped_rows": list(workload.skipped),
+                          "ideal_hit_ratio": workload.ideal_hit_ratio}}
+    return {"shape": _asdict(workload.shape)}
 
 
 def _asdict(shape: SharedPrefixShape) -> dict[str, Any]:
@@ -113,6 +152,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets = [make_target(t.strip()) for t in args.targets.split(",") if t.strip()]
     stream = PRESETS[args.preset].stream if args.stream is None else args.stream
     workload = await asyncio.to_thread(_workload, args)
+    if isinstance(workload, TraceWorkload) and workload.skipped:
+        print(f"{len(workload.skipped)} trace rows are longer than the profile's max_model_len "
+              "and are not replayed (listed in results.json)", file=sys.stderr)
     ladder = workload.stage_duration * len(workload.qps) / args.time_scale
     print(f"{len(workload.requests)} requests over {len(workload.qps)} QPS steps "
           f"({workload.stage_duration:g} simulated s each = "
@@ -137,12 +179,16 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append(TargetRun(target.name, (), {}, 0.0, unavailable=str(exc)))
     report = {
         "meta": {
-            "preset": args.preset, "command": "kvswitch bench " + shlex.join(sys.argv[2:])
+            "preset": args.preset if args.trace is None else f"trace {args.trace.name}",
+            "command": "kvswitch bench " + shlex.join(sys.argv[2:])
             if sys.argv[1:2] == ["bench"] else shlex.join(sys.argv),
             "replicas": args.replicas, "profile": args.profile, "time_scale": args.time_scale,
             "qps": list(workload.qps), "stage_duration": workload.stage_duration,
             "seed": args.seed, "requests": len(workload.requests), "stream": stream,
-            "shape": _asdict(workload.shape), "latency_unit": "simulated seconds",
+            **_workload_meta(workload), "arrivals": args.arrivals,
+            "ideal_prefix_hit_ratio": ideal_prefix_hit_ratio(
+                r.prompt_ids for r in workload.requests),
+            "latency_unit": "simulated seconds",
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
         "targets": [target_summary(r, workload.qps, workload.stage_duration, args.time_scale)

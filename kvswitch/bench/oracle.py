@@ -11,14 +11,18 @@ The bench client itself routes (no gateway in the path) and knows, per engine:
   prompt's last full block (the step that computes it also samples the first token); a prompt
   whose last block was already cached when it was sent has no such event, and is taken as
   prefilled at its estimated TTFT;
-- the engine's cost model: the simulator profile's step-time formula (DESIGN §4)
-      step = base + prefill_us * prefill_tokens + decode_us * decode_tokens
+- the engine's cost model: the simulator profile's own step model (`SimProfile.step_seconds`),
   with chunked prefill at `max_num_batched_tokens` tokens per step.
 
-Estimated TTFT of request r on engine e (simulated seconds):
-    P = pending_prefill(e) + uncached(r, e)          uncached = prompt - cached prefix
-    ttft(e) = ceil(P / budget) * (base + decode_us * decoding(e)) + prefill_us * P
-and the oracle picks argmin ttft(e) (ties: fewest decoding, then lowest index).
+Estimated TTFT of request r on engine e (simulated seconds), P = pending_prefill(e) +
+uncached(r, e) (uncached = prompt - cached prefix), B = the step token budget, D = requests
+decoding on e and C their context tokens:
+    ttft(e) = floor(P / B) x step(B, D, C) + step(P mod B, D, C)
+where step(p, d, c) is the profile's step time for p prefill tokens (one chunk attending to
+itself) beside d decodes of c context tokens. The oracle picks argmin ttft(e) + conserve x
+step(uncached(r, e)) (ties: fewest decoding, then lowest index): `conserve` 0 (the default) is the
+pure greedy TTFT choice; above 0 it also charges the prefill a cache miss spends, which would
+otherwise serve later requests (a variant of the stronger reference, `kvswitch.bench.fleet`).
 
 This is the greedy optimum for each request under perfect information: no router that sees less
 can place a request where it starts sooner by the model. It is not a global optimum over the
@@ -28,7 +32,6 @@ ceiling rather than a proven bound; a router beating it on some step is possible
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +47,8 @@ class _EngineQueue:
     pending_prefill: int = 0
     """Uncached prompt tokens sent and not yet answered by a first token."""
     decoding: int = 0
+    decode_context: int = 0
+    """Prompt tokens of the requests decoding (their context, outputs aside)."""
     waiting: dict[int, int] = field(default_factory=dict)
     """request index -> its uncached tokens, until its first token."""
 
@@ -63,8 +68,9 @@ class OracleRouter:
     """Sans-IO placement: `choose` before sending, `first_token` / `finished` as they happen."""
 
     def __init__(self, engines: Sequence[str], profile: SimProfile, index: PrefixIndex,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, conserve: float = 0.0) -> None:
         self.engines = list(engines)
+        self.conserve = conserve
         self.clock = clock
         """Simulated seconds (wall x time scale): when estimated TTFTs run out."""
         self._prefilling: dict[int, _Prefill] = {}
@@ -75,14 +81,27 @@ class OracleRouter:
         """Prompts sent and not yet prefilled (synthetic engine hashes: (request, block))."""
         self.queues = {e: _EngineQueue() for e in self.engines}
         self._placed: dict[int, tuple[str, int]] = {}
+        self._prompt_len: dict[int, int] = {}
 
     def estimate(self, engine: str, uncached: int) -> float:
-        p = self.profile
         queue = self.queues[engine]
-        work = queue.pending_prefill + uncached
-        steps = math.ceil(work / p.max_num_batched_tokens) if work else 1
-        step = (p.base_us + p.decode_us * queue.decoding) * 1e-6
-        return steps * step + p.prefill_us * 1e-6 * work
+        return self.prefill_seconds(queue.pending_prefill + uncached, queue.decoding,
+                                    queue.decode_context)
+
+    def prefill_seconds(self, work: int, decoding: int = 0, decode_context: int = 0) -> float:
+        """Steps to prefill `work` tokens in budget-sized chunks beside `decoding` decodes."""
+        p = self.profile
+        budget = p.max_num_batched_tokens
+        full, rest = divmod(work, budget)
+        total = 0.0
+        if full:
+            total += full * p.step_seconds(budget, decoding, decode_context=decode_context,
+                                           prefill_context=budget,
+                                           prefill_pairs=budget * (budget + 1) // 2)
+        if rest or not full:
+            total += p.step_seconds(rest, decoding, decode_context=decode_context,
+                                    prefill_context=rest, prefill_pairs=rest * (rest + 1) // 2)
+        return total
 
     def choose(self, request: BenchRequest) -> str:
         self._settle_prefills()
@@ -96,7 +115,10 @@ class OracleRouter:
         for i, engine in enumerate(self.engines):
             # The engine recomputes at least the last prompt token (vLLM's rule).
             hit = min(max(cached[engine], soon[engine]) * size, n - 1)
-            key = (self.estimate(engine, n - hit), self.queues[engine].decoding, i)
+            cost = self.estimate(engine, n - hit)
+            if self.conserve:
+                cost += self.conserve * self.prefill_seconds(n - hit)
+            key = (cost, self.queues[engine].decoding, i)
             if best is None or key < best:
                 best, chosen = key, engine
         uncached = n - min(max(cached[chosen], soon[chosen]) * size, n - 1)
@@ -125,6 +147,7 @@ class OracleRouter:
                        for i in range(len(hashes)))
         self.pending.apply(engine, [BlocksStored(blocks, None, size)])
         self._placed[request.index] = (engine, len(blocks))
+        self._prompt_len[request.index] = len(tokens)
 
     def first_token(self, request: BenchRequest) -> None:
         self._prefilled(request.index)
@@ -140,11 +163,13 @@ class OracleRouter:
         if uncached is not None:
             queue.pending_prefill -= uncached
             queue.decoding += 1
+            queue.decode_context += self._prompt_len.get(index, 0)
             self._forget_pending(index)
 
-    def finished(self, request: BenchRequest, result: RequestResult) -> None:
+    def finished(self, request: BenchRequest, result: RequestResult | None) -> None:
         self._prefilling.pop(request.index, None)
         placed = self._placed.pop(request.index, None)
+        prompt_len = self._prompt_len.pop(request.index, 0)
         if placed is None:
             return
         engine, _ = placed
@@ -152,6 +177,7 @@ class OracleRouter:
         uncached = queue.waiting.pop(request.index, None)
         if uncached is None:
             queue.decoding -= 1
+            queue.decode_context -= prompt_len
         else:  # failed before its first token
             queue.pending_prefill -= uncached
         self._forget_pending(request.index, placed)

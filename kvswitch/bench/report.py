@@ -168,6 +168,19 @@ def markdown(report: dict[str, Any]) -> str:
               "same measurement for every target. Output tok/s is inference-perf's: output "
               "tokens of a step's successful requests / (its latest finish - earliest arrival). "
               "Client-side numbers follow, labelled."), ""]
+    trace = meta.get("trace")
+    if trace:
+        lines += [(f"Trace `{trace['source']}`: {trace['duration']:g} s from {trace['start']:g} s, "
+                   f"{trace['speedup']:g}x faster; {trace['replayed']} rows replayed, "
+                   f"{trace['skipped']} longer than max_model_len left out "
+                   f"(rows {trace['skipped_rows'][:20]}{' ...' if trace['skipped'] > 20 else ''})"
+                   f". Ideal prefix-hit ratio (infinite cache shared by all): "
+                   f"{_fmt(trace['ideal_hit_ratio'])} in 512-token trace blocks, "
+                   f"{_fmt(meta.get('ideal_prefix_hit_ratio'))} in the engines' blocks."), ""]
+    elif meta.get("ideal_prefix_hit_ratio") is not None:
+        lines += [(f"Ideal prefix-hit ratio (infinite cache shared by all): "
+                   f"{_fmt(meta['ideal_prefix_hit_ratio'])}; arrivals: "
+                   f"{meta.get('arrivals', 'poisson')}."), ""]
     for t in report["targets"]:
         if "unavailable" in t:
             lines.append(f"- {t['target']}: unavailable: {t['unavailable']}")

@@ -13,8 +13,13 @@ Prompts are real text made with the real tokenizer: a sequence of single-token w
 and full stops drawn from the tokenizer's own vocabulary, so the text tokenizes back to exactly
 the token ids (lengths are exact in both tokenized and text mode).
 
-Arrivals: a QPS ladder of stages, each `stage_duration` simulated seconds of Poisson arrivals at
-its rate. All times here are simulated seconds; the runner divides them by the time scale.
+Arrivals: a QPS ladder of stages, each `stage_duration` simulated seconds at its rate, in one of
+`ARRIVALS`:
+- "poisson": one request at a time, exponential gaps of mean 1 / rate;
+- "bursts": bursts of B requests at the same instant, B uniform in [burst_min, burst_max]
+  (default 10-50), the bursts themselves Poisson at rate / mean(B), so the stage's mean rate is
+  the same (agent fan-out, batch jobs, retries).
+All times here are simulated seconds; the runner divides them by the time scale.
 The seed makes prompts, picks and arrival times repeatable.
 """
 
@@ -26,6 +31,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvswitch.tokenization import TokenizerBundle
+
+ARRIVALS = ("poisson", "bursts")
+
+
+@dataclass(frozen=True, slots=True)
+class Arrivals:
+    kind: str = "poisson"
+    """One of ARRIVALS."""
+    burst_min: int = 10
+    burst_max: int = 50
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARRIVALS:
+            raise ValueError(f"unknown arrivals {self.kind!r}; use one of {ARRIVALS}")
+        if not 1 <= self.burst_min <= self.burst_max <= 10_000:
+            raise ValueError("bursts need 1 <= burst_min <= burst_max <= 10000")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +179,8 @@ class _Conversations:
 
 def build_workload(shape: SharedPrefixShape, qps: Sequence[float], stage_duration: float,
                    tokenizer: TokenizerBundle, seed: int = 0,
-                   max_requests: int | None = None) -> Workload:
+                   max_requests: int | None = None,
+                   arrivals_shape: Arrivals = Arrivals()) -> Workload:
     """Every request of the run, in send order (repeatable for a seed)."""
     rng = random.Random(seed)
     systems = [random_text_ids(tokenizer, shape.system_prompt_len, rng)
@@ -169,20 +191,29 @@ def build_workload(shape: SharedPrefixShape, qps: Sequence[float], stage_duratio
     arrivals = random.Random(seed + 1)
     requests: list[BenchRequest] = []
     start = 0.0
+    bursts = arrivals_shape.kind == "bursts"
+    mean_burst = (arrivals_shape.burst_min + arrivals_shape.burst_max) / 2 if bursts else 1.0
     for stage, rate in enumerate(qps):
         t = start
-        while True:
-            t += arrivals.expovariate(rate)
-            if t >= start + stage_duration or (max_requests and len(requests) >= max_requests):
+        full = False
+        while not full:
+            t += arrivals.expovariate(rate / mean_burst)
+            if t >= start + stage_duration:
                 break
-            group = arrivals.randrange(shape.num_groups)
-            user = arrivals.randrange(shape.num_prompts_per_group)
-            if shape.multi_turn:
-                prompt = conversations.next_prompt(systems[group], group, user)
-            else:
-                prompt = (*systems[group], *questions[(group, user)])
-            requests.append(BenchRequest(len(requests), stage, float(rate), t, group, user,
-                                         prompt, shape.output_len, shape.system_prompt_len))
+            size = (arrivals.randint(arrivals_shape.burst_min, arrivals_shape.burst_max)
+                    if bursts else 1)
+            for _ in range(size):
+                if max_requests and len(requests) >= max_requests:
+                    full = True
+                    break
+                group = arrivals.randrange(shape.num_groups)
+                user = arrivals.randrange(shape.num_prompts_per_group)
+                if shape.multi_turn:
+                    prompt = conversations.next_prompt(systems[group], group, user)
+                else:
+                    prompt = (*systems[group], *questions[(group, user)])
+                requests.append(BenchRequest(len(requests), stage, float(rate), t, group, user,
+                                             prompt, shape.output_len, shape.system_prompt_len))
         start += stage_duration
     return Workload(shape, tuple(float(q) for q in qps), stage_duration, seed, tuple(requests),
                     tokenizer)

@@ -28,6 +28,7 @@ _SIM_FIELDS = {
     "model": "served_model_name",
     "tokenizer": "tokenizer_dir",
     "profile": "profile",
+    "step_model": "step_model",
     "time_scale": "time_scale",
     "mode": "mode",
     "seed": "seed",
@@ -73,7 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Hugging Face tokenizer directory (default: the bundled Qwen3)")
     model.add_argument("--profile", default=None,
                        help="hardware/model profile: llama3-8b-h100 (default), "
-                            "qwen3-32b-2xh100, tiny")
+                            "qwen3-32b-2xh100, qwen3-32b-2xh100-128k, tiny")
+    model.add_argument("--step-model", choices=["roofline", "linear"], default=None,
+                       help="step-time model: roofline (from the model and GPU configs; each "
+                            "step's time grows with the contexts it reads) or linear (the "
+                            "context-blind fit); default: the profile's (tiny: linear)")
     model.add_argument("--time-scale", type=float, default=None, metavar="X",
                        help="run the simulated clock X times faster than real time "
                             "(/metrics latencies stay in simulated seconds)")

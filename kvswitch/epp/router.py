@@ -6,7 +6,9 @@ route(request, subset):
   3. flow control (priority from the request's InferenceObjective): may queue, or shed (429/503)
   4. the plugins' preparers (e.g. a long text prompt tokenized off the event loop); if they
      waited, the ready endpoints are read again
-  5. one scheduling cycle -> the pick and fallbacks; the pick's in-flight count goes up
+  5. one scheduling cycle -> the pick and fallbacks; the pick's in-flight count goes up, and
+     the datalayer records the request's uncached prompt tokens (the prefix match's, when a
+     prefix scorer ran) as sent there and not yet reported
 request_finished(): releases the in-flight count, records the outcome (status, duration and
   token usage by model, objective, fairness id and endpoint), lets plugins observe.
   A request whose ext_proc stream closed before its response ended (`seen_end` False), from a
@@ -30,6 +32,8 @@ from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
 from kvswitch.epp.flowcontrol import FlowGate, Verdict
 from kvswitch.epp.framework import CycleState, Lifecycle, Scheduler
 from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.plugins.prefix_index import STATE_KEY as PREFIX_STATE_KEY
+from kvswitch.epp.plugins.prefix_index import uncached_tokens
 from kvswitch.epp.request import InferenceRequest, RequestOutcome, RoutingDecision, response_ok
 
 logger = logging.getLogger(__name__)
@@ -154,6 +158,8 @@ class EppRouter:
                 if isinstance(again, RoutingDecision):
                     return self._count(request, again)
                 candidates = again
+        if state is None:
+            state = {}
         started = time.perf_counter()
         result = self.scheduler.schedule(request, candidates, state)
         self.metrics.scheduling_seconds.observe(time.perf_counter() - started)
@@ -161,6 +167,8 @@ class EppRouter:
             return self._count(request, FILTERED)
         pick = result.endpoints[0]
         pick.in_flight += 1
+        self.datalayer.record_sent(
+            pick, uncached_tokens(request, state.get(PREFIX_STATE_KEY), pick.address))
         self._routed[request.request_id] = pick
         decision = self._decisions.get(result.endpoints)
         if decision is None:

@@ -22,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.protocol import SERVICE_NAME, common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.headers import USAGE_TRAILER
@@ -324,7 +325,8 @@ async def test_metrics_have_vllm_names(stub: vllm_engine_pb2_grpc.VllmEngineStub
                  "vllm:e2e_request_latency_seconds_bucket{",
                  "vllm:request_queue_time_seconds_bucket{", "vllm:cache_config_info{"):
         assert name in text, name
-    assert 'num_gpu_blocks="29205"' in text and 'model_name="' in text
+    blocks = get_profile("llama3-8b-h100").num_gpu_blocks
+    assert f'num_gpu_blocks="{blocks}"' in text and 'model_name="' in text
     # Observed, not just declared (queue time comes from the simulator's first scheduled step).
     for histogram in ("time_to_first_token", "request_queue_time", "e2e_request_latency"):
         assert metric_value(text, f"vllm:{histogram}_seconds_count") >= 1, histogram

@@ -154,6 +154,9 @@ async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None
     text = long_text(30_000)
     ids = load_tokenizer(None).encode(text)
     scorer.index.apply(addresses[2], [stored(ids[:320])])  # the third replica holds its prefix
+    # The quick one's prompt is held by the first: it goes there, not where the slow one goes
+    # (a request routed and not yet reported counts as queued load).
+    scorer.index.apply(addresses[0], [stored((5,) * 64)])
     try:
         slow = asyncio.create_task(router.route(
             InferenceRequest("long", "grpc", "/x", ParsedBody(prompt_text=text)), None))

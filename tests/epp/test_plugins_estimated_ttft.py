@@ -52,14 +52,24 @@ def test_hot_group_spreads_once_its_replica_queue_grows() -> None:
     assert all(p != "e0:1" for p in picks[first_spill:])  # and keeps winning as e0 grows
 
 
-def test_burst_before_a_load_update_spreads_by_in_flight() -> None:
+def sent(e: Endpoint, requests: int, uncached: int) -> None:
+    """The EPP routed `requests` here, `uncached` prompt tokens each, that no report covers."""
+    e.sent.clear()
+    e.unreported_tokens = 0
+    datalayer = Datalayer(clock=lambda: 0.0)
+    for _ in range(requests):
+        datalayer.record_sent(e, uncached)
+
+
+def test_burst_before_a_load_update_spreads_by_unreported_prefill() -> None:
     eps = endpoints(2)
-    eps[0].in_flight = 3  # routed by the EPP, not yet seen by the engine
+    sent(eps[0], 3, 1200)  # routed by the EPP, not yet in a load report
     assert pick(eps, {"e0:1": 375, "e1:1": 375}) == "e1:1"
-    # A hot group's burst stays on its holder until the unseen work outweighs the saving.
-    eps[0].in_flight = 2
+    # A hot group's burst stays on its holder until the unseen work outweighs the saving:
+    # each costs the holder 1,200 uncached tokens, an empty replica 7,200.
+    sent(eps[0], 2, 1200)
     assert pick(eps, {"e0:1": 375}) == "e0:1"
-    eps[0].in_flight = 6
+    sent(eps[0], 6, 1200)
     assert pick(eps, {"e0:1": 375}) == "e1:1"
 
 
@@ -79,3 +89,16 @@ def test_scores_are_ratios_of_work() -> None:
     request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
     scores = scorer.score(request, {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {})}, eps)
     assert scores[0] == 1.0 and abs(scores[1] - (PROMPT + 1) / (2 * PROMPT + 1)) < 1e-12
+
+
+def test_uncached_weight_keeps_a_group_on_its_holder_longer() -> None:
+    eps = endpoints(2)
+    load(eps[0], waiting=4, waiting_tokens=8000)  # holds 6,000 of the 7,200 tokens
+    assert pick(eps, {"e0:1": 375}) == "e1:1"  # own TTFT: 8,000 + 1,200 > 7,200
+    scorer = create("t", {"uncachedWeight": 2.0, "runningRequestTokens": 0},
+                    PluginHandle(Datalayer()))
+    profile = SchedulerProfile("p", [], [(scorer, 1.0)], MaxScorePicker("m"))
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {"e0:1": 375})}
+    # Counting the miss's prefill twice: 8,000 + 2,400 < 14,400.
+    assert profile.run(request, state, eps).endpoints[0].address == "e0:1"

@@ -27,6 +27,8 @@ class SimConfig:
     tokenizer_dir: str | None = None
     """None: the bundled Qwen3 tokenizer."""
     profile: str = "llama3-8b-h100"
+    step_model: str | None = None
+    """"roofline" or "linear" (see `profiles`); None: the profile's own."""
     time_scale: float = 1.0
     """Simulated seconds per real second (100: a 10 ms step takes 0.1 ms)."""
     mode: str = "random"
@@ -55,7 +57,7 @@ class SimConfig:
 
     def resolved_profile(self) -> SimProfile:
         """The named profile with this config's overrides applied, checked for consistency."""
-        base = get_profile(self.profile)
+        base = get_profile(self.profile, self.step_model)
         overrides: dict[str, Any] = {
             k: v
             for k, v in (

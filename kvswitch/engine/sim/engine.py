@@ -396,7 +396,9 @@ class SimEngine:
         rng = random.Random(hash(tuple(ids)))
         vec = [rng.gauss(0.0, 1.0) for _ in range(self.config.embedding_dim)]
         norm = math.sqrt(sum(x * x for x in vec)) or 1.0
-        await asyncio.sleep(self.profile.step_seconds(len(ids), 0) / self.config.time_scale)
+        n = len(ids)
+        step = self.profile.step_seconds(n, 0, prefill_context=n, prefill_pairs=n * (n + 1) // 2)
+        await asyncio.sleep(step / self.config.time_scale)
         return [x / norm for x in vec]
 
 

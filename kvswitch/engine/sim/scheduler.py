@@ -13,8 +13,10 @@ One `step()`:
    tokens samples one token and is checked for stop conditions. Finished sequences free their
    blocks at once.
 
-The step's simulated duration is the profile's linear model over the uncached prefill tokens and
-decode tokens it scheduled (see `profiles`). Work per step is O(scheduled sequences).
+The step's simulated duration is the profile's step model (see `profiles`) over the uncached
+prefill and decode tokens it scheduled and their contexts: the decoding sequences' KV tokens, and
+per prefill chunk the KV tokens it ends with and the query-key pairs it attends. The sums are kept
+while scheduling, O(1) per scheduled sequence, so work per step is O(scheduled sequences).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class StepResult:
     """Simulated seconds (profile step model)."""
     prefill_tokens: int
     decode_tokens: int
+    decode_context: int = 0
+    """The decoding sequences' KV tokens, summed."""
+    prefill_context: int = 0
+    """The prefill chunks' KV tokens after the step (cached + chunk), summed."""
+    prefill_pairs: int = 0
+    """The prefill chunks' attended query-key pairs, summed."""
     outputs: list[SimSequence] = field(default_factory=list)
     """Sequences that produced a token (their last in `token_ids`); some may have finished."""
     scheduled: int = 0
@@ -125,6 +133,7 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[SimSequence] = []
         prefill = decode = preempted = 0
+        decode_ctx = prefill_ctx = pairs = 0
         kv, bs = self.kv, self.kv.block_size
         running = self.running
 
@@ -155,18 +164,33 @@ class Scheduler:
             budget -= n
             if n == 1 and computed >= seq.num_prompt_tokens:
                 decode += 1
+                decode_ctx += total
             else:
                 prefill += n
+                prefill_ctx += total
+                pairs += n * computed + n * (n + 1) // 2
             i += 1
 
         first: list[SimSequence] = []
         if not preempted:
-            prefill += self._admit(scheduled, budget, first)
+            admitted = self._admit(scheduled, budget, first)
+            prefill += admitted[0]
+            prefill_ctx += admitted[1]
+            pairs += admitted[2]
 
         out = StepResult(
-            duration=self.profile.step_seconds(prefill, decode),
+            duration=self.profile.step_seconds(
+                prefill,
+                decode,
+                decode_context=decode_ctx,
+                prefill_context=prefill_ctx,
+                prefill_pairs=pairs,
+            ),
             prefill_tokens=prefill,
             decode_tokens=decode,
+            decode_context=decode_ctx,
+            prefill_context=prefill_ctx,
+            prefill_pairs=pairs,
             scheduled=len(scheduled),
             preempted=preempted,
             first_scheduled=first,
@@ -174,12 +198,14 @@ class Scheduler:
         self._update(scheduled, out.outputs)
         return out
 
-    def _admit(self, scheduled: list[SimSequence], budget: int, first: list[SimSequence]) -> int:
+    def _admit(
+        self, scheduled: list[SimSequence], budget: int, first: list[SimSequence]
+    ) -> tuple[int, int, int]:
         """Admit waiting sequences FCFS (first admissions also go to `first`); returns the
-        prefill tokens scheduled for them."""
+        prefill tokens scheduled for them, their KV tokens and attended pairs (see `step`)."""
         kv, waiting, running = self.kv, self.waiting, self.running
         max_seqs = self.limits.max_num_seqs
-        tokens = 0
+        tokens = context = pairs = 0
         while waiting and budget > 0 and len(running) < max_seqs:
             seq = waiting[0]
             hits = kv.find_cached_prefix(seq)
@@ -201,7 +227,9 @@ class Scheduler:
             scheduled.append(seq)
             budget -= n
             tokens += n
-        return tokens
+            context += num_hit + n
+            pairs += n * num_hit + n * (n + 1) // 2
+        return tokens, context, pairs
 
     def _preempt(self, seq: SimSequence) -> None:
         self.kv.free(seq)

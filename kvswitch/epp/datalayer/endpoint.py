@@ -10,11 +10,21 @@ event batch and a heartbeat when quiet (every 1 s). While records keep coming (`
 last push plus a TTL above the heartbeat period) the latest record *is* the engine's current
 load, so the endpoint counts as fresh however long ago that record arrived; the refresher then
 polls only for health, rarely.
+
+Sent, unreported load: a report lags what the EPP has just sent (a burst routed between two
+reports would otherwise see the same load and pile onto one replica). Each routed request is
+recorded on its endpoint (`Datalayer.record_sent`: its send time and its uncached prompt tokens)
+and stays in the endpoint's account (`unreported_requests`, `unreported_tokens`) until a report
+that covers it arrives: one the engine sampled at least `transit` seconds (the proxy's hop to
+the engine) after the request was sent. A pushed record's sampling time is its arrival minus
+its age (the engine's batch timestamp against the wall clock, capped at the record TTL); a
+polled one's is when the poll started. Load scorers add the account to the reported load.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -59,7 +69,7 @@ class Endpoint:
     """One replica. Mutated only by the datalayer (metrics, health) and the router (in-flight)."""
 
     __slots__ = ("address", "app_protocol", "failures", "healthy", "in_flight", "live_until",
-                 "metrics")
+                 "metrics", "sent", "unreported_requests", "unreported_tokens")
 
     def __init__(self, spec: EndpointSpec) -> None:
         self.address = spec.address
@@ -71,6 +81,13 @@ class Endpoint:
         self.failures = 0
         # Datalayer clock until which pushed load records keep the metrics current (0: no push).
         self.live_until = 0.0
+        # (datalayer clock at send, uncached prompt tokens) of requests no report covers yet,
+        # oldest first.
+        self.sent: deque[tuple[float, int]] = deque()
+        self.unreported_requests = 0
+        """len(sent): requests sent here that no load report covers yet."""
+        self.unreported_tokens = 0
+        """Uncached prompt tokens of `sent`: prefill work the engine's load does not show yet."""
 
     def fresh(self, now: float, staleness: float) -> bool:
         """Metrics current at `now`: pushed records still flowing, or refreshed recently."""
@@ -79,7 +96,20 @@ class Endpoint:
     def __repr__(self) -> str:
         m = self.metrics
         return (f"Endpoint({self.address}, healthy={self.healthy}, running={m.running}, "
-                f"waiting={m.waiting}, kv={m.kv_usage:.2f}, in_flight={self.in_flight})")
+                f"waiting={m.waiting}, kv={m.kv_usage:.2f}, in_flight={self.in_flight}, "
+                f"unreported={len(self.sent)}/{self.unreported_tokens})")
+
+
+TRANSIT_SECONDS = 0.005
+"""Default `Datalayer.transit`: Envoy's hop to an engine on a local network is ~1 ms."""
+
+
+def settle(endpoint: Endpoint, cutoff: float) -> None:
+    """Drop from the unreported account the requests sent at or before `cutoff`."""
+    sent = endpoint.sent
+    while sent and sent[0][0] <= cutoff:
+        endpoint.unreported_tokens -= sent.popleft()[1]
+    endpoint.unreported_requests = len(sent)
 
 
 class Datalayer:
@@ -89,9 +119,13 @@ class Datalayer:
     `staleness` seconds old. Failing or stale endpoints come back on their next good refresh.
     """
 
-    def __init__(self, staleness: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, staleness: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                 transit: float = TRANSIT_SECONDS) -> None:
         self.staleness = staleness
         self.clock = clock
+        self.transit = transit
+        """Seconds from the EPP's pick to the request reaching the engine: a report sampled
+        sooner after a send does not count as covering it."""
         self._endpoints: dict[str, Endpoint] = {}
         self._listeners: list[Callable[[str], None]] = []
         self.version = 0
@@ -133,14 +167,26 @@ class Datalayer:
             endpoint.metrics = metrics
             endpoint.healthy = True
             endpoint.failures = 0
+            if endpoint.sent:  # the poll started at updated_at: it covers what was sent before
+                settle(endpoint, metrics.updated_at - self.transit)
+
+    def record_sent(self, endpoint: Endpoint, uncached_tokens: int) -> None:
+        """The EPP routed a request with this much prefill work to `endpoint` just now."""
+        endpoint.sent.append((self.clock(), uncached_tokens))
+        endpoint.unreported_requests += 1
+        endpoint.unreported_tokens += uncached_tokens
 
     def push(self, address: str, *, running: int, waiting: int, kv_usage: float,
-             waiting_tokens: int | None, ttl: float) -> None:
-        """Record a pushed load record (KV-event stream). Health stays the collector's call."""
+             waiting_tokens: int | None, ttl: float, age: float = 0.0) -> None:
+        """Record a pushed load record (KV-event stream) the engine sampled `age` seconds ago
+        (clamped to [0, ttl]). Health stays the collector's call."""
         endpoint = self._endpoints.get(address)
         if endpoint is None:
             return
         now = self.clock()
+        if endpoint.sent:
+            settle(endpoint, now - (age if 0.0 <= age <= ttl else min(max(age, 0.0), ttl))
+                   - self.transit)
         old = endpoint.metrics
         if not 0.0 <= kv_usage <= 1.0:  # (min/max calls cost ~0.35 us per record)
             kv_usage = min(max(kv_usage, 0.0), 1.0)

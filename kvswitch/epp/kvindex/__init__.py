@@ -1,4 +1,4 @@
-"""Precise prefix-cache index for the EPP, fed by the engines' KV events (DESIGN §4).
+"""Precise prefix-cache index for the EPP, fed by the engines' KV events.
 
 - `PrefixIndex` (sans-IO): per endpoint, the full blocks it holds under kvswitch's own chained
   content hash; `match(hashes)` gives each endpoint's leading matched blocks.

@@ -1,6 +1,6 @@
 """KV events as the index consumes them: small frozen records, and the protobuf conversion.
 
-The engine API streams `smg.grpc.common.KvEventBatch` messages (DESIGN §4). The index never
+The engine API streams `smg.grpc.common.KvEventBatch` messages. The index never
 sees protobuf: `batch_from_proto` turns one message, read through `KvEventBatchView`, into an
 `EventBatch` whose `events` keep the engine's order (a batch may remove a block and store it
 again).
@@ -83,6 +83,8 @@ class LoadRecord(NamedTuple):
     sample: int
     """Monotonic per stream."""
     cache_hit_rate: float | None = None
+    timestamp: float = 0.0
+    """Wall-clock seconds the engine sampled it (its batch's timestamp); 0 when not stated."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +105,7 @@ class EventBatch(NamedTuple):
     snapshot: SnapshotInfo | None = None
 
 
-def load_from_proto(load: Any) -> LoadRecord:
+def load_from_proto(load: Any, timestamp: float = 0.0) -> LoadRecord:
     # Positional arguments: bound faster than keywords.
     return LoadRecord(
         load.running_requests,
@@ -114,6 +116,7 @@ def load_from_proto(load: Any) -> LoadRecord:
         load.max_running_requests,
         load.sample,
         load.cache_hit_rate if load.HasField("cache_hit_rate") else None,
+        timestamp,
     )
 
 
@@ -149,7 +152,7 @@ def batch_from_proto(message: Any) -> EventBatch:
     load_only = False
     if message.HasField("load"):
         proto_load = message.load
-        load = load_from_proto(proto_load)
+        load = load_from_proto(proto_load, message.timestamp)
         load_only = proto_load.load_only
     snapshot = None
     if message.HasField("snapshot"):

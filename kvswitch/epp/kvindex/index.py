@@ -1,7 +1,7 @@
 """The precise prefix index: which full KV blocks each endpoint holds, fed by KV events.
 
 Sans-IO. Per endpoint, a stored block's token ids are folded into kvswitch's own chained content
-hash, so the index never depends on the engine's hash function (DESIGN §4):
+hash, so the index never depends on the engine's hash function:
 
     own(block i) = hash((own(block i-1), packed(token_ids[i*B:(i+1)*B])))
     own(block -1) = root(ns)
@@ -35,6 +35,13 @@ never both:
 Both kinds set the endpoint's bit in the one holder table, so `match` costs the same.
 Cost per request: O(blocks not already held), a few dict operations each, and at expiry
 O(blocks of the speculation) in C.
+
+Prefill in progress: `await_prefill(endpoint, last_hash, tokens, ttl)` counts a routed
+prompt's uncached tokens in `pending_prefill(endpoint)` until the prompt's last full block is
+stored there (the engine stores a block once the step computing it ends, and the step that
+computes a prompt's last block ends its prefill), or `ttl` passes. The engine's own load report
+counts only waiting requests' prefill; this also covers requests admitted and still
+prefilling (chunked prefill of a long prompt). One dict test per newly real block.
 """
 
 from __future__ import annotations
@@ -111,7 +118,8 @@ class _EndpointBlocks:
     likely cache miss in a loaded EPP, whose tables are far larger than the CPU caches (4 x
     29k blocks: ~4 MB less), and no second copy of the same fact to keep in step."""
 
-    __slots__ = ("bit", "by_engine", "extra_copies", "extra_owns", "real", "speculative")
+    __slots__ = ("awaiting", "bit", "by_engine", "extra_copies", "extra_owns", "pending", "real",
+                 "speculative")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -120,6 +128,10 @@ class _EndpointBlocks:
         self.extra_owns: dict[int, int] = {}
         self.speculative: dict[int, float] = {}
         self.real = 0
+        # Prefill in progress: a routed prompt's last block -> its uncached tokens, until the
+        # block is stored (the step that computes a prompt's last block ends its prefill).
+        self.awaiting: dict[int, int] = {}
+        self.pending = 0
 
 
 class PrefixIndex:
@@ -144,6 +156,8 @@ class PrefixIndex:
         # the ends; a heap's sift walks entries scattered in memory).
         self._expiries: deque[tuple[float, int, _EndpointBlocks, list[int]]] = deque()
         self._speculations = 0
+        # (expiry, endpoint state, last block, tokens) per awaited prefill, in expiry order.
+        self._awaiting: deque[tuple[float, _EndpointBlocks, int, int]] = deque()
 
     # -- endpoints -----------------------------------------------------------------------------
 
@@ -180,6 +194,8 @@ class PrefixIndex:
         state.extra_owns.clear()
         state.speculative.clear()
         state.real = 0
+        state.awaiting.clear()
+        state.pending = 0
 
     def _release(self, owns: Iterable[int], bit: int) -> None:
         """The endpoint with `bit` no longer holds these blocks (real or speculative)."""
@@ -256,7 +272,7 @@ class PrefixIndex:
             parent = None  # another block size can never match our queries
         placed = real = 0
         bit = 1 << state.bit
-        speculative, holders = state.speculative, self._holders
+        speculative, holders, awaiting = state.speculative, self._holders, state.awaiting
         # The engine-hash table by `in` tests and subscripts, not get/pop calls (fewer calls per
         # block: ~25% less apply); the holder table read once and written only when it changes.
         for engine_hash, packed in blocks:
@@ -278,9 +294,13 @@ class PrefixIndex:
             if not held & bit:
                 holders[parent] = held | bit
                 real += 1
+                if awaiting and parent in awaiting:
+                    state.pending -= awaiting.pop(parent)
             elif parent in speculative:
                 del speculative[parent]  # confirmed: its bit is set already
                 real += 1
+                if awaiting and parent in awaiting:
+                    state.pending -= awaiting.pop(parent)
             else:  # real already, under another engine hash
                 owns = state.extra_owns
                 owns[parent] = owns.get(parent, 0) + 1
@@ -357,6 +377,36 @@ class PrefixIndex:
             expiries.append(entry)
         else:  # a shorter TTL than earlier calls': keep the order
             bisect.insort(expiries, entry)
+
+    # -- prefill in progress -----------------------------------------------------------------
+
+    def await_prefill(self, endpoint: str, last_hash: int, tokens: int, ttl: float) -> None:
+        """A prompt whose last full block is `last_hash` was routed to `endpoint` with `tokens`
+        to prefill: count them in `pending_prefill` until that block is stored there (or `ttl`
+        seconds pass: the request failed, or its events were lost)."""
+        state = self._endpoints.get(endpoint)
+        if state is None or tokens <= 0:
+            return
+        now = self.clock()
+        expired = self._awaiting
+        while expired and expired[0][0] <= now:
+            _, old, block, count = expired.popleft()
+            left = old.awaiting.get(block, 0)
+            if left:  # (0: stored already)
+                take = min(left, count)
+                old.pending -= take
+                if left > take:
+                    old.awaiting[block] = left - take
+                else:
+                    del old.awaiting[block]
+        state.awaiting[last_hash] = state.awaiting.get(last_hash, 0) + tokens
+        state.pending += tokens
+        expired.append((now + ttl, state, last_hash, tokens))
+
+    def pending_prefill(self, endpoint: str) -> int:
+        """Uncached prompt tokens routed to `endpoint` whose prefill has not ended yet."""
+        state = self._endpoints.get(endpoint)
+        return 0 if state is None else state.pending
 
     def expire(self) -> None:
         """Drop the speculative entries whose time is up (`match` does it too)."""

@@ -29,11 +29,17 @@ confirms them, and are dropped when unconfirmed after speculativeTtl (the reques
 rejected, or its prefill is still queued) or on AllBlocksCleared / a resync. The prompt's
 leading blocks the endpoint already holds (matched_blocks) are not touched: only the rest is
 speculated, so a hot prefix costs O(unique suffix blocks) per request.
+Prefill in progress: the same hook counts the request's uncached prompt tokens in the index's
+`pending_prefill` for the picked endpoint until the engine stores the prompt's last full block
+(`PrefixIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables) passes; the
+`PrefixMatch` it produces carries `pending_prefill` for estimated-ttft-scorer.
 Lifecycle: the router calls `start()` (one HTTP/2 stream per endpoint of the datalayer) and
 `stop()`; afterwards subscriptions follow the endpoint set as scheduling cycles see it change.
 Push-based load: every `EngineLoad` record on a stream goes into the endpoint's metrics
-(`Datalayer.push`), so load scorers and flow control see the engine's scheduler-step load and
-the refresher polls GetLoads only rarely while records flow.
+(`Datalayer.push`, with the record's age: its arrival lag beyond the least lag any record of
+that endpoint arrived with, from the batch timestamps, so engine and EPP clocks need not agree;
+the datalayer then knows which routed requests it covers), so load scorers and flow control see the engine's scheduler-step
+load and the refresher polls GetLoads only rarely while records flow.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from kvswitch.epp.framework import (
 from kvswitch.epp.kvindex.events import LoadRecord
 from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriptions
-from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
+from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, uncached_tokens
 from kvswitch.epp.request import InferenceRequest
 from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 from kvswitch.tokenization.offload import encode_off_loop, needs_offload
@@ -70,9 +76,11 @@ TOKENS_KEY = "precise-prefix-cache-scorer/tokens"
 class PrecisePrefixCacheScorer:
     def __init__(self, name: str, index: PrefixIndex, handle: PluginHandle | None = None,
                  tokenizer: TokenizerBundle | None = None, load_ttl: float = 2.5,
-                 speculative_ttl: float = 2.0) -> None:
+                 speculative_ttl: float = 2.0, prefill_ttl: float = 30.0) -> None:
         self.name = name
         self.index = index
+        self.prefill_ttl = prefill_ttl
+        self._pending = index.pending_prefill
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
@@ -82,6 +90,8 @@ class PrecisePrefixCacheScorer:
         # The datalayer version `_following` was last checked against (-1: never).
         self._checked_version = -1
         self._sync: asyncio.Task[None] | None = None
+        # endpoint -> least (datalayer clock - record timestamp) seen: the engine clock's offset.
+        self._clock_offsets: dict[str, float] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -112,10 +122,22 @@ class PrecisePrefixCacheScorer:
             self.subscriptions.set_endpoints(pool), name="kv-events-follow")
 
     def _pushed_load(self, address: str, load: LoadRecord) -> None:
-        if self._handle is not None:
-            self._handle.datalayer.push(
-                address, running=load.running, waiting=load.waiting, kv_usage=load.token_usage,
-                waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl)
+        if self._handle is None:
+            return
+        datalayer = self._handle.datalayer
+        age = 0.0
+        if load.timestamp:
+            # The record's age tells the datalayer which routed requests it covers. The engine
+            # stamps with its own clock: its offset from ours is taken as the least lag any
+            # record of this endpoint arrived with (the fastest delivery counts as instant).
+            lag = datalayer.clock() - load.timestamp
+            offset = self._clock_offsets.get(address)
+            if offset is None or lag < offset:
+                offset = self._clock_offsets[address] = lag
+            age = lag - offset
+        datalayer.push(
+            address, running=load.running, waiting=load.waiting, kv_usage=load.token_usage,
+            waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl, age=age)
 
     async def start(self) -> None:
         self._following = self._pool()
@@ -164,7 +186,7 @@ class PrecisePrefixCacheScorer:
             tokens = self._token_ids(request, state)
         hashes = self.index.block_hashes(tokens) if tokens else []
         matched = self.index.match_held(hashes, map(_address, endpoints)) if hashes else {}
-        state[STATE_KEY] = PrefixMatch(hashes, matched)
+        state[STATE_KEY] = PrefixMatch(hashes, matched, self.index.block_size, self._pending)
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
@@ -177,12 +199,18 @@ class PrecisePrefixCacheScorer:
 
     def pre_request(self, request: InferenceRequest, state: CycleState,
                     result: ProfileResult) -> None:
-        """The picked endpoint will store the prompt's blocks: hold them there speculatively."""
+        """The picked endpoint will store the prompt's blocks: hold them there speculatively,
+        and count its uncached tokens as prefill in progress there until its last is stored."""
         match: PrefixMatch | None = state.get(STATE_KEY)
-        if match is not None and match.hashes and self.speculative_ttl > 0:
-            address = result.endpoints[0].address
-            self.index.speculate(address, match.hashes, self.speculative_ttl,
-                                 held=match.matched.get(address, 0))
+        if match is None or not match.hashes:
+            return
+        address = result.endpoints[0].address
+        held = match.matched.get(address, 0)
+        if self.speculative_ttl > 0:
+            self.index.speculate(address, match.hashes, self.speculative_ttl, held=held)
+        if held < len(match.hashes) and self.prefill_ttl > 0:
+            self.index.await_prefill(address, match.hashes[-1],
+                                     uncached_tokens(request, match, address), self.prefill_ttl)
 
 
 def create(name: str, parameters: Mapping[str, Any],
@@ -199,8 +227,10 @@ def create(name: str, parameters: Mapping[str, Any],
             raise ConfigError(f"parameters.tokenizer: {exc}") from exc
     ttl = duration(parameters.get("loadRecordTtl", 2.5), "parameters.loadRecordTtl")
     speculative_ttl = duration(parameters.get("speculativeTtl", 2.0), "parameters.speculativeTtl")
+    prefill_ttl = duration(parameters.get("prefillTtl", 30.0), "parameters.prefillTtl")
     index = handle.shared("precise-prefix-index", lambda: PrefixIndex(block_size))
     if index.block_size != block_size:
         raise ConfigError("parameters.blockSize: every precise-prefix-cache-scorer must share "
                           "one block size")
-    return PrecisePrefixCacheScorer(name, index, handle, tokenizer, ttl, speculative_ttl)
+    return PrecisePrefixCacheScorer(name, index, handle, tokenizer, ttl, speculative_ttl,
+                                    prefill_ttl)

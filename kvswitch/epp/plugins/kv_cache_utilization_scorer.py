@@ -1,8 +1,11 @@
 """kv-cache-utilization-scorer: prefer endpoints with free KV cache.
 
-Formula: score(e) = 1 - kv_usage(e), kv_usage in [0, 1].
+Formula: score(e) = 1 - min(1, kv_usage(e) + unreported_tokens(e) / max_tokens(e)), kv_usage in
+[0, 1]; the unreported term (uncached prompt tokens routed here since the last report that
+covers them, the blocks they will take) counts only when the KV capacity is known.
 Inputs: `Metrics.kv_usage` (GetLoads num_used_tokens / max_total_num_tokens, or
-vllm:kv_cache_usage_perc). Parameters: none. Upstream alias: `kv-cache-scorer`.
+vllm:kv_cache_usage_perc), `Metrics.max_tokens`, `Endpoint.unreported_tokens`.
+Parameters: none. Upstream alias: `kv-cache-scorer`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ class KvCacheUtilizationScorer:
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
-        return [1.0 - e.metrics.kv_usage for e in endpoints]
+        free = []
+        for e in endpoints:  # (a loop, not a helper call per endpoint: ~0.15 us each)
+            m = e.metrics
+            if e.unreported_tokens and m.max_tokens:
+                left = 1.0 - m.kv_usage - e.unreported_tokens / m.max_tokens
+                free.append(left if left > 0.0 else 0.0)  # noqa: FURB136 (no call)
+            else:
+                free.append(1.0 - m.kv_usage)
+        return free
 
 
 def create(name: str, parameters: Mapping[str, Any],

@@ -1,8 +1,11 @@
 """max-score-picker: the endpoint with the highest total score (the default picker).
 
-Rule: order endpoints by total score, highest first, ties broken at random; return the first
-`maxNumOfEndpoints` (the pick, then fallbacks in score order).
-Parameters: maxNumOfEndpoints (int >= 1, default 1, as upstream).
+Rule: the endpoints whose total lies within `tieTolerance` of the best are tied; among them the
+one with the fewest requests in flight from this EPP wins, at random among equals (a burst of
+equally scored requests then spreads instead of landing where the random draw happens to repeat).
+Fallbacks follow in score order (equal scores in random order), up to `maxNumOfEndpoints` in all.
+Parameters: maxNumOfEndpoints (int >= 1, default 1, as upstream); tieTolerance (float >= 0,
+default 0: only equal totals tie).
 """
 
 from __future__ import annotations
@@ -12,41 +15,58 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvswitch.epp.datalayer import Endpoint
-from kvswitch.epp.framework import CycleState, PluginHandle, max_endpoints_param
+from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, max_endpoints_param, param
 from kvswitch.epp.request import InferenceRequest
 
 TYPE = "max-score-picker"
 
 
 class MaxScorePicker:
-    def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None) -> None:
+    def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None,
+                 tie_tolerance: float = 0.0) -> None:
         self.name = name
         self.max_endpoints = max_endpoints
+        self.tie_tolerance = tie_tolerance
         self._rng = rng or random.Random()
+
+    def _tied_pick(self, endpoints: Sequence[Endpoint], ties: list[int]) -> int:
+        """The tied position with the fewest in flight, at random among equals."""
+        least = min([endpoints[i].in_flight for i in ties])
+        fewest = [i for i in ties if endpoints[i].in_flight == least]
+        return fewest[0] if len(fewest) == 1 else self._rng.choice(fewest)
 
     def pick(self, request: InferenceRequest, state: CycleState,
              endpoints: Sequence[Endpoint], scores: Sequence[float]) -> tuple[Endpoint, ...]:
         if not endpoints:
             return ()
-        if self.max_endpoints == 1:
+        n = self.max_endpoints
+        if n == 1 and not self.tie_tolerance:
             best = max(scores)
             ties = [i for i, s in enumerate(scores) if s == best]
-            return (endpoints[ties[0] if len(ties) == 1 else self._rng.choice(ties)],)
-        n = self.max_endpoints
+            return (endpoints[ties[0] if len(ties) == 1 else self._tied_pick(endpoints, ties)],)
         # Sorting the floats themselves and finding each winner by value costs ~1 us less
-        # than sorting positions by key. With the top n + 1 distinct, each of the top n
-        # occurs once, so `index` finds the one endpoint holding it.
+        # than sorting positions by key. With the top n + 1 distinct and no near tie at the
+        # top, each of the top n occurs once, so `index` finds the one endpoint holding it.
         top = sorted(scores, reverse=True)[: n + 1]
-        if len(set(top)) == len(top):
+        if len(set(top)) == len(top) and (len(top) == 1
+                                          or top[0] - top[1] > self.tie_tolerance):
             index = scores.index
             return tuple([endpoints[index(s)] for s in top[:n]])
-        # A tie among the chosen or at the cut (rare once loads differ): order equal scores by
-        # a random key instead of by position.
+        floor = top[0] - self.tie_tolerance
+        ties = [i for i, s in enumerate(scores) if s >= floor]
+        first = ties[0] if len(ties) == 1 else self._tied_pick(endpoints, ties)
+        if n == 1:
+            return (endpoints[first],)
+        # Fallbacks in score order, equal scores in random order.
         rnd = self._rng.random
-        order = sorted(range(len(endpoints)), key=lambda i: (scores[i], rnd()), reverse=True)
-        return tuple([endpoints[i] for i in order[:n]])
+        order = sorted((i for i in range(len(endpoints)) if i != first),
+                       key=lambda i: (scores[i], rnd()), reverse=True)
+        return (endpoints[first], *[endpoints[i] for i in order[: n - 1]])
 
 
 def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> MaxScorePicker:
     n = max_endpoints_param(parameters)
-    return MaxScorePicker(name, n)
+    tolerance = param(parameters, "tieTolerance", float, 0.0)
+    if tolerance < 0:
+        raise ConfigError(f"parameters.tieTolerance: must be >= 0, got {tolerance}")
+    return MaxScorePicker(name, n, tie_tolerance=tolerance)

@@ -13,13 +13,14 @@ Produced once per request (a `DataProducer`), consumed by prefix-cache-scorer:
   out as an engine's LRU would evict them.
 - match: for each endpoint, the number of leading prompt blocks it holds (consecutive from 0),
   by binary search over its prefix-closed LRU (blocks are recorded tail first).
-State written: `state[STATE_KEY] = PrefixMatch`.
+State written: `state[STATE_KEY] = PrefixMatch`; `uncached_tokens` reads it for the prefill a
+request costs an endpoint.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvswitch.epp.datalayer import Endpoint
@@ -39,6 +40,35 @@ class PrefixMatch:
     """Chained hashes of the prompt's full blocks (capped at max_blocks); read-only."""
     matched: dict[str, int]
     """endpoint address -> leading blocks it holds; absent means 0."""
+    block_tokens: int = 16
+    """Prompt tokens per block (the index's block size)."""
+    pending_prefill: Callable[[str], int] | None = None
+    """endpoint address -> uncached prompt tokens routed there whose prefill has not ended
+    (the precise index's, from KV events); None when the producer cannot tell."""
+
+
+def prompt_tokens(request: InferenceRequest, match: PrefixMatch | None) -> int:
+    """The prompt's length in tokens: its token ids; else its full blocks; else ~4 characters
+    per token of its text."""
+    body = request.body
+    if body.prompt_token_ids is not None:
+        return len(body.prompt_token_ids)
+    if match is not None and match.hashes:
+        return len(match.hashes) * match.block_tokens
+    if body.prompt_text:
+        return len(body.prompt_text) // 4
+    return 0
+
+
+def uncached_tokens(request: InferenceRequest, match: PrefixMatch | None, address: str) -> int:
+    """The prompt tokens `address` would have to prefill: those past its matched blocks."""
+    if match is None or not match.matched:
+        return prompt_tokens(request, match)
+    held = match.matched.get(address, 0) * match.block_tokens
+    ids = request.body.prompt_token_ids
+    if ids is None:
+        return len(match.hashes) * match.block_tokens - held
+    return max(0, len(ids) - held)
 
 
 def block_hashes(request: InferenceRequest, block_size: int, chars_per_token: int,
@@ -75,7 +105,7 @@ class PrefixIndex:
     def produce(self, request: InferenceRequest, state: CycleState,
                 endpoints: Sequence[Endpoint]) -> None:
         hashes = block_hashes(request, self.block_size, self.chars_per_token, self.max_blocks)
-        state[STATE_KEY] = PrefixMatch(hashes, self.match(hashes))
+        state[STATE_KEY] = PrefixMatch(hashes, self.match(hashes), self.block_size)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """endpoint -> leading blocks held. Each endpoint's LRU is prefix-closed (see `record`),

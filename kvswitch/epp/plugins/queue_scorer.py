@@ -1,9 +1,11 @@
 """queue-scorer: prefer endpoints with short waiting queues.
 
 Formula (min-max over the candidates, as upstream):
-    score(e) = (max_q - q(e)) / (max_q - min_q),   q(e) = waiting requests reported by e
+    score(e) = (max_q - q(e)) / (max_q - min_q),   q(e) = waiting(e) + unreported(e)
     every score is 1.0 when all queues are equal.
-Inputs: `Metrics.waiting` (GetLoads num_waiting_reqs / vllm:num_requests_waiting).
+Inputs: `Metrics.waiting` (GetLoads num_waiting_reqs / vllm:num_requests_waiting) and
+`Endpoint.unreported_requests` (routed here since the last report that covers them), so a
+burst routed between two reports queues up in the score as it does on the engine.
 Parameters: none.
 """
 
@@ -34,7 +36,7 @@ class QueueScorer:
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
-        return min_max_inverse([e.metrics.waiting for e in endpoints])
+        return min_max_inverse([e.metrics.waiting + e.unreported_requests for e in endpoints])
 
 
 def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> QueueScorer:

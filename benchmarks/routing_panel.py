@@ -1,0 +1,364 @@
+"""Routing panel: every router on every workload member, in the fleet simulator (virtual time).
+
+Members (scaled down so one panel run takes minutes on one core; `--scale` stretches every
+duration):
+- the four shared-prefix / multi-turn presets of `kvswitch bench`, each on a 3-step QPS ladder
+  of 20 simulated seconds per step (the presets' ladders use 50-60 s and 4-6 steps);
+- Mooncake's conversation trace (benchmarks/traces/): two 3-minute slices (from 0 s and from
+  900 s), each at two rates (recorded speed, and 1.5x faster);
+- the same trace slice at the recorded rate with its requests spread evenly in time (the same
+  prompts, no bursts);
+- a bursty synthetic shape: the 150x5 shared-prefix prompts arriving in bursts of 10-50 at once
+  (`--arrivals bursts`), two steps of 20 s.
+Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (per member, the
+best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
+oracle, its cache-conserving variant and its look-ahead variant), smg-cache-aware-model (a
+model of SMG's policy with KV events, as SMG runs against kvswitch's engines, not SMG;
+`--baselines` can add its no-events variant), kvswitch (`kvswitch up`'s default EPP config), and every
+`--epp NAME=PATH` given.
+
+Output (`--out`): panel.json (every router x member x step: engine-side TTFT p50/p90/p99,
+queue, ITL, e2e, output tok/s, cache hit, requests per replica, rejected and unfinished
+requests), panel.md (the tables), ttft_p90.png and cache_hit.png; the main table is printed.
+The targets of issue 24 are checked per member and step for every EPP router: TTFT p90
+<= 1.2x oracle-best, <= round-robin, <= smg-cache-aware-model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvswitch.bench.fleet import ORACLE_VARIANTS, FleetResult, best_of, make_router, run_fleet
+from kvswitch.bench.trace import ideal_prefix_hit_ratio, load_trace
+from kvswitch.bench.workloads import PRESETS, Arrivals, build_workload
+from kvswitch.engine.sim.profiles import SimProfile, get_profile
+from kvswitch.tokenization import TokenizerBundle, load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT / "benchmarks" / "traces" / "mooncake_conversation_30min.jsonl"
+BASELINES = ("round-robin", "random", "oracle", "oracle-best", "smg-cache-aware-model")
+OPTIONAL = ("oracle-conserve", "oracle-lookahead", "smg-cache-aware-tree-model")
+TARGET_RATIO = 1.2
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    build: Callable[[TokenizerBundle, float], Any]
+    """(tokenizer, scale) -> workload."""
+    profile: str
+    description: str
+
+
+def _preset(name: str, qps: tuple[float, ...], duration: float, arrivals: str = "poisson"
+            ) -> Callable[[TokenizerBundle, float], Any]:
+    def build(tokenizer: TokenizerBundle, scale: float) -> Any:
+        return build_workload(PRESETS[name].shape, qps, duration * scale, tokenizer,
+                              arrivals_shape=Arrivals(arrivals))
+    return build
+
+
+def _trace(start: float, duration: float, speedup: float, even: bool = False
+           ) -> Callable[[TokenizerBundle, float], Any]:
+    def build(tokenizer: TokenizerBundle, scale: float) -> Any:
+        workload = load_trace(TRACE, tokenizer, start=start, duration=duration * scale,
+                              speedup=speedup, max_model_len=get_profile(TRACE_PROFILE)
+                              .max_model_len)
+        if not even or not workload.requests:
+            return workload
+        gap = workload.stage_duration / len(workload.requests)
+        spread = tuple(dataclasses.replace(r, send_at=i * gap)
+                       for i, r in enumerate(workload.requests))
+        return dataclasses.replace(workload, requests=spread)
+    return build
+
+
+PRESET_PROFILE = "qwen3-32b-2xh100"
+TRACE_PROFILE = "qwen3-32b-2xh100-128k"
+MEMBERS = (
+    Member("sp-6000-1200", _preset("shared-prefix-150x5-6000-1200-1000", (6, 18, 30), 20.0),
+           PRESET_PROFILE, "150 groups x 5 users, 6,000-token system prompts, QPS 6/18/30"),
+    Member("sp-1000-6200", _preset("shared-prefix-150x5-1000-6200-1000", (5, 12, 20), 20.0),
+           PRESET_PROFILE, "150 x 5, 1,000-token prefix, 6,200-token questions, QPS 5/12/20"),
+    Member("mt-1000-30", _preset("multi-turn-6x1000-1000-30-1000", (5, 12, 20), 20.0),
+           PRESET_PROFILE, "6 x 1,000 conversations, 30-token questions, QPS 5/12/20"),
+    Member("mt-1000-3000", _preset("multi-turn-6x1000-1000-3000-1000", (5, 10, 15), 20.0),
+           PRESET_PROFILE, "6 x 1,000 conversations, 3,000-token questions, QPS 5/10/15"),
+    Member("trace-0-x1", _trace(0.0, 180.0, 1.0), TRACE_PROFILE,
+           "Mooncake conversation trace 0-180 s, recorded rate"),
+    Member("trace-0-x1.5", _trace(0.0, 180.0, 1.5), TRACE_PROFILE,
+           "Mooncake conversation trace 0-180 s, 1.5x faster"),
+    Member("trace-900-x1", _trace(900.0, 180.0, 1.0), TRACE_PROFILE,
+           "Mooncake conversation trace 900-1080 s, recorded rate"),
+    Member("trace-900-x1.5", _trace(900.0, 180.0, 1.5), TRACE_PROFILE,
+           "Mooncake conversation trace 900-1080 s, 1.5x faster"),
+    Member("trace-0-x1-even", _trace(0.0, 180.0, 1.0, even=True), TRACE_PROFILE,
+           "trace 0-180 s at the recorded rate, arrivals spread evenly (no bursts)"),
+    Member("bursts-6000-1200", _preset("shared-prefix-150x5-6000-1200-1000", (10, 20), 20.0,
+                                       "bursts"),
+           PRESET_PROFILE, "150 x 5 shared prefix in bursts of 10-50 at once, QPS 10/20"),
+)
+
+
+def _epp_arg(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep:
+        name, path = Path(text).stem, text
+    return name, path
+
+
+def run_member(member: Member, routers: list[tuple[str, str]], tokenizer: TokenizerBundle,
+               args: argparse.Namespace, bar: Any) -> dict[str, Any]:
+    workload = member.build(tokenizer, args.scale)
+    profile: SimProfile = get_profile(member.profile)
+    results: dict[str, FleetResult] = {}
+    variants: list[FleetResult] = []
+
+    def run(label: str, spec: str) -> FleetResult:
+        router = make_router(spec, seed=args.seed, kv_delay=args.kv_delay)
+        router.name = label
+        bar.set_postfix_str(f"{member.name} / {label}")
+        result = run_fleet(workload, router, profile, args.replicas, seed=args.seed)
+        bar.update(1)
+        return result
+
+    for label, spec in routers:
+        if label == "oracle-best":
+            variants += [results[v] if v in results else run(v, v) for v in ORACLE_VARIANTS]
+            results[label] = best_of(variants)
+        else:
+            results[label] = run(label, spec)
+    meta: dict[str, Any] = {"description": member.description, "profile": member.profile,
+                            "requests": len(workload.requests),
+                            "ideal_prefix_hit_ratio": ideal_prefix_hit_ratio(
+                                r.prompt_ids for r in workload.requests)}
+    if hasattr(workload, "skipped"):
+        meta.update(skipped_rows=list(workload.skipped),
+                    ideal_trace_hit_ratio=workload.ideal_hit_ratio)
+    return {"member": member.name, **meta,
+            "variants": {v.router: v.to_json() for v in variants},
+            "routers": {k: v.to_json() for k, v in results.items()}}
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}" if isinstance(value, float) else str(
+        value)
+
+
+def check_targets(panel: list[dict[str, Any]], epp: list[str],
+                  tolerance: float) -> dict[str, Any]:
+    """Per EPP router: the member steps where each target of issue 24 fails (by more than
+    `tolerance`, relative)."""
+    out: dict[str, Any] = {}
+    for name in epp:
+        misses: dict[str, list[str]] = {"oracle-best x1.2": [], "round-robin": [],
+                                        "smg-cache-aware-model": []}
+        rows = 0
+        for m in panel:
+            routers = m["routers"]
+            for i, step in enumerate(routers[name]["steps"]):
+                mine = step["ttft_p90"]
+                rows += 1
+                for key, ref, factor in (("oracle-best x1.2", "oracle-best", TARGET_RATIO),
+                                         ("round-robin", "round-robin", 1.0),
+                                         ("smg-cache-aware-model", "smg-cache-aware-model", 1.0)):
+                    other = routers.get(ref, {}).get("steps", [{}] * (i + 1))[i].get("ttft_p90")
+                    if (mine is not None and other is not None
+                            and mine > factor * other * (1 + tolerance)):
+                        misses[key].append(f"{m['member']}@{step['qps']:g}")
+        out[name] = {"rows": rows, "misses": misses,
+                     "all_met": not any(misses.values())}
+    return out
+
+
+def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
+             meta: dict[str, Any]) -> str:
+    lines = ["# Routing panel (fleet simulator, virtual time)", "",
+             f"Command: `{meta['command']}`", "",
+             (f"{meta['replicas']} replicas per member; engine-side latencies in simulated "
+              f"seconds; seed {meta['seed']}; KV events coalesced per 50 ms and delivered "
+              f"{meta['kv_delay'] * 1000:g} ms later to the EPP; tree {meta['git']}."), "",
+             "## TTFT p90 (s) per member and step; EPP routers as p90 (x oracle-best)", "",
+             "| member | QPS | ideal hit | " + " | ".join(labels) + " |",
+             "|---|---|---|" + "---|" * len(labels)]
+    for m in panel:
+        routers = m["routers"]
+        for i, step in enumerate(routers[labels[0]]["steps"]):
+            best = routers["oracle-best"]["steps"][i]["ttft_p90"] if "oracle-best" in routers \
+                else None
+            cells = []
+            for label in labels:
+                value = routers[label]["steps"][i]["ttft_p90"]
+                cell = _fmt(value)
+                if label in epp and value is not None and best:
+                    cell += f" ({value / best:.2f}x)"
+                cells.append(cell)
+            lines.append(f"| {m['member']} | {step['qps']:.3g} | "
+                         f"{_fmt(m['ideal_prefix_hit_ratio'], 2)} | " + " | ".join(cells) + " |")
+    lines += ["", "oracle-best = the best of " + ", ".join(ORACLE_VARIANTS)
+              + " per member (by overall TTFT p90): "
+              + ", ".join(f"{m['member']}: {m['routers']['oracle-best']['overall'].get('from')}"
+                          for m in panel if "oracle-best" in m["routers"]), ""]
+    lines += ["## Cache hit ratio per member and step", "",
+              "| member | QPS | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    for m in panel:
+        routers = m["routers"]
+        for i, step in enumerate(routers[labels[0]]["steps"]):
+            lines.append(f"| {m['member']} | {step['qps']:.3g} | " + " | ".join(
+                _fmt(routers[label]["steps"][i]["cache_hit_rate"], 2) for label in labels) + " |")
+    targets = meta.get("targets", {})
+    if targets:
+        lines += ["", "## Issue 24's targets (TTFT p90 per member and step)", ""]
+        for name, t in targets.items():
+            lines.append(f"- **{name}**: {'all met' if t['all_met'] else 'missed'} over "
+                         f"{t['rows']} rows (slack {meta['tolerance']:.0%}); " + "; ".join(
+                             f"worse than {k}: {', '.join(v) or 'none'}"
+                             for k, v in t["misses"].items()))
+    lines += ["", "## Details per member", ""]
+    for m in panel:
+        lines += [f"### {m['member']}: {m['description']}", "",
+                  f"{m['requests']} requests, profile `{m['profile']}`"
+                  + (f", {len(m['skipped_rows'])} trace rows too long left out, ideal hit in "
+                     f"trace blocks {_fmt(m['ideal_trace_hit_ratio'], 2)}"
+                     if "skipped_rows" in m else "") + ".", "",
+                  ("| router | QPS | TTFT p50 | p90 | p99 | queue p90 | ITL p50 | e2e p90 | "
+                   "tok/s | hit | per replica | rejected / unfinished |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for label in labels:
+            r = m["routers"][label]
+            for step in r["steps"]:
+                lines.append("| " + " | ".join([
+                    label, f"{step['qps']:.3g}",
+                    *(_fmt(step[k]) for k in ("ttft_p50", "ttft_p90", "ttft_p99", "queue_p90",
+                                              "itl_p50", "e2e_p90")),
+                    _fmt(step["output_tok_s"], 4), _fmt(step["cache_hit_rate"], 2),
+                    " ".join(str(c) for c in step["requests_per_replica"]),
+                    f"{len(r['rejected'])} / {len(r['unfinished'])}"]) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plots(panel: list[dict[str, Any]], labels: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key, title, file, log in (("ttft_p90", "engine-side TTFT p90 (s)", "ttft_p90.png", True),
+                                  ("cache_hit_rate", "cache hit ratio", "cache_hit.png", False)):
+        cols = 4
+        rows = (len(panel) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+        for ax, m in zip(axes.flat, panel, strict=False):
+            steps = m["routers"][labels[0]]["steps"]
+            xs = list(range(len(steps)))
+            width = 0.8 / len(labels)
+            for j, label in enumerate(labels):
+                ys = [s[key] or 0.0 for s in m["routers"][label]["steps"]]
+                ax.bar([x + j * width for x in xs], ys, width, label=label)
+            ax.set_xticks([x + 0.4 - width / 2 for x in xs],
+                          [f"{s['qps']:.3g}" for s in steps])
+            ax.set_title(m["member"], fontsize=9)
+            if log:
+                ax.set_yscale("log")
+        for ax in list(axes.flat)[len(panel):]:
+            ax.axis("off")
+        handles, names = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+        fig.suptitle(f"{title} per member and QPS step (fleet simulator)")
+        fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+        fig.savefig(out / file, dpi=110)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epp", action="append", default=[], metavar="NAME=PATH",
+                        help="an EndpointPickerConfig to add (repeatable); a bare PATH is "
+                             "named after its file; PATH may name a bundled config "
+                             "(kvswitch/bench/configs/NAME.yaml)")
+    parser.add_argument("--no-default", action="store_true",
+                        help="leave out `kvswitch up`'s DEFAULT_EPP_CONFIG")
+    parser.add_argument("--members", default="",
+                        help="comma-separated subset of: " + ", ".join(m.name for m in MEMBERS))
+    parser.add_argument("--baselines", default=",".join(BASELINES),
+                        help="comma-separated, of: " + ", ".join(BASELINES + OPTIONAL))
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="stretch every member's duration (0.2 for a quick look)")
+    parser.add_argument("--kv-delay", type=float, default=0.002,
+                        help="seconds from a KV batch's publication to the EPP applying it")
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="relative slack when checking the targets (a difference of a "
+                             "step or two is not a regression)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("routing-panel"))
+    parser.add_argument("--tree", default=None,
+                        help="the code version to record (default: git describe of this "
+                             "script's repository)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    chosen = [m.strip() for m in args.members.split(",") if m.strip()]
+    unknown = set(chosen) - {m.name for m in MEMBERS}
+    if unknown:
+        parser.error(f"unknown members: {sorted(unknown)}")
+    members = [m for m in MEMBERS if not chosen or m.name in chosen]
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    if set(baselines) - set(BASELINES + OPTIONAL):
+        parser.error(f"unknown baselines: {sorted(set(baselines) - set(BASELINES + OPTIONAL))}")
+    epp = ([] if args.no_default else [("kvswitch", "kvswitch")]) + [
+        (name, f"epp:{path}") for name, path in map(_epp_arg, args.epp)]
+    routers = [(b, b) for b in baselines] + epp
+    for label, spec in epp:
+        make_router(spec)  # fail on a bad config before running anything
+    per_member = len(routers)
+    if "oracle-best" in baselines:  # not a run itself: its variants are
+        per_member += len(ORACLE_VARIANTS) - 1 - ("oracle" in baselines)
+    runs = per_member * len(members)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(None)
+    started = time.perf_counter()
+    panel = []
+    with tqdm(total=runs, desc="routing panel", unit="run", disable=args.no_progress) as bar:
+        for member in members:
+            panel.append(run_member(member, routers, tokenizer, args, bar))
+    labels = [label for label, _ in routers]
+    epp_labels = [label for label, _ in epp]
+    git = args.tree or subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True, text=True, check=False).stdout.strip() or "?"
+    command = ["python", "benchmarks/routing_panel.py", *(argv or sys.argv[1:])]
+    meta = {"command": " ".join(command),
+            "replicas": args.replicas, "seed": args.seed, "scale": args.scale,
+            "kv_delay": args.kv_delay, "git": git, "epp": dict(epp),
+            "wall_seconds": time.perf_counter() - started,
+            "tolerance": args.tolerance,
+            "targets": check_targets(panel, epp_labels, args.tolerance)
+            if {"oracle-best", "round-robin", "smg-cache-aware-model"} <= set(baselines) else {}}
+    (args.out / "panel.json").write_text(json.dumps({"meta": meta, "members": panel}, indent=1))
+    text = markdown(panel, labels, epp_labels, meta)
+    (args.out / "panel.md").write_text(text)
+    plots(panel, labels, args.out)
+    print(text.split("## Cache hit")[0])
+    if meta["targets"]:
+        print(text[text.index("## Issue 24"):text.index("## Details")])
+    print(f"wrote {args.out}/panel.json, panel.md, ttft_p90.png, cache_hit.png "
+          f"({meta['wall_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The fleet's discrete-event loop: arrivals, replica steps, KV-event batches, router timers.
+
+One heap of (virtual time, sequence, callback); same-time events run in the order they were
+scheduled, so every arrival already due runs before a replica's step at that instant (a burst
+lands in one step's waiting queue, as on a real engine that wakes after the arrivals). A
+replica's step runs `Scheduler.step()` when it starts and delivers its tokens when it ends
+(start + its `duration`), then publishes its KV events (`Replica.publish_step`); a pending
+coalesced batch gets a flush at its window's end. The run ends when every request has finished
+or was rejected, or at `limit` virtual seconds (the rest are reported unfinished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvswitch.bench.engine_report import step_summary
+from kvswitch.bench.fleet.replica import Flight, Replica
+from kvswitch.bench.fleet.routers import FleetRouter
+from kvswitch.engine.request_log import RequestRecord
+from kvswitch.engine.sim.events import COALESCE_SECONDS
+from kvswitch.engine.sim.profiles import SimProfile
+
+
+@dataclass
+class FleetResult:
+    router: str
+    steps: list[dict[str, Any]]
+    """Per workload stage: `engine_report.step_summary` plus its rate, per-replica counts."""
+    overall: dict[str, Any]
+    requests_per_replica: list[int]
+    records: list[RequestRecord] = field(repr=False)
+    replica_of: dict[str, int] = field(repr=False)
+    rejected: list[tuple[int, str]] = field(default_factory=list)
+    unfinished: list[int] = field(default_factory=list)
+    sim_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"router": self.router, "steps": self.steps, "overall": self.overall,
+                "requests_per_replica": self.requests_per_replica,
+                "rejected": [{"index": i, "reason": r} for i, r in self.rejected],
+                "unfinished": self.unfinished, "sim_seconds": self.sim_seconds,
+                "wall_seconds": self.wall_seconds}
+
+
+class _Fleet:
+    """The `FleetContext` routers see, and the loop."""
+
+    def __init__(self, requests: Sequence[Any], profile: SimProfile, replicas: int,
+                 router: FleetRouter, seed: int, coalesce_seconds: float) -> None:
+        self.requests = requests
+        self.profile = profile
+        self.replicas = [Replica(i, profile, seed, coalesce_seconds) for i in range(replicas)]
+        self.router = router
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._now = 0.0
+        self._woken = [False] * replicas
+        self._flush_at: list[float | None] = [None] * replicas
+        self.flights: dict[int, Flight] = {}
+        self.records: list[RequestRecord] = []
+        self.replica_of: dict[str, int] = {}
+        self.rejected: list[tuple[int, str]] = []
+        self.remaining = len(requests)
+
+    # -- FleetContext -----------------------------------------------------------------------
+    def now(self) -> float:
+        return self._now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (max(when, self._now), next(self._order), callback))
+
+    def dispatch(self, request: Any, replica: int) -> None:
+        rep = self.replicas[replica]
+        self.flights[request.index] = rep.add(request, self._now)
+        if rep.current is None and not self._woken[replica]:
+            self._woken[replica] = True
+            self.call_at(self._now, lambda: self._step(replica))
+
+    def reject(self, request: Any, reason: str) -> None:
+        self.rejected.append((request.index, reason))
+        self.remaining -= 1
+
+    # -- events ------------------------------------------------------------------------------
+    def _arrive(self, request: Any) -> None:
+        pick = self.router.route(request, self._now)
+        if pick is not None:
+            self.dispatch(request, pick)
+
+    def _step(self, i: int) -> None:
+        rep, now = self.replicas[i], self._now
+        self._woken[i] = False
+        if rep.current is not None:
+            first, done = rep.end_step(now)
+            for flight in first:
+                self.router.first_token(flight.request, i, now)
+            for flight in done:
+                self._finish(flight)
+            self._publish(i)
+        end = rep.start_step(now)
+        if end is None:
+            self._publish(i)
+        else:
+            self.call_at(end, lambda: self._step(i))
+
+    def _finish(self, flight: Flight) -> None:
+        request = flight.request
+        del self.flights[request.index]
+        record = flight.record()
+        self.records.append(record)
+        self.replica_of[record.request_id] = flight.replica
+        self.remaining -= 1
+        self.router.finished(request, flight.replica, self._now)
+
+    def _publish(self, i: int) -> None:
+        rep = self.replicas[i]
+        batch = rep.publish_step(self._now)
+        if batch is not None:
+            self.router.kv_batch(i, batch, self._now)
+        elif rep.flush_due is not None and self._flush_at[i] != rep.flush_due:
+            due = self._flush_at[i] = rep.flush_due
+            self.call_at(due, lambda: self._flush(i, due))
+
+    def _flush(self, i: int, due: float) -> None:
+        batch = self.replicas[i].flush_window(due)
+        if batch is not None:
+            self.router.kv_batch(i, batch, self._now)
+
+    def run(self, limit: float, progress: Callable[[int], None] | None) -> None:
+        for request in self.requests:
+            self.call_at(request.send_at, lambda r=request: self._arrive(r))
+        self.router.setup(self)
+        heap, done = self._heap, 0
+        while heap and self.remaining > 0:
+            when, _, callback = heapq.heappop(heap)
+            if when > limit:
+                break
+            self._now = when
+            callback()
+            if progress is not None and len(self.records) != done:
+                progress(len(self.records) - done)
+                done = len(self.records)
+
+
+async def _run_in_loop(fleet: _Fleet, limit: float,
+                       progress: Callable[[int], None] | None) -> None:
+    fleet.run(limit, progress)
+
+
+def run_fleet(workload: Any, router: FleetRouter, profile: SimProfile, replicas: int = 8, *,
+              seed: int = 0, coalesce_seconds: float = COALESCE_SECONDS,
+              drain_limit: float = 600.0,
+              progress: Callable[[int], None] | None = None) -> FleetResult:
+    """Replay `workload.requests` (send_at, prompt_ids, max_tokens, stage, qps) through `router`
+    onto `replicas` simulated engines of `profile`; deterministic for a seed. The run stops
+    `drain_limit` virtual seconds after the last arrival at the latest."""
+    requests = list(workload.requests)
+    fleet = _Fleet(requests, profile, replicas, router, seed, coalesce_seconds)
+    last = max((r.send_at for r in requests), default=0.0)
+    started = time.perf_counter()
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        # The EPP's flow-control gate queues a request on an asyncio future: give it a loop
+        # (the run itself never awaits; held requests are resumed by the router).
+        asyncio.run(_run_in_loop(fleet, last + drain_limit, progress))
+    else:
+        fleet.run(last + drain_limit, progress)
+    wall = time.perf_counter() - started
+    stages = sorted({r.stage for r in requests})
+    rate = {r.stage: r.qps for r in requests}
+    by_stage: dict[int, list[RequestRecord]] = {s: [] for s in stages}
+    stage_of = {str(r.index): r.stage for r in requests}
+    for record in fleet.records:
+        by_stage[stage_of[record.request_id]].append(record)
+    steps = []
+    for s in stages:
+        counts = [0] * replicas
+        for record in by_stage[s]:
+            counts[fleet.replica_of[record.request_id]] += 1
+        steps.append({"stage": s, "qps": rate[s], **step_summary(by_stage[s], 0.0, 1.0),
+                      "requests_per_replica": counts})
+    rejected = {i for i, _ in fleet.rejected}
+    unfinished = [r.index for r in requests
+                  if str(r.index) not in fleet.replica_of and r.index not in rejected]
+    return FleetResult(
+        router=router.name, steps=steps, overall=step_summary(fleet.records, 0.0, 1.0),
+        requests_per_replica=[r.requests for r in fleet.replicas], records=fleet.records,
+        replica_of=fleet.replica_of, rejected=fleet.rejected, unfinished=unfinished,
+        sim_seconds=fleet.now(), wall_seconds=wall)

@@ -1,0 +1,227 @@
+"""The fleet simulator: deterministic, conserving, and its routers behave as they claim."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from kvswitch.bench.fleet import EppRouter, best_of, make_router, run_fleet
+from kvswitch.bench.fleet.routers import RoundRobin
+from kvswitch.bench.workloads import SharedPrefixShape, build_workload
+from kvswitch.engine.sim.profiles import get_profile
+from kvswitch.tokenization import load_tokenizer
+
+PROFILE = get_profile("qwen3-32b-2xh100")
+
+
+@pytest.fixture(scope="module")
+def shared_prefix() -> Any:
+    # 24 groups of 2,000-token system prompts: where a request lands decides its cache hit.
+    shape = SharedPrefixShape(24, 4, 2000, 100, 40)
+    return build_workload(shape, (12.0, 24.0), 8.0, load_tokenizer(None), seed=3)
+
+
+def _summary(result: Any) -> Any:
+    return ([r.to_json() for r in result.records], result.requests_per_replica, result.steps)
+
+
+def test_same_seed_same_result(shared_prefix: Any) -> None:
+    for name in ("kvswitch", "random", "smg-cache-aware-model"):
+        first = run_fleet(shared_prefix, make_router(name, seed=1), PROFILE, 4, seed=1)
+        again = run_fleet(shared_prefix, make_router(name, seed=1), PROFILE, 4, seed=1)
+        assert _summary(first) == _summary(again), name
+
+
+def test_every_request_finishes_or_is_reported(shared_prefix: Any) -> None:
+    n = len(shared_prefix.requests)
+    for name in ("kvswitch", "oracle", "oracle-lookahead", "round-robin"):
+        result = run_fleet(shared_prefix, make_router(name), PROFILE, 4)
+        assert len(result.records) + len(result.rejected) + len(result.unfinished) == n
+        assert len(result.records) == n, name
+        assert sum(result.requests_per_replica) == n
+        assert all(r.completion_tokens == 40 and r.finish_reason == "length"
+                   for r in result.records)
+
+
+def test_a_drain_limit_reports_the_requests_still_running(shared_prefix: Any) -> None:
+    result = run_fleet(shared_prefix, RoundRobin(), PROFILE, 1, drain_limit=0.0)
+    n = len(shared_prefix.requests)
+    assert result.unfinished and len(result.records) + len(result.unfinished) == n
+
+
+def test_round_robin_spreads_evenly(shared_prefix: Any) -> None:
+    result = run_fleet(shared_prefix, make_router("round-robin"), PROFILE, 4)
+    counts = result.requests_per_replica
+    assert max(counts) - min(counts) <= 1
+
+
+def test_the_oracle_beats_random_on_a_shared_prefix_workload(shared_prefix: Any) -> None:
+    oracle = run_fleet(shared_prefix, make_router("oracle"), PROFILE, 4)
+    rand = run_fleet(shared_prefix, make_router("random", seed=0), PROFILE, 4)
+    assert oracle.overall["cache_hit_rate"] > rand.overall["cache_hit_rate"] + 0.05
+    assert oracle.overall["ttft_p90"] < rand.overall["ttft_p90"]
+
+
+def test_oracle_best_is_the_variant_with_the_lowest_ttft_p90(shared_prefix: Any) -> None:
+    runs = [run_fleet(shared_prefix, make_router(n), PROFILE, 4)
+            for n in ("oracle", "oracle-conserve")]
+    best = best_of(runs)
+    assert best.router == "oracle-best"
+    assert best.overall["ttft_p90"] == min(r.overall["ttft_p90"] for r in runs)
+    assert best.overall["from"] in ("oracle", "oracle-conserve")
+
+
+class _Recorder(EppRouter):
+    """The kvswitch profile, recording when each batch is published and delivered."""
+
+    def __init__(self, delay: float) -> None:
+        from kvswitch.up import DEFAULT_EPP_CONFIG
+
+        super().__init__(DEFAULT_EPP_CONFIG, "recorder", kv_delay=delay)
+        self.published: dict[tuple[int, int], float] = {}
+        self.delivered: list[tuple[int, int, float, int, int]] = []
+
+    def kv_batch(self, replica: int, batch: Any, now: float) -> None:
+        self.published[(replica, batch.sequence_number)] = now
+        super().kv_batch(replica, batch, now)
+
+    def _deliver(self, replica: int, data: bytes) -> None:
+        from kvswitch.epp.kvindex.events import batch_from_proto
+        from kvswitch.protocol.packed import KvEventBatchView
+
+        seq = batch_from_proto(KvEventBatchView.FromString(data)).sequence_number
+        index = next(iter(self.subscribers[0].values())).index
+        address = self.addresses[replica]
+        before = index.num_blocks(address)
+        super()._deliver(replica, data)
+        self.delivered.append((replica, seq, self.ctx.now(), before,
+                               index.num_blocks(address)))
+
+
+def test_kv_events_reach_the_epp_only_after_their_delivery_delay(shared_prefix: Any) -> None:
+    router = _Recorder(delay=0.2)
+    result = run_fleet(shared_prefix, router, PROFILE, 4)
+    assert len(result.records) == len(shared_prefix.requests)
+    assert router.delivered
+    grew = 0
+    for replica, seq, at, before, after in router.delivered:
+        assert at == pytest.approx(router.published[(replica, seq)] + 0.2)
+        grew += after > before
+    assert grew  # blocks entered the index, and only inside these deliveries
+
+
+def test_kv_batches_are_coalesced_per_window(shared_prefix: Any) -> None:
+    router = _Recorder(delay=0.0)
+    run_fleet(shared_prefix, router, PROFILE, 2, coalesce_seconds=0.05)
+    for replica in range(2):
+        times = sorted(t for (r, _), t in router.published.items() if r == replica)
+        assert all(b - a >= 0.05 - 1e-9 for a, b in itertools.pairwise(times))
+
+
+def test_fleet_cli_runs_routers_and_writes_json(tmp_path: Any) -> None:
+    import json
+
+    from kvswitch.bench.fleet.__main__ import main
+
+    out = tmp_path / "fleet.json"
+    assert main(["--preset", "tiny", "--routers", "round-robin,kvswitch", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["router"] for r in results] == ["round-robin", "kvswitch"]
+    assert all(sum(r["requests_per_replica"]) == 59 for r in results)
+
+
+def test_the_panel_checks_issue_24s_targets_per_member_and_step() -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_panel.py"
+    spec = importlib.util.spec_from_file_location("routing_panel", path)
+    assert spec is not None and spec.loader is not None
+    panel_module = importlib.util.module_from_spec(spec)
+    sys.modules["routing_panel"] = panel_module  # (its dataclasses look their module up)
+    spec.loader.exec_module(panel_module)
+
+    def steps(*p90: float) -> dict[str, Any]:
+        return {"steps": [{"qps": float(i + 1), "ttft_p90": v} for i, v in enumerate(p90)]}
+
+    panel = [{"member": "m", "routers": {
+        "oracle-best": steps(1.0, 1.0), "round-robin": steps(1.5, 1.1),
+        "smg-cache-aware-model": steps(1.3, 2.0), "mine": steps(1.19, 1.3)}}]
+    result = panel_module.check_targets(panel, ["mine"], 0.0)["mine"]
+    assert result["rows"] == 2 and not result["all_met"]
+    assert result["misses"] == {"oracle-best x1.2": ["m@2"], "round-robin": ["m@2"],
+                                "smg-cache-aware-model": []}
+
+
+class _Ctx:
+    """A bare FleetContext for routers tested on their own."""
+
+    def __init__(self, n: int) -> None:
+        from kvswitch.bench.fleet.replica import Replica
+
+        self.profile = PROFILE
+        self.replicas = [Replica(i, PROFILE) for i in range(n)]
+        self.requests: list[Any] = []
+        self.timers: list[tuple[float, Any]] = []
+
+    def now(self) -> float:
+        return 0.0
+
+    def call_at(self, when: float, callback: Any) -> None:
+        self.timers.append((when, callback))
+
+
+def test_smg_model_follows_cached_prefixes_until_load_is_imbalanced(shared_prefix: Any) -> None:
+    from kvswitch.bench.fleet.routers import SmgCacheAwareModel
+    from kvswitch.engine.base import KvBlockStored, KvEventBatchData
+
+    router = SmgCacheAwareModel("events", kv_delay=0.01)
+    ctx = _Ctx(3)
+    router.setup(ctx)  # type: ignore[arg-type]
+    request = shared_prefix.requests[0]
+    tokens, size = request.prompt_ids, PROFILE.block_size
+    stored, parent = [], None
+    for i in range(len(tokens) // size):
+        block = KvBlockStored(10_000 + i, parent, tuple(tokens[i * size:(i + 1) * size]))
+        stored.append(block)
+        parent = block.block_hash
+    router.kv_batch(2, KvEventBatchData(0, 0.0, tuple(stored)), 0.0)
+    assert router.route(request, 0.0) == 0  # the batch is not delivered yet: least loaded
+    for _, deliver in ctx.timers:
+        deliver()
+    assert router.route(request, 0.0) == 2  # replica 2 holds the prefix
+    router.load = [40, 0, 5]  # max - min > 32 and max > 1.1 x min: shortest queue
+    assert router.route(request, 0.0) == 1
+
+
+def test_smg_model_keeps_more_prefix_hits_than_random(shared_prefix: Any) -> None:
+    smg = run_fleet(shared_prefix, make_router("smg-cache-aware-model"), PROFILE, 4)
+    tree = run_fleet(shared_prefix, make_router("smg-cache-aware-tree-model"), PROFILE, 4)
+    rand = run_fleet(shared_prefix, make_router("random"), PROFILE, 4)
+    assert smg.overall["cache_hit_rate"] > rand.overall["cache_hit_rate"]
+    assert tree.overall["cache_hit_rate"] > rand.overall["cache_hit_rate"]
+
+
+def test_flow_control_holds_requests_until_the_pool_has_room(shared_prefix: Any) -> None:
+    from kvswitch.up import DEFAULT_EPP_CONFIG
+
+    config = {**DEFAULT_EPP_CONFIG, "flowControl": {"maxWait": "60s"},
+              "saturationDetector": {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 0.05}}
+    router = EppRouter(config, "queueing")
+    held: list[int] = []
+    step = router._step
+
+    def spy(request: Any, coro: Any, later: Any) -> Any:
+        out = step(request, coro, later)
+        if out is None and later is None and router._held:
+            held.append(request.index)
+        return out
+
+    router._step = spy  # type: ignore[method-assign]
+    result = run_fleet(shared_prefix, router, PROFILE, 2)
+    assert held  # flow control queued some requests ...
+    assert len(result.records) + len(result.rejected) == len(shared_prefix.requests)
+    assert not router._held  # ... and released every one
