@@ -154,7 +154,7 @@ class HttpLimits:
     """Seconds from the end of the headers to the end of the body; later: 408."""
     idle_timeout: float = 30.0
     """Seconds a connection may sit without a request (or without any byte mid-request)."""
-    max_body_bytes: int = 16 * _MiB
+    max_body_bytes: int = 32 * _MiB
     """A request body; larger: 413."""
 
 
