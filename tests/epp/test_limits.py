@@ -86,3 +86,11 @@ def test_openai_counts_over_the_limits_are_400(path: str, payload: dict[str, Any
     assert reply.immediate_response.status.code == 400
     error = orjson.loads(reply.immediate_response.body)["error"]
     assert error["param"] == field and "limit" in error["message"]
+
+
+def test_a_batched_prompt_fan_out_is_bounded() -> None:
+    assert isinstance(send_openai("/v1/completions", {"prompt": ["a"] * 4, "n": 2}), NeedRouting)
+    reply = send_openai("/v1/completions", {"prompt": [[1], [2], [3]] * 700})
+    assert reply.immediate_response.status.code == 400
+    error = orjson.loads(reply.immediate_response.body)["error"]
+    assert error["param"] == "prompt" and "--max-sequences" in error["message"]
