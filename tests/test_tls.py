@@ -142,3 +142,27 @@ def test_envoy_calls_the_epp_over_mtls(certs: Certs, tmp_path: Path) -> None:
         no_cert = grpc.secure_channel(f"localhost:{epp_port}", credentials(certs, client=False))
         with no_cert, pytest.raises(grpc.FutureTimeoutError):
             grpc.channel_ready_future(no_cert).result(timeout=2)
+
+
+def test_the_frontend_calls_its_target_over_mtls(certs: Certs, envoy_port: int,
+                                                 tmp_path: Path) -> None:
+    """The openai SDK -> `kvswitch frontend` -> (gRPC over mTLS) the real Envoy -> an engine."""
+    import openai
+
+    port = free_port()
+    argv = kvswitch_argv("frontend", "--target", f"127.0.0.1:{envoy_port}", "--port", str(port),
+                         "--target-tls-ca", str(certs.ca), "--target-tls-cert",
+                         str(certs.client_cert), "--target-tls-key", str(certs.client_key))
+    with running(argv, port, tmp_path / "frontend.log"):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-",
+                               max_retries=0, timeout=20)
+        deadline = time.monotonic() + 30
+        while True:  # bounded: the frontend reads the model from its target at start
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        completion = client.completions.create(model=model, prompt="Hello", max_tokens=3)
+    assert completion.usage is not None and completion.usage.completion_tokens == 3
