@@ -1,13 +1,16 @@
 """Limits on what arrives from outside: one dataclass per kind, each field a CLI flag.
 
 - `SamplingLimits`: the counts inside one generation request (`n`, `best_of`, logprobs, stop
-  strings and their length, stop token ids, logit_bias entries, max_tokens). `check_sampling`
-  applies them; the engine (`kvswitch engine`) and the EPP (`kvswitch epp`, `kvswitch up`) both
-  do, so an absurd request is refused before it costs anything (INVALID_ARGUMENT / 400, naming
-  the field). The engine also bounds max_tokens by its max_model_len.
-- `HttpLimits`: the frontend's HTTP/1.1 server (`kvswitch frontend`): request line and header
-  bytes (414 / 431), header count (431), a deadline for the request head and one for the body
-  (408), the keep-alive idle timeout.
+  strings and their length, stop token ids, logit_bias entries, max_tokens, and prompts x n:
+  the engine calls one request fans out to). `check_sampling` applies them; the engine
+  (`kvswitch engine`) and the EPP (`kvswitch epp`, `kvswitch up`) both do, and the frontend
+  with the defaults, so an absurd request is refused before it costs anything
+  (INVALID_ARGUMENT / 400, naming the field). The engine also bounds max_tokens by its
+  max_model_len.
+- `HttpLimits`: the frontend's HTTP/1.1 server (`kvswitch frontend`; Envoy's listener and the
+  engine's /metrics server take the head limits too): request target and head bytes
+  (414 / 431), header count (431), a deadline for the request head and one for the body
+  (408), the keep-alive idle timeout, the body size (413).
 - `MessageLimits`: one gRPC message after decompression (RESOURCE_EXHAUSTED / 413).
 - `MAX_TOKENIZER_ARCHIVE_BYTES`: a tokenizer archive the frontend downloads from its target
   (GetTokenizer), compressed and each file inflated.
@@ -62,6 +65,8 @@ class SamplingLimits:
     """logit_bias entries."""
     max_tokens: int = 1_048_576
     """Largest max_tokens (the engine also bounds it by its max_model_len)."""
+    max_sequences: int = 2048
+    """Prompts (a batched completions prompt, embeddings inputs) times `n`: each is a call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,9 @@ class SamplingCounts:
     stop_token_ids: int = 0
     logit_bias: int = 0
     max_tokens: int | None = None
+    prompts: int = 1
+    prompts_field: str = "prompt"
+    """The field holding the prompts (embeddings: `input`), for the error's `param`."""
 
 
 def proto_sampling_counts(params: Any) -> SamplingCounts:
@@ -101,7 +109,15 @@ def json_sampling_counts(body: Mapping[str, Any]) -> SamplingCounts:
         prompt_logprobs=_count(body, "prompt_logprobs"), stop=stops,
         stop_token_ids=len(stop_ids) if isinstance(stop_ids, list) else 0,
         logit_bias=len(bias) if isinstance(bias, dict) else 0,
-        max_tokens=_count(body, "max_completion_tokens") or _count(body, "max_tokens"))
+        max_tokens=_count(body, "max_completion_tokens") or _count(body, "max_tokens"),
+        prompts=_prompts(body.get("prompt")))
+
+
+def _prompts(prompt: Any) -> int:
+    # A list of strings or of token lists is a batch; a string or one token list is one prompt.
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
 
 
 def _count(body: Mapping[str, Any], key: str) -> int | None:
@@ -132,6 +148,10 @@ def check_sampling(counts: SamplingCounts, limits: SamplingLimits) -> None:
               "logit_bias entries")
     if counts.max_tokens is not None and counts.max_tokens > limits.max_tokens:
         _over("max_tokens", counts.max_tokens, limits.max_tokens, "--max-tokens")
+    sequences = counts.prompts * max(counts.n or 1, counts.best_of or 1)
+    if sequences > limits.max_sequences:
+        _over(counts.prompts_field if counts.prompts > 1 else "n", sequences, limits.max_sequences,
+              "--max-sequences", "sequences (prompts x n)")
 
 
 def _over(field: str, value: int, limit: int, flag: str, what: str | None = None) -> None:
@@ -154,7 +174,7 @@ class HttpLimits:
     """Seconds from the end of the headers to the end of the body; later: 408."""
     idle_timeout: float = 30.0
     """Seconds a connection may sit without a request (or without any byte mid-request)."""
-    max_body_bytes: int = 16 * _MiB
+    max_body_bytes: int = 32 * _MiB
     """A request body; larger: 413."""
 
 
@@ -175,6 +195,7 @@ _HELP = {
     "max_stop_chars": "longest stop string (characters)",
     "max_logit_bias": "most logit_bias entries per request",
     "max_tokens": "largest max_tokens per request",
+    "max_sequences": "most sequences per request: prompts (batched) x n",
     "max_url_bytes": "longest request target (path + query); longer: 414",
     "max_header_bytes": "largest request line + headers in bytes; larger: 431",
     "max_headers": "most header fields per request; more: 431",

@@ -19,6 +19,7 @@ from kvswitch.limits import (
     message_from_args,
     sampling_from_args,
 )
+from kvswitch.tls import add_tls_flags, tls_from_args
 from kvswitch.tokenization import load_tokenizer
 
 logger = logging.getLogger("kvswitch.engine")
@@ -109,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "a cache clear goes out at once")
     add_sampling_flags(parser)
     add_message_flags(parser)
+    add_tls_flags(parser)
     faults = parser.add_argument_group("failure injection")
     faults.add_argument("--failure-rate", type=float, default=None, metavar="F",
                         help="fraction of requests that fail (0-1)")
@@ -160,7 +162,7 @@ async def _serve(args: argparse.Namespace) -> None:
                             grace_period=args.grace_period, tokenizer_dir=args.tokenizer,
                             description=f"api={args.api} {description}", api=args.api,
                             page_size=args.page_size, sampling_limits=sampling_from_args(args),
-                            message_limits=message_from_args(args))
+                            message_limits=message_from_args(args), tls=tls_from_args(args))
     server = EngineServer(engine, tokenizer, options)
     request_log = None
     if args.request_log is not None:

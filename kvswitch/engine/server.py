@@ -26,6 +26,7 @@ from kvswitch.engine.servicer import VllmEngineServicer
 from kvswitch.engine.sglang_servicer import SglangSchedulerServicer
 from kvswitch.limits import MESSAGE_DEFAULTS, SAMPLING_DEFAULTS, MessageLimits, SamplingLimits
 from kvswitch.protocol import SERVICE_NAME
+from kvswitch.tls import TlsFiles, grpc_server_credentials
 from kvswitch.tokenization import TokenizerBundle
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class ServerOptions:
     """The gRPC API served: "vllm" (VllmEngine) or "sglang" (SglangScheduler)."""
     page_size: int = 1
     """api "sglang": the radix cache's page size its KV events report (divides block_size)."""
+    tls: TlsFiles | None = None
+    """Serve gRPC over TLS (mTLS with a client CA); None: plaintext."""
 
 
 class EngineServer:
@@ -121,7 +124,11 @@ class EngineServer:
     def _bind_grpc(self) -> None:
         address = f"{self.options.host}:{self.options.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
+            if self.options.tls is not None:
+                self.port = self.server.add_secure_port(
+                    address, grpc_server_credentials(self.options.tls))
+            else:
+                self.port = self.server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc reports a port in use this way
             raise OSError(f"cannot bind the gRPC server to {address} (in use?)") from exc
         if self.port == 0:

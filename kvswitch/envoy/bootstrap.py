@@ -55,6 +55,7 @@ from kvswitch.protocol.headers import (
     SESSION_TOKEN,
     USAGE_TRAILER,
 )
+from kvswitch.tls import TlsFiles, UpstreamTls, envoy_downstream_tls, envoy_upstream_tls
 
 __all__ = ["EPP_HEADERS", "FailureMode", "GatewayOptions", "PoolTarget", "Routing",
            "build_bootstrap"]
@@ -152,8 +153,12 @@ class GatewayOptions:
     header an EPP plugin reads, e.g. a session-affinity-scorer's own `headerName`."""
     http_limits: HttpLimits = HTTP_DEFAULTS
     """Downstream limits, as the frontend applies them: the head's size (KiB, rounded up) and
-    field count (431), `head_timeout` for the whole head (Envoy's request_headers_timeout: 408)
-    and `idle_timeout` for a connection with no stream."""
+    field count (431), `head_timeout` for the whole head (Envoy's request_headers_timeout:
+    408)."""
+    tls: TlsFiles | None = None
+    """TLS on the listener (mTLS with a client CA); None: plaintext."""
+    epp_tls: UpstreamTls | None = None
+    """Call the EPP over TLS (mTLS with a client certificate); None: h2c."""
     request_timeout_s: float = 120.0
     """Envoy's request_timeout: the whole request must be received (routing, and so the EPP's
     flow-control wait, included) within it; a response already started disarms it."""
@@ -167,7 +172,7 @@ def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
             raise ValueError("an EPP address is required unless round_robin is set")
         if len(set(options.epps)) != len(options.epps):
             raise ValueError(f"EPP addresses repeat: {', '.join(options.epps)}")
-        clusters += _epp_clusters(options.epps, options.epp_failure_mode)
+        clusters += _epp_clusters(options.epps, options.epp_failure_mode, options.epp_tls)
     if options.frontends:
         clusters.append(_static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False))
     return {
@@ -204,8 +209,9 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         "request_timeout": f"{options.request_timeout_s:g}s",
         "request_headers_timeout": f"{limits.head_timeout:g}s",
         "max_request_headers_kb": -(-limits.max_header_bytes // 1024),
-        "common_http_protocol_options": {"max_headers_count": limits.max_headers,
-                                         "idle_timeout": f"{limits.idle_timeout:g}s"},
+        # Envoy's own idle timeout (1 h) stays: clients pool connections to the gateway, and
+        # one closed under them after a short idle would fail their next request.
+        "common_http_protocol_options": {"max_headers_count": limits.max_headers},
         "route_config": _route_config(options),
         "http_filters": _http_filters(options),
         # The request id the EPP and engines log; Envoy generates it when the client sends none.
@@ -219,31 +225,36 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         access_logs += _epp_access_logs(options.epps)
     if access_logs:
         hcm["access_log"] = access_logs
-    return {
-        "name": "kvswitch",
-        "address": _socket(options.host, options.port),
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm,
-        }]}],
-    }
+    chain: dict[str, Any] = {"filters": [{
+        "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+    if options.tls is not None:
+        chain["transport_socket"] = envoy_downstream_tls(options.tls)
+    return {"name": "kvswitch", "address": _socket(options.host, options.port),
+            "filter_chains": [chain]}
 
 
-def _epp_clusters(epps: Sequence[str], failure_mode: FailureMode) -> list[dict[str, Any]]:
+def _epp_clusters(epps: Sequence[str], failure_mode: FailureMode,
+                  tls: UpstreamTls | None) -> list[dict[str, Any]]:
     """The ext_proc cluster of every EPP, health-checked when there are several or the pool
-    fails open; with several, also one cluster per EPP for its own access log."""
+    fails open; with several, also one cluster per EPP for its own access log. With `tls`
+    Envoy reaches every EPP over TLS."""
     cluster = _static_cluster(EPP_CLUSTER, epps, http2=True)
     if len(epps) > 1 or failure_mode == "FailOpen":
         cluster.update(_epp_health_checks())
-    if len(epps) == 1:
-        return [cluster]
-    cluster["lb_policy"] = "LEAST_REQUEST"
-    # A refused connection ejects the EPP at once, before the next health check notices.
-    cluster["outlier_detection"] = {
-        "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
-        "interval": "1s", "base_ejection_time": "2s", "max_ejection_percent": 100,
-    }
-    return [cluster, *(_static_cluster(_epp_log_cluster(i), [epp], http2=True)
-                       for i, epp in enumerate(epps))]
+    clusters = [cluster]
+    if len(epps) > 1:
+        cluster["lb_policy"] = "LEAST_REQUEST"
+        # A refused connection ejects the EPP at once, before the next health check notices.
+        cluster["outlier_detection"] = {
+            "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
+            "interval": "1s", "base_ejection_time": "2s", "max_ejection_percent": 100,
+        }
+        clusters += [_static_cluster(_epp_log_cluster(i), [epp], http2=True)
+                     for i, epp in enumerate(epps)]
+    if tls is not None:
+        for each in clusters:
+            each["transport_socket"] = envoy_upstream_tls(tls)
+    return clusters
 
 
 def _epp_log_cluster(index: int) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.epp.request import EndpointPicker
 from kvswitch.limits import add_sampling_flags, sampling_from_args
+from kvswitch.tls import add_tls_flags, tls_from_args
 
 __all__ = ["add_arguments", "run"]
 
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "address as the Envoy bootstrap lists it; the EPP signs the requests "
                              "it routes with it, so the gateway's access log sends it the entries "
                              "of its own requests (kvswitch up sets it)")
+    add_tls_flags(parser)
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="debug logs one line per request")
@@ -144,7 +146,20 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = EppServer(picker, host=args.host, port=args.port, transport=args.transport)
+    server = EppServer(picker, host=args.host, port=args.port, transport=args.transport,
+                       tls=tls_from_args(args))
+    metrics = None
+    if args.metrics_port:
+        # Served on this loop by the engine's hardened /metrics server (a head deadline, a
+        # bounded head): prometheus_client's own server spends a thread per connection with no
+        # timeout, so slow clients could pile threads up.
+        import prometheus_client
+
+        from kvswitch.engine.metrics import MetricsHttpServer
+
+        metrics = MetricsHttpServer(lambda: prometheus_client.generate_latest(), lambda: True)
+        await metrics.start(args.host, args.metrics_port)
+        logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     await server.start()
     logger.info("parsers: %s; max body %d bytes", ", ".join(p.name for p in picker.parsers),
                 picker.max_body_bytes)
@@ -153,6 +168,8 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
         logger.info("stopping (grace %.1fs)", args.grace)
     finally:
         await server.stop(args.grace)
+        if metrics is not None:
+            await metrics.stop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,11 +185,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("cannot build the endpoint picker: %s", exc)
         return 2
     if args.metrics_port:
-        import prometheus_client
-
         _register_upstream_names(picker, args.pool_name or "")
-        prometheus_client.start_http_server(args.metrics_port, addr=args.host)
-        logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     try:
         import uvloop
 

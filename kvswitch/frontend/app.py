@@ -32,6 +32,7 @@ from kvswitch.frontend.serving_messages import (
 from kvswitch.frontend.serving_models import ModelRegistry
 from kvswitch.frontend.serving_tokenize import TokenizeServing
 from kvswitch.frontend.sse import error_reply, sse_reply
+from kvswitch.tls import UpstreamTls
 
 __all__ = ["Frontend", "FrontendSettings", "build_app"]
 
@@ -51,6 +52,8 @@ class FrontendSettings:
     reasoning_parser: str = "auto"
     api: str = "auto"
     """The target's engine API: "vllm", "sglang", or "auto" (found from its answers)."""
+    target_tls: UpstreamTls | None = None
+    """Call the target over TLS; None: h2c."""
 
 
 Handler = Callable[[Any, Mapping[str, str]], Awaitable[Any]]
@@ -73,7 +76,7 @@ class Frontend:
 
     def __init__(self, settings: FrontendSettings) -> None:
         self.settings = settings
-        self._client = EngineClient(settings.target, settings.api)
+        self._client = EngineClient(settings.target, settings.api, settings.target_tls)
         self.models = ModelRegistry(self._client, served_model_names=settings.served_model_names,
                                     tokenizer_dir=settings.tokenizer_dir)
         self.metrics = FrontendMetrics()

@@ -13,11 +13,13 @@ import multiprocessing
 import signal
 import socket
 import sys
+from pathlib import Path
 from types import FrameType
 
 from kvswitch.frontend.app import DEFAULT_MAX_BODY_BYTES, FrontendSettings
 from kvswitch.frontend.parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
 from kvswitch.limits import HttpLimits, add_http_flags, http_from_args
+from kvswitch.tls import UpstreamTls
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,6 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reasoning format of the model's output: " +
                         ", ".join(sorted(REASONING_PARSERS)) + "; auto (from the chat "
                         "template) or none")
+    tls = parser.add_argument_group("TLS to the target (unset: h2c)")
+    tls.add_argument("--target-tls-ca", type=Path, default=None, metavar="PEM",
+                     help="call the target over TLS, verifying it against this CA")
+    tls.add_argument("--target-tls-cert", type=Path, default=None, metavar="PEM",
+                     help="client certificate to present (mTLS)")
+    tls.add_argument("--target-tls-key", type=Path, default=None, metavar="PEM",
+                     help="the client certificate's key")
+    tls.add_argument("--target-tls-sni", default="localhost",
+                     help="the name the target's certificate must carry")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
 
@@ -62,7 +73,10 @@ def _settings(args: argparse.Namespace) -> FrontendSettings:
                             user_as_fairness_id=args.user_as_fairness_id,
                             max_body_bytes=args.max_body_bytes,
                             tool_call_parser=args.tool_call_parser,
-                            reasoning_parser=args.reasoning_parser, api=args.api)
+                            reasoning_parser=args.reasoning_parser, api=args.api,
+                            target_tls=UpstreamTls(args.target_tls_ca, args.target_tls_cert,
+                                                   args.target_tls_key, args.target_tls_sni)
+                            if args.target_tls_ca else None)
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:

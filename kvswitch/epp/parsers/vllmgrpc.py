@@ -53,6 +53,7 @@ def request_message(path: str, headers: Mapping[str, str], body: bytes,
     if message is None or headers.get("grpc-encoding") not in _IDENTITY:
         messages = decode_all(
             body, encoding=headers.get("grpc-encoding"), max_message_bytes=max_message_bytes,
+            max_messages=1,
         )
         if len(messages) != 1:
             raise InvalidRequest(

@@ -1,0 +1,136 @@
+"""TLS settings for kvswitch's servers: certificate files, and optional client certificates.
+
+`TlsFiles(cert, key, client_ca)`: a PEM certificate chain and its key; with `client_ca`, clients
+must present a certificate signed by it (mTLS). `grpc_server_credentials` makes grpcio server
+credentials of them (`kvswitch engine --tls-cert ...`); `envoy_downstream_tls` the transport
+socket of Envoy's listener (`kvswitch envoy-config --tls-cert ...`), which offers h2 and
+http/1.1 by ALPN so gRPC and the OpenAI API share the port as in plaintext.
+`server_ssl_context` is the same for kvswitch's own HTTP/2 server (the EPP, ALPN h2).
+`UpstreamTls(ca, cert, key)`: how Envoy calls a TLS upstream (`envoy_upstream_tls`: verify it
+against `ca`, present `cert` for mTLS). `add_tls_flags(parser)` / `tls_from_args(args)` are the
+flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TlsFiles", "UpstreamTls", "add_tls_flags", "client_ssl_context",
+           "envoy_downstream_tls", "envoy_upstream_tls", "grpc_channel_credentials",
+           "grpc_server_credentials", "server_ssl_context", "tls_from_args"]
+
+_DOWNSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+                   "DownstreamTlsContext")
+_UPSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+                 "UpstreamTlsContext")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+    """Require client certificates signed by this CA (mTLS); None: no client certificate."""
+
+
+def grpc_server_credentials(tls: TlsFiles) -> Any:
+    import grpc
+
+    ca = tls.client_ca.read_bytes() if tls.client_ca else None
+    return grpc.ssl_server_credentials([(tls.key.read_bytes(), tls.cert.read_bytes())],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTls:
+    ca: Path
+    """Verify the upstream's certificate against this CA."""
+    cert: Path | None = None
+    key: Path | None = None
+    """A client certificate and key to present (mTLS)."""
+    sni: str = "localhost"
+    """The name the upstream's certificate must carry."""
+
+
+def server_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """An asyncio server's TLS context: HTTP/2 by ALPN, client certificates with `client_ca`."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    context.set_alpn_protocols(["h2"])
+    if tls.client_ca is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(tls.client_ca)
+    return context
+
+
+def client_ssl_context(tls: UpstreamTls) -> ssl.SSLContext:
+    """A client's TLS context for a gRPC upstream: HTTP/2 by ALPN, the server verified against
+    `ca`, `cert` presented when set."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca)
+    context.set_alpn_protocols(["h2"])
+    if tls.cert is not None and tls.key is not None:
+        context.load_cert_chain(tls.cert, tls.key)
+    return context
+
+
+def grpc_channel_credentials(tls: UpstreamTls) -> Any:
+    import grpc
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca.read_bytes(),
+        private_key=tls.key.read_bytes() if tls.key else None,
+        certificate_chain=tls.cert.read_bytes() if tls.cert else None)
+
+
+def envoy_upstream_tls(tls: UpstreamTls, *, alpn: str = "h2") -> dict[str, Any]:
+    common: dict[str, Any] = {
+        "validation_context": {"trusted_ca": {"filename": str(tls.ca.resolve())},
+                               "match_typed_subject_alt_names": [{
+                                   "san_type": "DNS", "matcher": {"exact": tls.sni}}]},
+        "alpn_protocols": [alpn],
+    }
+    if tls.cert is not None and tls.key is not None:
+        common["tls_certificates"] = [{
+            "certificate_chain": {"filename": str(tls.cert.resolve())},
+            "private_key": {"filename": str(tls.key.resolve())}}]
+    return {"name": "envoy.transport_sockets.tls",
+            "typed_config": {"@type": _UPSTREAM_TLS, "sni": tls.sni, "common_tls_context": common}}
+
+
+def envoy_downstream_tls(tls: TlsFiles) -> dict[str, Any]:
+    context: dict[str, Any] = {
+        "common_tls_context": {
+            "tls_certificates": [{"certificate_chain": {"filename": str(tls.cert.resolve())},
+                                  "private_key": {"filename": str(tls.key.resolve())}}],
+            "alpn_protocols": ["h2", "http/1.1"],
+        },
+    }
+    if tls.client_ca is not None:
+        context["require_client_certificate"] = True
+        context["common_tls_context"]["validation_context"] = {
+            "trusted_ca": {"filename": str(tls.client_ca.resolve())}}
+    return {"name": "envoy.transport_sockets.tls",
+            "typed_config": {"@type": _DOWNSTREAM_TLS, **context}}
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS (all unset: plaintext)")
+    group.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                       help="serve TLS with this certificate chain")
+    group.add_argument("--tls-key", type=Path, default=None, metavar="PEM",
+                       help="the certificate's private key")
+    group.add_argument("--tls-client-ca", type=Path, default=None, metavar="PEM",
+                       help="require client certificates signed by this CA (mTLS)")
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
+    cert, key, ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if cert is None and key is None and ca is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return TlsFiles(cert, key, ca)
