@@ -130,11 +130,10 @@ class KvEventSubscriber:
         block_size = api.kv_granularity(info)
         compatible = (self.pages is not None or not block_size
                       or block_size == self.index.block_size)
-        if not compatible:
-            if self.compatible:
-                log.warning("%s: block size %d != index block size %d; not indexed",
-                            self.address, block_size, self.index.block_size)
-            self._clear()
+        if not compatible and self.compatible:
+            log.warning("%s: block size %d != index block size %d; not indexed",
+                        self.address, block_size, self.index.block_size)
+        self.index.set_indexed(self.address, compatible)  # (clears it when not)
         self.compatible = compatible
         self._check_restart(time.time() - info.uptime_seconds)
         start = self.tracker.resume_from()
