@@ -14,6 +14,7 @@ from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.http2 import (
     CONTINUATION,
     DATA,
+    ENHANCE_YOUR_CALM,
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
@@ -47,7 +48,7 @@ def goaway_code(written: bytes) -> int | None:
     (frame(HEADERS, PADDED, 1, b""), PROTOCOL_ERROR),
     (frame(CONTINUATION, 0, 1, b"x"), PROTOCOL_ERROR),
     (frame(HEADERS, 0, 1, b"x") + b"".join(frame(CONTINUATION, 0, 1, b"x" * 16384)
-                                          for _ in range(17)), PROTOCOL_ERROR),
+                                          for _ in range(17)), ENHANCE_YOUR_CALM),
     (frame(HEADERS, 0, 1, b"x") + frame(DATA, 0, 1, b"y"), PROTOCOL_ERROR),
     (b"\x20\x00\x00\x00\x00\x00\x00\x00\x01", FRAME_SIZE_ERROR),  # a 32 MiB frame announced
     (frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)), 0x3),
