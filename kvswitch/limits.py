@@ -62,6 +62,8 @@ class SamplingLimits:
     """logit_bias entries."""
     max_tokens: int = 1_048_576
     """Largest max_tokens (the engine also bounds it by its max_model_len)."""
+    max_sequences: int = 2048
+    """Prompts (a batched completions prompt, embeddings inputs) times `n`: each is a call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,9 @@ class SamplingCounts:
     stop_token_ids: int = 0
     logit_bias: int = 0
     max_tokens: int | None = None
+    prompts: int = 1
+    prompts_field: str = "prompt"
+    """The field holding the prompts (embeddings: `input`), for the error's `param`."""
 
 
 def proto_sampling_counts(params: Any) -> SamplingCounts:
@@ -101,7 +106,15 @@ def json_sampling_counts(body: Mapping[str, Any]) -> SamplingCounts:
         prompt_logprobs=_count(body, "prompt_logprobs"), stop=stops,
         stop_token_ids=len(stop_ids) if isinstance(stop_ids, list) else 0,
         logit_bias=len(bias) if isinstance(bias, dict) else 0,
-        max_tokens=_count(body, "max_completion_tokens") or _count(body, "max_tokens"))
+        max_tokens=_count(body, "max_completion_tokens") or _count(body, "max_tokens"),
+        prompts=_prompts(body.get("prompt")))
+
+
+def _prompts(prompt: Any) -> int:
+    # A list of strings or of token lists is a batch; a string or one token list is one prompt.
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
 
 
 def _count(body: Mapping[str, Any], key: str) -> int | None:
@@ -132,6 +145,10 @@ def check_sampling(counts: SamplingCounts, limits: SamplingLimits) -> None:
               "logit_bias entries")
     if counts.max_tokens is not None and counts.max_tokens > limits.max_tokens:
         _over("max_tokens", counts.max_tokens, limits.max_tokens, "--max-tokens")
+    sequences = counts.prompts * max(counts.n or 1, counts.best_of or 1)
+    if sequences > limits.max_sequences:
+        _over(counts.prompts_field if counts.prompts > 1 else "n", sequences, limits.max_sequences,
+              "--max-sequences", "sequences (prompts x n)")
 
 
 def _over(field: str, value: int, limit: int, flag: str, what: str | None = None) -> None:
@@ -154,7 +171,7 @@ class HttpLimits:
     """Seconds from the end of the headers to the end of the body; later: 408."""
     idle_timeout: float = 30.0
     """Seconds a connection may sit without a request (or without any byte mid-request)."""
-    max_body_bytes: int = 16 * _MiB
+    max_body_bytes: int = 32 * _MiB
     """A request body; larger: 413."""
 
 
@@ -175,6 +192,7 @@ _HELP = {
     "max_stop_chars": "longest stop string (characters)",
     "max_logit_bias": "most logit_bias entries per request",
     "max_tokens": "largest max_tokens per request",
+    "max_sequences": "most sequences per request: prompts (batched) x n",
     "max_url_bytes": "longest request target (path + query); longer: 414",
     "max_header_bytes": "largest request line + headers in bytes; larger: 431",
     "max_headers": "most header fields per request; more: 431",

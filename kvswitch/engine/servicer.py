@@ -52,6 +52,7 @@ _PACE_FROM = 8  # active requests; below this, nothing to pace
 _PACE_PER_STREAM = 20e-6
 _PACE_MIN = 0.001  # the event loop's timer granularity
 _PACE_MAX = 0.05
+_TOKENIZE_INLINE_CHARS = 16384  # longer text prompts are tokenized in a worker thread
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -84,7 +85,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         logger.info("Generate request %s: input_type=%s, stream=%s", request_id,
                     request.WhichOneof("input"), request.stream)
         try:
-            prompt, sampling = self._prepare_generate(request)
+            prompt, sampling = self._prepare_generate(request, await self._tokenize(request))
         except KvswitchError as exc:
             await context.abort(exc.grpc_code, exc.message)
         builder = conversion.ResponseBuilder(prompt, sampling, request.stream)
@@ -133,15 +134,25 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         timer.finish()
         context.set_trailing_metadata(trailer)
 
-    def _prepare_generate(self, request: pb.GenerateRequest
+    async def _tokenize(self, request: pb.GenerateRequest) -> list[int] | None:
+        """A text prompt's ids (None for tokenized input). vLLM's text path tokenizes with the
+        model's special tokens (none for Qwen3); a long text in a worker thread, so a
+        multi-megabyte prompt does not stall every stream on the event loop."""
+        if request.WhichOneof("input") != "text":
+            return None
+        text = request.text
+        if len(text) < _TOKENIZE_INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=True)
+
+    def _prepare_generate(self, request: pb.GenerateRequest, text_ids: list[int] | None
                           ) -> tuple[list[int], conversion.SamplingOptions]:
         conversion.check_kv_transfer(request)
         kind = request.WhichOneof("input")
         if kind == "tokenized":
             prompt = list(request.tokenized.input_ids)
-        elif kind == "text":
-            # vLLM's text path tokenizes with the model's special tokens (none for Qwen3).
-            prompt = self.tokenizer.encode(request.text, add_special_tokens=True)
+        elif kind == "text" and text_ids is not None:
+            prompt = text_ids
         else:
             raise InvalidRequest("Generate needs an input: text or tokenized.", param="input")
         if request.HasField("mm_inputs") or request.HasField("media_refs"):

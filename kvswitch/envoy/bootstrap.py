@@ -129,8 +129,8 @@ class GatewayOptions:
     header an EPP plugin reads, e.g. a session-affinity-scorer's own `headerName`."""
     http_limits: HttpLimits = HTTP_DEFAULTS
     """Downstream limits, as the frontend applies them: the head's size (KiB, rounded up) and
-    field count (431), `head_timeout` for the whole head (Envoy's request_headers_timeout: 408)
-    and `idle_timeout` for a connection with no stream."""
+    field count (431), `head_timeout` for the whole head (Envoy's request_headers_timeout:
+    408)."""
     tls: TlsFiles | None = None
     """TLS on the listener (mTLS with a client CA); None: plaintext."""
     request_timeout_s: float = 120.0
@@ -181,8 +181,9 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         "request_timeout": f"{options.request_timeout_s:g}s",
         "request_headers_timeout": f"{limits.head_timeout:g}s",
         "max_request_headers_kb": -(-limits.max_header_bytes // 1024),
-        "common_http_protocol_options": {"max_headers_count": limits.max_headers,
-                                         "idle_timeout": f"{limits.idle_timeout:g}s"},
+        # Envoy's own idle timeout (1 h) stays: clients pool connections to the gateway, and
+        # one closed under them after a short idle would fail their next request.
+        "common_http_protocol_options": {"max_headers_count": limits.max_headers},
         "route_config": _route_config(options),
         "http_filters": _http_filters(options),
         # The request id the EPP and engines log; Envoy generates it when the client sends none.

@@ -20,6 +20,7 @@ from kvswitch.frontend.sampling import build_sampling_params, check_token_ids, m
 from kvswitch.frontend.serving_chat import token_bytes
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
 from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
+from kvswitch.limits import SAMPLING_DEFAULTS, SamplingCounts, check_sampling
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.offload import encode_off_loop
 
@@ -57,6 +58,8 @@ class CompletionServing:
         ctx = new_request_context(headers, prefix="cmpl", user=request.user,
                                   user_as_fairness_id=self._user_as_fairness_id,
                                   body_request_id=request.request_id, model=model.name)
+        check_sampling(SamplingCounts(n=request.n, prompts=len(request.prompts_raw)),
+                       SAMPLING_DEFAULTS)  # each prompt x n is a Generate call
         prompts: list[tuple[str, list[int]]] = []
         for raw in request.prompts_raw:
             if isinstance(raw, str):

@@ -14,6 +14,7 @@ from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.protocol import EmbeddingRequest, parse_request
 from kvswitch.frontend.sampling import check_token_ids
 from kvswitch.frontend.serving_models import ModelRegistry
+from kvswitch.limits import SAMPLING_DEFAULTS, SamplingCounts, check_sampling
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.offload import encode_off_loop
 
@@ -33,6 +34,8 @@ class EmbeddingServing:
         ctx = new_request_context(headers, prefix="embd", user=request.user,
                                   user_as_fairness_id=self._user_as_fairness_id,
                                   body_request_id=request.request_id, model=model.name)
+        check_sampling(SamplingCounts(prompts=len(request.inputs), prompts_field="input"),
+                       SAMPLING_DEFAULTS)
         token_lists = []
         for item in request.inputs:
             ids = (await encode_off_loop(model.tokenizer, item,

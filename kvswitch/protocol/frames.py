@@ -103,10 +103,13 @@ class FrameDecoder:
 
 
 def decode_all(
-    data: bytes, *, encoding: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    data: bytes, *, encoding: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_messages: int | None = None,
 ) -> list[bytes]:
-    """Decode a complete body (every message in it); a trailing partial message is an error."""
-    messages, consumed = _decode(data, _check_encoding(encoding), max_message_bytes)
+    """Decode a complete body (every message in it); a trailing partial message is an error,
+    and so is a body of more than `max_messages` messages (found without decoding the rest)."""
+    messages, consumed = _decode(data, _check_encoding(encoding), max_message_bytes,
+                                 max_messages)
     if consumed != len(data):
         raise _truncated(len(data) - consumed)
     return messages
@@ -128,12 +131,15 @@ def _truncated(leftover: int) -> InvalidRequest:
     return InvalidRequest(f"truncated gRPC message: body ends {leftover} bytes into a frame")
 
 
-def _decode(data: bytes, encoding: str | None, max_message_bytes: int) -> tuple[list[bytes], int]:
+def _decode(data: bytes, encoding: str | None, max_message_bytes: int,
+            max_messages: int | None = None) -> tuple[list[bytes], int]:
     """Complete messages at the start of `data` and how many bytes they used."""
     messages: list[bytes] = []
     offset = 0
     end = len(data)
     while end - offset >= PREFIX_SIZE:
+        if max_messages is not None and len(messages) == max_messages:
+            raise InvalidRequest(f"the body holds more than {max_messages} gRPC message(s)")
         flag, length = _PREFIX.unpack_from(data, offset)
         if flag > 1:
             raise InvalidRequest(f"bad gRPC frame flag {flag:#04x} (expected 0 or 1)")

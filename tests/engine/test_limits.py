@@ -113,3 +113,17 @@ async def test_a_gzip_bomb_is_refused_past_the_message_limit(served: Served) -> 
         served.port, GENERATE_PATH, raw_grpc.grpc_frame(bomb, compressed=True),
         headers=[("grpc-encoding", "gzip")])
     assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message
+
+
+async def test_a_long_text_prompt_is_tokenized_and_checked(served: Served) -> None:
+    # Past the inline limit: tokenized in a worker thread, then held to max_model_len.
+    request = pb.GenerateRequest(request_id="long", text="hello " * 4000,
+                                 sampling_params=pb.SamplingParams(max_tokens=1))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [m async for m in served.stub.Generate(request, timeout=30)]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "longer than the maximum model length" in caught.value.details()
+    short = pb.GenerateRequest(request_id="short", text="hello " * 100,
+                               sampling_params=pb.SamplingParams(max_tokens=1))
+    messages = [m async for m in served.stub.Generate(short, timeout=30)]
+    assert messages[-1].complete.prompt_tokens == 101  # "hello" then " hello" x 99, " "

@@ -11,8 +11,11 @@ import pytest
 
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting
 from kvswitch.epp.parsers import default_parsers
+from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
 from kvswitch.epp.request import EndpointPicker
+from kvswitch.errors import InvalidRequest
 from kvswitch.limits import SamplingLimits
+from kvswitch.protocol import GENERATE_PATH
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.frames import encode
 from tests.epp.test_extproc import NeverRouter, body, decoded, grpc_headers, http_headers
@@ -86,3 +89,18 @@ def test_openai_counts_over_the_limits_are_400(path: str, payload: dict[str, Any
     assert reply.immediate_response.status.code == 400
     error = orjson.loads(reply.immediate_response.body)["error"]
     assert error["param"] == field and "limit" in error["message"]
+
+
+def test_a_batched_prompt_fan_out_is_bounded() -> None:
+    assert isinstance(send_openai("/v1/completions", {"prompt": ["a"] * 4, "n": 2}), NeedRouting)
+    reply = send_openai("/v1/completions", {"prompt": [[1], [2], [3]] * 700})
+    assert reply.immediate_response.status.code == 400
+    error = orjson.loads(reply.immediate_response.body)["error"]
+    assert error["param"] == "prompt" and "--max-sequences" in error["message"]
+
+
+def test_a_body_of_many_messages_is_refused_at_the_second() -> None:
+    # 16 MiB of empty frames: refused when the second frame is seen, not after decoding 3 M.
+    body = encode(b"") * (16 * 1024 * 1024 // 5)
+    with pytest.raises(InvalidRequest, match="more than 1 gRPC message"):
+        VllmGrpcParser().parse(GENERATE_PATH, {}, body)

@@ -81,7 +81,7 @@ def test_vllmgrpc_claims_only_generate_and_embed() -> None:
     ("body", "match"),
     [
         (b"", "exactly one request message, the body holds 0"),
-        (generate_body(text="a") + generate_body(text="b"), "holds 2"),
+        (generate_body(text="a") + generate_body(text="b"), "holds more than 1 gRPC message"),
         (generate_body(text="a")[:-1], "truncated"),
         (encode(b"\xff\xff\xff"), "malformed GenerateRequest"),
     ],

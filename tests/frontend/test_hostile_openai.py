@@ -31,3 +31,17 @@ def test_out_of_range_values_are_400(stack: Stack, path: str, fields: dict[str, 
     reply = httpx.post(stack.base_url + path, json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/completions", {"prompt": [[1, 2]] * 20, "n": 128, "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": ["hi"] * 2049, "max_tokens": 1}, "prompt"),
+    ("/v1/embeddings", {"input": [[1]] * 2049}, "input"),
+])
+def test_a_fan_out_past_the_sequence_limit_is_400(stack: Stack, path: str,
+                                                  fields: dict[str, Any], param: str) -> None:
+    # A small body asking for thousands of engine calls is refused before any is made.
+    reply = httpx.post(stack.base_url + path, json={"model": MODEL, **fields}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and "--max-sequences" in error["message"]

@@ -1,5 +1,5 @@
 """Fuzz targets: every parser of bytes from outside, each with the inputs to draw and what must
-come out. A target's `check` asserts the outcome is a valid result or an error of the right
+come out (the message parsers here, the transports in `transport_targets`). A target's `check` asserts the outcome is a valid result or an error of the right
 kind (anything else raised is a finding). tests/fuzz/test_fuzz.py runs each briefly;
 benchmarks/fuzz_long.py runs them long and reports crashes, hangs and peak memory.
 
@@ -9,20 +9,15 @@ checks reach past the first length or type test.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import struct
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import orjson
 import yaml
 from google.protobuf.message import DecodeError
 from hypothesis import strategies as st
 
-from kvswitch.epp import h2connection
 from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.framework import ConfigError
 from kvswitch.epp.kvindex.events import batch_from_proto
@@ -30,45 +25,19 @@ from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.parsers.openai import OpenAIParser
 from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
 from kvswitch.epp.request import ParsedBody
-from kvswitch.errors import InvalidRequest, KvswitchError, PayloadTooLarge
+from kvswitch.errors import InvalidRequest, PayloadTooLarge
 from kvswitch.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from kvswitch.limits import SAMPLING_DEFAULTS, check_sampling
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.frames import FrameDecoder, decode_all
-from kvswitch.protocol.http2 import PREFACE, frame, hpack_literal
+from tests.fuzz.base import Target, mutated
+from tests.fuzz.transport_targets import H2_CLIENT, H2_SERVER, HTTP1
 
 __all__ = ["TARGETS", "Target"]
 
 
-@dataclass(frozen=True)
-class Target:
-    name: str
-    inputs: st.SearchStrategy[Any]
-    check: Callable[[Any], None]
-
-
 # ---- shared input shapes -------------------------------------------------------------------
-
-def _mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
-    """Valid bytes cut short, with bytes flipped, or with junk spliced in."""
-
-    @st.composite
-    def mutate(draw: st.DrawFn) -> bytes:
-        data = bytearray(draw(valid))
-        for _ in range(draw(st.integers(0, 3))):
-            kind = draw(st.sampled_from(["cut", "flip", "splice"]))
-            at = draw(st.integers(0, len(data)))
-            if kind == "cut":
-                del data[at:]
-            elif kind == "flip" and at < len(data):
-                data[at] ^= draw(st.integers(1, 255))
-            else:
-                data[at:at] = draw(st.binary(max_size=16))
-        return bytes(data)
-
-    return st.one_of(valid, mutate(), st.binary(max_size=256))
-
 
 _token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=64)
 _sampling = st.builds(
@@ -96,7 +65,7 @@ def _grpc_body(message: bytes, compressed: bool, declared_delta: int) -> bytes:
     return bytes([1 if compressed else 0]) + struct.pack(">I", length) + payload
 
 
-_grpc_bodies = _mutated(st.builds(_grpc_body, _generate, st.booleans(),
+_grpc_bodies = mutated(st.builds(_grpc_body, _generate, st.booleans(),
                                   st.sampled_from([0, 0, 0, -1, 1, 2**20])))
 
 
@@ -172,7 +141,7 @@ _openai_body = st.one_of(
         {"role": st.sampled_from(["user", "system", "x"]), "content": _json}), max_size=3)},
         optional={"logprobs": _json, "top_logprobs": _json, "n": _json}),
     _json)
-_openai_bytes = _mutated(_openai_body.map(lambda v: json.dumps(v).encode()))
+_openai_bytes = mutated(_openai_body.map(lambda v: json.dumps(v).encode()))
 
 
 def check_openai(args: tuple[bytes, str]) -> None:
@@ -223,7 +192,7 @@ _config = st.fixed_dictionaries({
         max_size=2), _json),
     "saturationDetector": _json, "featureGates": _json, "flowControl": _json,
     "dataLayer": _json, "requestHandler": _json})
-_config_text = st.one_of(_config.map(yaml.safe_dump), _mutated(_config.map(
+_config_text = st.one_of(_config.map(yaml.safe_dump), mutated(_config.map(
     lambda c: yaml.safe_dump(c).encode())).map(lambda b: b.decode("utf-8", "replace")))
 
 
@@ -271,156 +240,7 @@ def check_kv_events(batches: list[bytes]) -> None:
         assert index.num_blocks("e") >= 0
 
 
-KV_EVENTS = Target("kv-events", st.lists(_mutated(_batch), max_size=4), check_kv_events)
-
-
-# ---- HTTP/2 frames -------------------------------------------------------------------------
-
-_frame = st.builds(
-    lambda kind, flags, sid, payload: frame(kind, flags, sid, payload),
-    st.integers(0, 11), st.sampled_from([0, 1, 4, 5, 8, 0x20, 0x2D, 255]),
-    st.sampled_from([0, 1, 3, 5, 2, 2**31 - 1]), st.binary(max_size=40))
-_PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-_request_headers = st.just(frame(1, 4, 1, b"".join(hpack_literal(k, v) for k, v in (
-    (":method", "POST"), (":scheme", "http"), (":path", _PROCESS),
-    ("content-type", "application/grpc"), ("te", "trailers")))))
-_h2_input = st.lists(st.one_of(_frame, _request_headers, _mutated(_frame)), max_size=8).map(
-    b"".join)
-
-
-def _frames_out(data: bytes) -> list[int]:
-    """The types of the frames in `data`, which must be whole, well-formed frames."""
-    kinds, offset = [], 0
-    while offset < len(data):
-        length = int.from_bytes(data[offset:offset + 3], "big")
-        assert offset + 9 + length <= len(data), "a frame written in part"
-        kinds.append(data[offset + 3])
-        offset += 9 + length
-    return kinds
-
-
-def check_h2_server(args: tuple[bytes, int]) -> None:
-    data, split = args
-    conn = h2connection.H2GrpcConnection(max_message_bytes=1 << 16)
-    conn.initiate()
-    out = conn.data_to_send()
-    stream = PREFACE + frame(4, 0, 0) + data
-    for piece in (stream[:split], stream[split:]):
-        events = conn.receive(piece)  # never raises
-        assert all(type(e).__module__ == h2connection.__name__ for e in events)
-        out += conn.data_to_send()
-    kinds = _frames_out(out)
-    if conn.closed:
-        assert 7 in kinds  # GOAWAY says why
-        assert conn.receive(b"\x00" * 9) == []  # and nothing more is read
-
-
-H2_SERVER = Target("h2-server", st.tuples(_h2_input, st.integers(0, 80)), check_h2_server)
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.out: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.out.append(data)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-
-def check_h2_client(args: tuple[bytes, int]) -> None:
-    from kvswitch.protocol import h2client
-
-    data, split = args
-
-    async def run() -> None:
-        conn = h2client._Connection("test:1")
-        transport = _Transport()
-        conn.connection_made(transport)  # type: ignore[arg-type]
-        call = conn.start(GENERATE_PATH, (), b"x", pb.GenerateResponse.FromString)
-        response = frame(1, 4, 1, hpack_literal(":status", "200")
-                         + hpack_literal("content-type", "application/grpc"))
-        stream = frame(4, 0, 0) + response + data
-        conn.data_received(stream[:split])
-        conn.data_received(stream[split:])
-        conn.connection_lost(None)
-        try:
-            await asyncio.wait_for(call.read_batch(), 1)
-        except h2client.StreamError:
-            pass
-        except asyncio.CancelledError:
-            raise
-        written = b"".join(transport.out)
-        assert written.startswith(PREFACE)
-        _frames_out(written[len(PREFACE):])
-
-    asyncio.run(run())
-
-
-H2_CLIENT = Target("h2-client", st.tuples(_h2_input, st.integers(0, 80)), check_h2_client)
-
-
-# ---- HTTP/1.1 requests (the frontend's server) ---------------------------------------------
-
-_REFUSALS = {400, 408, 413, 414, 431, 501, 503}
-_http_request = st.builds(
-    lambda method, target, headers, body: (
-        f"{method} {target} HTTP/1.1\r\n".encode() + b"".join(
-            f"{k}: {v}\r\n".encode() for k, v in headers) + b"\r\n" + body),
-    st.sampled_from(["GET", "POST", "HEAD", "PUT", "X"]),
-    st.sampled_from(["/echo", "/", "/v1/x?y=1", "*", "/" + "a" * 300]),
-    st.lists(st.tuples(st.sampled_from(["content-length", "transfer-encoding", "host",
-                                        "expect", "connection", "x-a"]),
-                       st.sampled_from(["0", "5", "chunked", "gzip, chunked", "100-continue",
-                                        "close", "-1", "99999999999", "a" * 200])),
-             max_size=5),
-    st.binary(max_size=40))
-_http_input = st.lists(_mutated(_http_request), min_size=1, max_size=3).map(b"".join)
-
-
-def check_http1(args: tuple[bytes, int]) -> None:
-    from kvswitch.frontend.http_server import HttpRequest, Reply, Server, _Connection
-    from kvswitch.limits import HttpLimits
-
-    data, split = args
-
-    class App:
-        async def handle(self, request: HttpRequest) -> Reply:
-            return Reply(200, request.body)
-
-        def refuse(self, error: KvswitchError) -> Reply:
-            return Reply(error.http_status, error.message.encode())
-
-    async def run() -> bytes:
-        server = Server(App(), HttpLimits(max_url_bytes=200, max_header_bytes=400,
-                                          max_headers=4, max_body_bytes=30))
-        conn = _Connection(server)
-        transport = _Transport()
-        transport.pause_reading = transport.resume_reading = lambda: None  # type: ignore[attr-defined]
-        transport.can_write_eof = lambda: False  # type: ignore[attr-defined]
-        conn.connection_made(transport)  # type: ignore[arg-type]
-        conn.data_received(data[:split])
-        conn.data_received(data[split:])
-        for _ in range(20):  # let the queued requests be served (bounded)
-            await asyncio.sleep(0)
-        conn.connection_lost(None)
-        await asyncio.sleep(0)
-        return b"".join(transport.out)
-
-    out = asyncio.run(run())
-    for line in out.split(b"\r\n"):
-        if line.startswith(b"HTTP/1.1 ") and line[9:12].isdigit():
-            status = int(line[9:12])
-            assert status in _REFUSALS | {100, 200}, line
-
-
-HTTP1 = Target("http1-requests", st.tuples(_http_input, st.integers(0, 200)), check_http1)
-
+KV_EVENTS = Target("kv-events", st.lists(mutated(_batch), max_size=4), check_kv_events)
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     GRPC_FRAMES, VLLMGRPC, OPENAI, CONFIG, KV_EVENTS, H2_SERVER, H2_CLIENT, HTTP1)}

@@ -27,7 +27,7 @@ from kvswitch.protocol.http2 import (
     frame,
     hpack_literal,
 )
-from tests.fuzz.targets import _Transport
+from tests.fuzz.base import FakeTransport
 
 
 def goaway_code(written: bytes) -> int | None:
@@ -55,7 +55,7 @@ def goaway_code(written: bytes) -> int | None:
 ])
 async def test_a_malformed_frame_is_a_connection_error(data: bytes, code: int) -> None:
     conn = h2client._Connection("test:1")
-    transport = _Transport()
+    transport = FakeTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     call = conn.start(GENERATE_PATH, (), b"x", pb.GenerateResponse.FromString)
     transport.out.clear()
@@ -71,7 +71,7 @@ async def test_a_malformed_frame_is_a_connection_error(data: bytes, code: int) -
 
 async def test_a_well_formed_padded_response_is_read() -> None:
     conn = h2client._Connection("test:1")
-    transport = _Transport()
+    transport = FakeTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     call = conn.start(GENERATE_PATH, (), b"x", pb.GenerateResponse.FromString)
     message = pb.GenerateResponse(complete=pb.GenerateComplete(finish_reason="stop"))

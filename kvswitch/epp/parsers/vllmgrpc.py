@@ -43,7 +43,7 @@ class VllmGrpcParser:
         if message is None or headers.get("grpc-encoding") not in _IDENTITY:
             messages = decode_all(
                 body, encoding=headers.get("grpc-encoding"),
-                max_message_bytes=self.max_message_bytes,
+                max_message_bytes=self.max_message_bytes, max_messages=1,
             )
             if len(messages) != 1:
                 raise InvalidRequest(
