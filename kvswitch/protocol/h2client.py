@@ -20,9 +20,9 @@ connection sends PINGs and drops itself, failing its calls, when one goes unansw
 interval (a half-open connection to a silent peer). Frames and HPACK are the shared frame
 layer (`kvswitch.protocol.http2`): a frame that breaks RFC 9113's rules, or a header block over
 `MAX_HEADER_BLOCK`, is a connection error: GOAWAY, then the same. A call this channel cannot
-start (no connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE `StreamError`:
-the frontend then uses grpc.aio instead. HPACK is `hpack` (python-hyper); without it installed
-`available()` is False and the frontend stays on grpc.aio.
+start (no connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE
+`StreamError`: the frontend then uses grpc.aio instead. HPACK is `hpack` (python-hyper);
+without it installed `available()` is False and the frontend stays on grpc.aio.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from hpack import Decoder, HPACKError
+from hpack import Decoder, HPACKError, OversizedHeaderListError
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
@@ -149,7 +149,7 @@ class FrameReader:
 
     def _check(self, kind: int, flags: int, stream_id: int,
                payload: bytes) -> tuple[int, int, bytes] | None:
-        """(type, flags, payload) to report, or None for a CONTINUATION that is not a block's last."""
+        """(type, flags, payload) to hand over; None for a CONTINUATION not ending its block."""
         block = self._block
         if block is not None and (kind != CONTINUATION or stream_id != block[0]):
             raise H2ProtocolError(PROTOCOL_ERROR, "expected CONTINUATION")
@@ -238,12 +238,12 @@ def settings_payload(entries: dict[int, int]) -> bytes:
 
 class HeaderDecoder:
     """HPACK decoding (RFC 7541) to a dict (a repeated name keeps its last value), with the
-    decoded header list capped at `max_header_list`
-    bytes (RFC 9113's size: name + value + 32 per field); `decode()` raises `H2ProtocolError`
-    COMPRESSION_ERROR for a bad or oversized block. A peer sends the same blocks again and
-    again (Envoy's ext_proc request headers, a server's response headers and trailers): a block
-    whose decoding left the dynamic table unchanged decodes the same while the table stays so,
-    and its result is reused (hpack costs ≈ 2 µs per field). Values are `value_encoding`."""
+    decoded header list capped at `max_header_list` bytes (RFC 9113's size: name + value + 32
+    per field); `decode()` raises `H2ProtocolError`: COMPRESSION_ERROR for a bad block,
+    ENHANCE_YOUR_CALM for one over the cap. A peer sends the same blocks again and again
+    (Envoy's ext_proc request headers, a server's response headers and trailers): a block whose
+    decoding left the dynamic table unchanged decodes the same while the table stays so, and its
+    result is reused (hpack costs ≈ 2 µs per field). Values are `value_encoding`."""
 
     __slots__ = ("_cache", "_decoder", "_value_encoding")
 
@@ -264,6 +264,9 @@ class HeaderDecoder:
             return cached[3]
         try:  # always decoded otherwise, to keep the HPACK state in step
             fields = self._decoder.decode(block, raw=True)
+        except OversizedHeaderListError as exc:
+            raise H2ProtocolError(ENHANCE_YOUR_CALM, f"header list over "
+                                  f"{self._decoder.max_header_list_size} bytes") from exc
         except (HPACKError, ValueError, IndexError) as exc:
             raise H2ProtocolError(COMPRESSION_ERROR, f"HPACK: {exc}") from exc
         encoding = self._value_encoding
