@@ -32,6 +32,7 @@ from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.frames import FrameDecoder, decode_all
 from tests.fuzz.base import Target, mutated
+from tests.fuzz.h2core_targets import H2_FRAMES, HPACK_BLOCKS
 from tests.fuzz.transport_targets import H2_CLIENT, H2_SERVER, HTTP1
 
 __all__ = ["TARGETS", "Target"]
@@ -243,4 +244,5 @@ def check_kv_events(batches: list[bytes]) -> None:
 KV_EVENTS = Target("kv-events", st.lists(mutated(_batch), max_size=4), check_kv_events)
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    GRPC_FRAMES, VLLMGRPC, OPENAI, CONFIG, KV_EVENTS, H2_SERVER, H2_CLIENT, HTTP1)}
+    GRPC_FRAMES, VLLMGRPC, OPENAI, CONFIG, KV_EVENTS, H2_FRAMES, HPACK_BLOCKS, H2_SERVER, H2_CLIENT,
+    HTTP1)}
