@@ -8,9 +8,9 @@ outbound: data waits per stream for WINDOW_UPDATE), and gRPC message framing (5-
 compressed messages are refused: no encoding is negotiated). A stream opened past
 `max_concurrent_streams` (advertised in SETTINGS) is refused with RST_STREAM REFUSED_STREAM.
 Malformed input is a connection error: GOAWAY with the error code, then `closed`. Floods are
-too: more than `MAX_IDLE_FRAMES` frames in a row that cost work but carry nothing (PING,
-SETTINGS, PRIORITY, unknown types, empty DATA frames that do not end their stream) end the
-connection with ENHANCE_YOUR_CALM; the header list is bounded (`MAX_HEADER_LIST`, advertised).
+too: more than `MAX_IDLE_FRAMES` frames in a row that cost work but carry nothing (counted by
+the frame layer) end the connection with ENHANCE_YOUR_CALM; the header list is bounded
+(`MAX_HEADER_LIST`, advertised).
 `kvswitch.epp.h2server` drives it.
 
 Scope, on purpose: unary and bidi calls, no compression, no server push, no priorities,
@@ -30,22 +30,20 @@ from urllib.parse import quote
 from kvswitch.protocol.http2 import (
     ACK,
     CANCEL,
-    CONTINUATION,
     DATA,
     DEFAULT_MAX_FRAME,
     DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
-    ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR,
     GOAWAY,
     HEADERS,
     INTERNAL_ERROR,
     MAX_FRAME,
+    MAX_IDLE_FRAMES,
     MAX_WINDOW,
     NO_ERROR,
     PING,
-    PRIORITY,
     PROTOCOL_ERROR,
     REFUSED_STREAM,
     RST_STREAM,
@@ -69,8 +67,8 @@ from kvswitch.protocol.http2 import (
 )
 
 __all__ = [
-    "MAX_CONCURRENT_STREAMS", "ConnectionEnded", "Event", "H2ConnectionError", "H2GrpcConnection",
-    "InputEnded", "MessageReceived", "StreamOpened", "StreamReset",
+    "MAX_CONCURRENT_STREAMS", "MAX_IDLE_FRAMES", "ConnectionEnded", "Event", "H2ConnectionError",
+    "H2GrpcConnection", "InputEnded", "MessageReceived", "StreamOpened", "StreamReset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,11 +79,6 @@ OK, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 5, 8, 12, 13
 MAX_HEADER_LIST = 1 << 20
 """A header block's bytes (HEADERS + CONTINUATION) and its decoded header list, advertised as
 SETTINGS_MAX_HEADER_LIST_SIZE."""
-MAX_IDLE_FRAMES = 10_000
-"""Frames in a row that carry nothing (no data, no new stream, no end of stream) before the
-connection counts as a flood. WINDOW_UPDATE and RST_STREAM do not count: a proxy reading many
-responses, or cancelling many calls, sends long runs of them."""
-_IDLE_KINDS = frozenset({PING, SETTINGS, PRIORITY})
 _STREAM_WINDOW = 4 << 20
 _REFILL_CONNECTION_AT = 1 << 30
 # Streams one client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). Envoy multiplexes
@@ -213,7 +206,6 @@ class H2GrpcConnection:
         self._out: list[bytes] = []
         self._reader = FrameReader(self._on_data, self._on_frame,
                                    max_header_block=MAX_HEADER_LIST, preface=True)
-        self._idle_frames = 0
         self._decoder = HeaderDecoder(MAX_HEADER_LIST)
         self._send_window = DEFAULT_WINDOW
         self._peer_initial_window = DEFAULT_WINDOW
@@ -265,19 +257,10 @@ class H2GrpcConnection:
         self.closed = True
         events.append(ConnectionEnded(code, reason))
 
-    def _count_idle(self) -> None:
-        self._idle_frames += 1
-        if self._idle_frames > MAX_IDLE_FRAMES:
-            raise H2ConnectionError(ENHANCE_YOUR_CALM, "a flood of frames that carry nothing")
-
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes,
                   length: int) -> None:
         """A frame other than DATA, as `FrameReader` checked it (header blocks whole)."""
         events = self._events
-        if kind in _IDLE_KINDS or kind > CONTINUATION:
-            self._count_idle()
-        elif kind != WINDOW_UPDATE and kind != RST_STREAM:
-            self._idle_frames = 0
         if kind == HEADERS:
             if not stream_id & 1:
                 raise H2ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
@@ -338,10 +321,6 @@ class H2GrpcConnection:
             self._flush(stream)
 
     def _on_data(self, flags: int, stream_id: int, payload: bytes, length: int) -> None:
-        if length or flags & END_STREAM:
-            self._idle_frames = 0
-        else:
-            self._count_idle()
         events = self._events
         self._recv_window -= length
         if self._recv_window < 0:

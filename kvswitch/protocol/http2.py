@@ -6,8 +6,8 @@ RFC 9113's frame-level rules: on the server side the client's preface, then SETT
 size against the advertised maximum; padding within its frame; the fixed lengths of PING,
 SETTINGS, WINDOW_UPDATE, RST_STREAM, PRIORITY and GOAWAY; the stream (zero or not) each type
 belongs on; CONTINUATION only right after the HEADERS or CONTINUATION of its stream; no
-PUSH_PROMISE (both sides disable push); header blocks capped. A broken rule raises
-`H2ProtocolError` (a connection error: GOAWAY with its code).
+PUSH_PROMISE (both sides disable push); header blocks capped; floods (`MAX_IDLE_FRAMES`). A
+broken rule raises `H2ProtocolError` (a connection error: GOAWAY with its code).
 `HeaderDecoder` is HPACK decoding with the header list capped. Writing: `frame()`, header blocks
 as HPACK literals without indexing (no Huffman; touching no HPACK state, so a block can be built
 once and reused) and `header_frames()` to cut a block to the peer's frame size.
@@ -33,6 +33,13 @@ DEFAULT_MAX_FRAME = 16384
 SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS = 0x2, 0x3
 SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
+MAX_IDLE_FRAMES = 10_000
+"""Frames in a row that cost work but carry nothing (PING, SETTINGS, PRIORITY, unknown types,
+empty DATA that does not end its stream) before the connection counts as a flood
+(ENHANCE_YOUR_CALM). WINDOW_UPDATE, RST_STREAM and the ACKs of our own PINGs and SETTINGS
+neither count nor break a run: a proxy reading many responses or cancelling many calls sends
+long runs of the first two, and a quiet connection's keepalive brings only the ACKs."""
+
 MAX_FRAME = 1 << 20
 """SETTINGS_MAX_FRAME_SIZE both transports advertise and enforce (Envoy sends up to this once
 told; larger frames only cost bigger buffers)."""
@@ -49,6 +56,8 @@ _FIXED_LENGTH = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
 _ON_STREAM = frozenset({DATA, HEADERS, PRIORITY, RST_STREAM, PUSH_PROMISE, CONTINUATION})
 _ON_CONNECTION = frozenset({SETTINGS, PING, GOAWAY})
 _PLAIN_HEADERS = END_HEADERS | PADDED | PRIORITY_FLAG  # a whole block, nothing to strip
+_IDLE_KINDS = frozenset({PING, SETTINGS, PRIORITY})
+_NEUTRAL_KINDS = frozenset({WINDOW_UPDATE, RST_STREAM})
 
 DataHandler = Callable[[int, int, bytes, int], None]
 """Takes a DATA frame: (flags, stream id, payload without padding, flow-controlled length)."""
@@ -72,13 +81,17 @@ class FrameReader:
     (the server side), the client's connection preface and a SETTINGS frame must come first
     (RFC 9113 §3.4)."""
 
-    __slots__ = ("_block", "_have", "_need", "_partial", "_plain", "_preface", "_settings_seen",
-                 "max_frame", "max_header_block", "on_data", "on_frame")
+    __slots__ = ("_block", "_have", "_idle", "_need", "_partial", "_plain", "_preface",
+                 "_settings_seen", "max_frame", "max_header_block", "max_idle_frames", "on_data",
+                 "on_frame")
 
     def __init__(self, on_data: DataHandler, on_frame: FrameHandler, *, max_header_block: int,
-                 max_frame: int = MAX_FRAME, preface: bool = False) -> None:
+                 max_frame: int = MAX_FRAME, max_idle_frames: int = MAX_IDLE_FRAMES,
+                 preface: bool = False) -> None:
         self.on_data, self.on_frame = on_data, on_frame
         self.max_frame = max_frame
+        self.max_idle_frames = max_idle_frames
+        self._idle = 0  # frames in a row that carried nothing
         self.max_header_block = max_header_block
         self._preface = preface
         self._settings_seen = not preface
@@ -130,22 +143,39 @@ class FrameReader:
             payload = buffer[offset + 9:end]
             offset = end
             if kind == DATA and stream_id and self._plain:  # most frames: the short way
+                if length or flags & END_STREAM:
+                    self._idle = 0
+                else:
+                    self._count_idle()
                 on_data(flags, stream_id, payload if not flags & PADDED else _unpad(payload, 1),
                         length)
             elif (kind == HEADERS and flags & _PLAIN_HEADERS == END_HEADERS and stream_id
                   and self._plain and length <= self.max_header_block):
+                self._idle = 0
                 self.on_frame(kind, flags, stream_id, payload, length)
             else:
                 checked = self._check(kind, flags, stream_id, payload)
                 if checked is None:
                     continue
                 kind, flags, payload = checked
+                if kind in _IDLE_KINDS or kind > CONTINUATION:
+                    if not (flags & ACK and (kind == PING or kind == SETTINGS)):
+                        self._count_idle()
+                elif kind == DATA and not length and not flags & END_STREAM:
+                    self._count_idle()
+                elif kind not in _NEUTRAL_KINDS:
+                    self._idle = 0
                 if kind == DATA:
                     on_data(flags, stream_id, payload, length)
                 else:
                     self.on_frame(kind, flags, stream_id, payload, length)
         if offset < size:
             self._partial, self._have = [buffer[offset:]], size - offset
+
+    def _count_idle(self) -> None:
+        self._idle += 1
+        if self._idle > self.max_idle_frames:
+            raise H2ProtocolError(ENHANCE_YOUR_CALM, "a flood of frames that carry nothing")
 
     def _check(self, kind: int, flags: int, stream_id: int,
                payload: bytes) -> tuple[int, int, bytes] | None:

@@ -23,7 +23,7 @@ from kvswitch.epp.h2connection import (
 )
 from kvswitch.protocol import h2client
 from kvswitch.protocol.h2client import StreamError
-from kvswitch.protocol.http2 import ENHANCE_YOUR_CALM, MAX_FRAME
+from kvswitch.protocol.http2 import ENHANCE_YOUR_CALM, MAX_FRAME, MAX_IDLE_FRAMES
 from tests.fuzz.base import FakeTransport
 
 PATH = "/x.Y/Z"
@@ -253,6 +253,20 @@ async def test_a_header_block_over_the_client_limit_ends_the_connection() -> Non
     pipe.pump()
     fields = [(f"x-{i}", "v" * 2048) for i in range(h2client.MAX_HEADER_BLOCK // 2048)]
     pipe.server.send_headers(1, [(":status", "200"), *fields])
+    pipe.pump()
+    with pytest.raises(StreamError) as caught:
+        await asyncio.wait_for(call.response(), 1)
+    assert caught.value.code.name == "UNAVAILABLE"
+    [ended] = [e for e in pipe.server_events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ended.error_code == ENHANCE_YOUR_CALM
+
+
+async def test_a_ping_flood_from_the_server_ends_the_connection() -> None:
+    pipe = ClientPipe()
+    call = pipe.conn.start(PATH, (), b"", bytes)
+    pipe.pump()
+    for i in range(MAX_IDLE_FRAMES + 1):
+        pipe.server.ping(i.to_bytes(8, "big"))
     pipe.pump()
     with pytest.raises(StreamError) as caught:
         await asyncio.wait_for(call.response(), 1)

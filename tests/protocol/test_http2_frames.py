@@ -231,3 +231,31 @@ def test_values_decode_as_told() -> None:
     block = Encoder().encode([(b"grpc-message", "é".encode())])
     assert HeaderDecoder(1 << 16).decode(block) == {"grpc-message": "Ã©"}  # octets kept
     assert HeaderDecoder(1 << 16, "utf-8").decode(block) == {"grpc-message": "é"}
+
+
+PING_FRAME = frame(PING, 0, 0, b"12345678")
+
+
+@pytest.mark.parametrize("idle", [
+    PING_FRAME, frame(SETTINGS, 0, 0), frame(PRIORITY, 0, 1, b"\x00" * 5),
+    frame(0x20, 0, 0, b"unknown"), frame(DATA, 0, 1, b""),
+])
+def test_a_run_of_frames_that_carry_nothing_is_a_flood(idle: bytes) -> None:
+    assert len(Recorder(max_idle_frames=3).feed(idle * 3)) == 3
+    with pytest.raises(H2ProtocolError) as caught:
+        Recorder(max_idle_frames=3).feed(idle * 4)
+    assert caught.value.code == ENHANCE_YOUR_CALM
+
+
+def test_frames_that_carry_something_end_a_run_and_neutral_ones_do_not() -> None:
+    useful = [frame(DATA, 0, 1, b"x"), frame(DATA, END_STREAM, 1, b""),
+              frame(HEADERS, END_HEADERS, 3, b"\x82"), frame(GOAWAY, 0, 0, b"\x00" * 8)]
+    assert Recorder(max_idle_frames=3).feed(b"".join(PING_FRAME * 3 + f for f in useful))
+    # Window updates, resets and the ACKs of our own PINGs and SETTINGS neither count nor reset.
+    neutral = (frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x01")
+               + frame(RST_STREAM, 0, 1, b"\x00" * 4) + frame(PING, ACK, 0, b"12345678")
+               + frame(SETTINGS, ACK, 0))
+    assert Recorder(max_idle_frames=3).feed(neutral * 10)
+    with pytest.raises(H2ProtocolError) as caught:
+        Recorder(max_idle_frames=3).feed(PING_FRAME * 2 + neutral + PING_FRAME * 2)
+    assert caught.value.code == ENHANCE_YOUR_CALM
