@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from typing import TypeAlias
 from urllib.parse import quote
 
+from kvswitch.protocol.h2state import ConnectionState
 from kvswitch.protocol.http2 import (
     ACK,
     CANCEL,
     DATA,
-    DEFAULT_MAX_FRAME,
-    DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
     FLOW_CONTROL_ERROR,
@@ -48,6 +47,7 @@ from kvswitch.protocol.http2 import (
     REFUSED_STREAM,
     RST_STREAM,
     SETTINGS,
+    SETTINGS_ACK,
     SETTINGS_ENABLE_PUSH,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_CONCURRENT_STREAMS,
@@ -62,8 +62,6 @@ from kvswitch.protocol.http2 import (
     frame,
     header_frames,
     hpack_literal,
-    settings_entries,
-    settings_payload,
 )
 
 __all__ = [
@@ -80,7 +78,6 @@ MAX_HEADER_LIST = 1 << 20
 """A header block's bytes (HEADERS + CONTINUATION) and its decoded header list, advertised as
 SETTINGS_MAX_HEADER_LIST_SIZE."""
 _STREAM_WINDOW = 4 << 20
-_REFILL_CONNECTION_AT = 1 << 30
 # Streams one client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). Envoy multiplexes
 # a worker's ext_proc streams over one connection, each open while flow control queues its
 # request, so the limit must sit above any backlog worth queuing. 4096 is what kvswitch's Envoy
@@ -207,24 +204,17 @@ class H2GrpcConnection:
         self._reader = FrameReader(self._on_data, self._on_frame,
                                    max_header_block=MAX_HEADER_LIST, preface=True)
         self._decoder = HeaderDecoder(MAX_HEADER_LIST)
-        self._send_window = DEFAULT_WINDOW
-        self._peer_initial_window = DEFAULT_WINDOW
-        self._peer_max_frame = DEFAULT_MAX_FRAME
-        self._recv_window = DEFAULT_WINDOW
-        self._recv_unacked = 0
+        self._connection = ConnectionState()
         self._blocked: dict[int, _Stream] = {}
         self._events: list[Event] = []  # what the `receive()` under way returns
 
     def initiate(self) -> None:
         """Queue our SETTINGS (no push, the stream limit, big stream window and frames) and open
         the connection window."""
-        settings = settings_payload({
+        self._out.append(self._connection.initiate({
             SETTINGS_ENABLE_PUSH: 0, SETTINGS_MAX_CONCURRENT_STREAMS: self.max_concurrent_streams,
             SETTINGS_INITIAL_WINDOW_SIZE: self.stream_window, SETTINGS_MAX_FRAME_SIZE: MAX_FRAME,
-            SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST})
-        self._out.append(frame(SETTINGS, 0, 0, settings))
-        self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
-        self._recv_window = MAX_WINDOW
+            SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST}))
 
     def data_to_send(self) -> bytes:
         out, self._out = self._out, []
@@ -245,10 +235,9 @@ class H2GrpcConnection:
         except Exception as exc:  # a parsing bug must cost this connection, not the server
             logger.exception("HTTP/2 connection failed")
             self._fail(INTERNAL_ERROR, f"internal error: {exc}", events)
-        if self._recv_unacked >= _REFILL_CONNECTION_AT:
-            self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self._recv_unacked)))
-            self._recv_window += self._recv_unacked
-            self._recv_unacked = 0
+        connection = self._connection
+        if connection.recv_unacked >= connection.refill_at:
+            self._out.append(connection.refill())
         return events
 
     def _fail(self, code: int, reason: str, events: list[Event]) -> None:
@@ -289,24 +278,17 @@ class H2GrpcConnection:
     def _on_settings(self, flags: int, payload: bytes) -> None:
         if flags & ACK:
             return
-        for key, value in settings_entries(payload):
-            if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                delta, self._peer_initial_window = value - self._peer_initial_window, value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-            elif key == SETTINGS_MAX_FRAME_SIZE:
-                self._peer_max_frame = value
-        self._out.append(frame(SETTINGS, ACK, 0))
+        delta = self._connection.on_settings(payload)
+        if delta:
+            for stream in self.streams.values():
+                stream.send_window += delta
+        self._out.append(SETTINGS_ACK)
         self._flush_blocked()
 
     def _on_window_update(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
         increment = U32.unpack(payload)[0] & 0x7FFFFFFF
         if not stream_id:
-            if not increment:
-                raise H2ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > MAX_WINDOW:
-                raise H2ConnectionError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+            self._connection.on_window_update(payload)
             self._flush_blocked()
             return
         self._check_not_idle(stream_id, "WINDOW_UPDATE")
@@ -322,10 +304,7 @@ class H2GrpcConnection:
 
     def _on_data(self, flags: int, stream_id: int, payload: bytes, length: int) -> None:
         events = self._events
-        self._recv_window -= length
-        if self._recv_window < 0:
-            raise H2ConnectionError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
-        self._recv_unacked += length
+        self._connection.received(length)
         stream = self.streams.get(stream_id)
         if stream is None:
             self._check_not_idle(stream_id, "DATA")
@@ -429,7 +408,7 @@ class H2GrpcConnection:
             # final GOAWAY. Decoded above, so HPACK stays in step; other streams carry on.
             self._out.append(frame(RST_STREAM, 0, stream_id, U32.pack(REFUSED_STREAM)))
             return
-        stream = self.streams[stream_id] = _Stream(stream_id, self._peer_initial_window,
+        stream = self.streams[stream_id] = _Stream(stream_id, self._connection.peer_initial_window,
                                                            self.stream_window)
         path = headers.get(":path")
         if headers.get(":method") != "POST" or not path:
@@ -451,10 +430,11 @@ class H2GrpcConnection:
             stream.headers_sent = True
             self._out.append(frame(HEADERS, END_HEADERS, stream_id, _RESPONSE_HEADERS))
         size = 5 + len(message)
-        if (not stream.pending and size <= stream.send_window and size <= self._send_window
-                and size <= self._peer_max_frame):
+        connection = self._connection
+        if (not stream.pending and size <= stream.send_window and size <= connection.send_window
+                and size <= connection.peer_max_frame):
             stream.send_window -= size
-            self._send_window -= size
+            connection.send_window -= size
             # The frame header and the gRPC prefix in one pack: one copy of the message.
             self._out.append(_DATA_MESSAGE.pack(size >> 8, size & 0xFF, DATA, 0, stream_id, 0,
                                                 size - 5) + message)
@@ -480,14 +460,15 @@ class H2GrpcConnection:
             self._send_trailers(stream, block)
 
     def _send_trailers(self, stream: _Stream, block: bytes) -> None:
-        self._out.extend(header_frames(stream.id, block, True, self._peer_max_frame))
+        self._out.extend(header_frames(stream.id, block, True,
+                                      self._connection.peer_max_frame))
         if stream.remote_done:
             del self.streams[stream.id]
         else:  # the client may still be sending: tell it to stop (as gRPC servers do)
             self.reset(stream.id, NO_ERROR)
 
     def _flush(self, stream: _Stream) -> None:
-        pending = stream.pending
+        pending, connection = stream.pending, self._connection
         while pending:
             item = pending[0]
             if type(item) is tuple:
@@ -496,12 +477,13 @@ class H2GrpcConnection:
                 self._send_trailers(stream, item[0])
                 return
             assert isinstance(item, bytes)
-            size = min(len(item), stream.send_window, self._send_window, self._peer_max_frame)
+            size = min(len(item), stream.send_window, connection.send_window,
+                       connection.peer_max_frame)
             if size <= 0:
                 self._blocked[stream.id] = stream
                 return
             stream.send_window -= size
-            self._send_window -= size
+            connection.send_window -= size
             self._out.append(frame(DATA, 0, stream.id, item[:size]))
             if size == len(item):
                 pending.popleft()
@@ -511,7 +493,7 @@ class H2GrpcConnection:
 
     def _flush_blocked(self) -> None:
         for stream in list(self._blocked.values()):
-            if self._send_window <= 0:
+            if self._connection.send_window <= 0:
                 return
             if stream.id in self.streams:
                 self._flush(stream)

@@ -35,14 +35,12 @@ from typing import Any
 
 import grpc
 
+from kvswitch.protocol.h2state import REFILL_AT, ConnectionState
 from kvswitch.protocol.http2 import (
     ACK,
     CANCEL,
     DATA,
-    DEFAULT_MAX_FRAME,
-    DEFAULT_WINDOW,
     END_STREAM,
-    FLOW_CONTROL_ERROR,
     GOAWAY,
     HEADERS,
     MAX_FRAME,
@@ -50,12 +48,11 @@ from kvswitch.protocol.http2 import (
     PADDED,
     PING,
     PREFACE,
-    PROTOCOL_ERROR,
     RST_STREAM,
     SETTINGS,
+    SETTINGS_ACK,
     SETTINGS_ENABLE_PUSH,
     SETTINGS_INITIAL_WINDOW_SIZE,
-    SETTINGS_MAX_CONCURRENT_STREAMS,
     SETTINGS_MAX_FRAME_SIZE,
     SETTINGS_MAX_HEADER_LIST_SIZE,
     U32,
@@ -66,14 +63,12 @@ from kvswitch.protocol.http2 import (
     frame,
     header_frames,
     hpack_literal,
-    settings_entries,
-    settings_payload,
 )
 
 __all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target",
            "timeout_header"]
 
-_REFILL_AT = 2**30
+_REFILL_AT = REFILL_AT
 MAX_HEADER_BLOCK = 256 * 1024
 """Largest header block (HEADERS + CONTINUATION) and decoded header list read before the
 connection is dropped; advertised as SETTINGS_MAX_HEADER_LIST_SIZE."""
@@ -342,11 +337,7 @@ class _Connection(asyncio.Protocol):
         self._gathered: dict[int, list[bytes]] = {}
         self._decoder = HeaderDecoder(MAX_HEADER_BLOCK, "utf-8")
         self._fixed_headers: dict[tuple[str, float | None], bytes] = {}
-        self._send_window = DEFAULT_WINDOW
-        self._peer_initial_window = DEFAULT_WINDOW
-        self._peer_max_frame = DEFAULT_MAX_FRAME
-        self._peer_max_streams = 2**31
-        self._received = 0
+        self._connection = ConnectionState(_REFILL_AT)
         self._failed = False
         self._out: list[bytes] = []
 
@@ -354,11 +345,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         if self.keepalive is not None:
             self._ping_timer = self.loop.call_later(self.keepalive, self._ping)
-        settings = settings_payload({
+        self.transport.write(PREFACE + self._connection.initiate({  # type: ignore[union-attr]
             SETTINGS_ENABLE_PUSH: 0, SETTINGS_INITIAL_WINDOW_SIZE: MAX_WINDOW,
-            SETTINGS_MAX_FRAME_SIZE: MAX_FRAME, SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_BLOCK})
-        self.transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)  # type: ignore[union-attr]
-                             + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
+            SETTINGS_MAX_FRAME_SIZE: MAX_FRAME, SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_BLOCK}))
 
     def _ping(self) -> None:
         if self.closed or self.transport is None or self.keepalive is None:
@@ -401,9 +390,10 @@ class _Connection(asyncio.Protocol):
               parse: Callable[[bytes], Any], timeout: float | None = None,
               on_message: MessageCallback | None = None) -> StreamCall:
         size = len(body) + 5
+        connection = self._connection
         if (self.closed or self.transport is None or self._next_id >= 2**31
-                or len(self.streams) >= self._peer_max_streams
-                or size > min(self._send_window, self._peer_initial_window)):
+                or len(self.streams) >= connection.peer_max_streams
+                or size > min(connection.send_window, connection.peer_initial_window)):
             raise NotAccepted(f"{self.authority}: no connection, window or stream slot")
         stream_id, self._next_id = self._next_id, self._next_id + 2
         fixed = self._fixed_headers.get((path, timeout))
@@ -423,9 +413,9 @@ class _Connection(asyncio.Protocol):
         if timeout is not None:
             call._timer = self.loop.call_later(timeout, call._expire)
         message = b"\x00" + U32.pack(len(body)) + body
-        self._send_window -= size
-        out = header_frames(stream_id, block, False, self._peer_max_frame)
-        step = self._peer_max_frame
+        connection.send_window -= size
+        step = connection.peer_max_frame
+        out = header_frames(stream_id, block, False, step)
         for start in range(0, len(message), step):
             last = start + step >= len(message)
             out.append(frame(DATA, END_STREAM if last else 0, stream_id,
@@ -477,9 +467,9 @@ class _Connection(asyncio.Protocol):
         self._reader.feed(data)
         if self._gathered:
             self._deliver()
-        if self._received >= _REFILL_AT and self.transport is not None:
-            self.transport.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self._received)))
-            self._received = 0
+        refill = self._connection.refill()
+        if refill and self.transport is not None:
+            self.transport.write(refill)
 
     def _deliver(self) -> None:
         gathered, self._gathered = self._gathered, {}
@@ -490,7 +480,7 @@ class _Connection(asyncio.Protocol):
                 call._data(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def _on_data(self, flags: int, stream_id: int, payload: bytes, length: int) -> None:
-        self._received += length
+        self._connection.received(length)
         if not flags:
             parts = self._gathered.get(stream_id)
             if parts is None:
@@ -520,25 +510,14 @@ class _Connection(asyncio.Protocol):
             if call is not None:
                 call._headers(headers, bool(flags & END_STREAM))
         elif kind == SETTINGS and not flags & ACK:
-            for key, value in settings_entries(payload):
-                if key == SETTINGS_MAX_CONCURRENT_STREAMS:
-                    self._peer_max_streams = value
-                elif key == SETTINGS_INITIAL_WINDOW_SIZE:
-                    self._peer_initial_window = value
-                elif key == SETTINGS_MAX_FRAME_SIZE:
-                    self._peer_max_frame = value
-            self._write(frame(SETTINGS, ACK, 0))
+            self._connection.on_settings(payload)  # only future streams: ours send at once
+            self._write(SETTINGS_ACK)
         elif kind == PING and not flags & ACK:
             self._write(frame(PING, ACK, 0, payload))
         elif kind == PING:
             self._ping_answered = True
         elif kind == WINDOW_UPDATE and stream_id == 0:
-            increment = U32.unpack_from(payload)[0] & 0x7FFFFFFF
-            if not increment:
-                raise H2ProtocolError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > MAX_WINDOW:
-                raise H2ProtocolError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+            self._connection.on_window_update(payload)
         elif kind == RST_STREAM:
             call = self.streams.get(stream_id)
             if call is not None:

@@ -318,6 +318,9 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return FRAME_HEADER.pack(size >> 8, size & 0xFF, kind, flags, stream_id) + payload
 
 
+SETTINGS_ACK = frame(SETTINGS, ACK, 0)
+
+
 def header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int) -> list[bytes]:
     """A header block as HEADERS and as many CONTINUATIONs as `max_frame` (the peer's) needs."""
     flags = END_STREAM if end_stream else 0
