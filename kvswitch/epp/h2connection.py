@@ -38,6 +38,7 @@ from kvswitch.protocol.http2 import (
     GOAWAY,
     HEADERS,
     INTERNAL_ERROR,
+    LAST_POSSIBLE_STREAM,
     MAX_FRAME,
     MAX_IDLE_FRAMES,
     MAX_WINDOW,
@@ -60,8 +61,10 @@ from kvswitch.protocol.http2 import (
     H2ProtocolError,
     HeaderDecoder,
     frame,
+    goaway_frame,
     header_frames,
     hpack_literal,
+    ping_ack,
 )
 
 __all__ = [
@@ -92,7 +95,6 @@ _DATA_MESSAGE = struct.Struct(">HBBBIBI")
 _RESPONSE_HEADERS = b"\x88" + hpack_literal("content-type", "application/grpc")
 _OK_TRAILERS = hpack_literal("grpc-status", "0")
 _DRAIN_PING = b"kvsdrain"  # the opaque data of the PING that follows a draining GOAWAY
-_LAST_POSSIBLE_STREAM = 0x7FFFFFFF
 
 
 def _trailers(status: int, message: str) -> bytes:
@@ -242,7 +244,7 @@ class H2GrpcConnection:
 
     def _fail(self, code: int, reason: str, events: list[Event]) -> None:
         logger.warning("HTTP/2 connection error %#x: %s", code, reason)
-        self.goaway(code, reason.encode("utf-8", "replace")[:256])
+        self.goaway(code, reason)
         self.closed = True
         events.append(ConnectionEnded(code, reason))
 
@@ -264,7 +266,7 @@ class H2GrpcConnection:
             self._on_settings(flags, payload)
         elif kind == PING:
             if not flags & ACK:
-                self._out.append(frame(PING, ACK, 0, payload))
+                self._out.append(ping_ack(payload))
             elif payload == _DRAIN_PING and self.draining and not self.goaway_sent:
                 self.goaway()  # the peer has seen the first GOAWAY: name the real last stream
         elif kind == GOAWAY:
@@ -518,13 +520,12 @@ class H2GrpcConnection:
         if self.draining or self.goaway_sent:
             return
         self.draining = True
-        self._out.append(frame(GOAWAY, 0, 0, U32.pack(_LAST_POSSIBLE_STREAM) + U32.pack(NO_ERROR)))
+        self._out.append(goaway_frame(LAST_POSSIBLE_STREAM, NO_ERROR))
         self._out.append(frame(PING, 0, 0, _DRAIN_PING))
 
-    def goaway(self, code: int = NO_ERROR, debug: bytes = b"") -> None:
+    def goaway(self, code: int = NO_ERROR, reason: str = "") -> None:
         """No new streams past the highest seen; open ones may finish (NO_ERROR)."""
         self.goaway_sent = True
         self._open_limit = 0
-        payload = U32.pack(self.highest_stream_id) + U32.pack(code) + debug
-        self._out.append(frame(GOAWAY, 0, 0, payload))
+        self._out.append(goaway_frame(self.highest_stream_id, code, reason))
 

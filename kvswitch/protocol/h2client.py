@@ -61,8 +61,11 @@ from kvswitch.protocol.http2 import (
     H2ProtocolError,
     HeaderDecoder,
     frame,
+    goaway_fields,
+    goaway_frame,
     header_frames,
     hpack_literal,
+    ping_ack,
 )
 
 __all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target",
@@ -455,7 +458,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, code: int, reason: str) -> None:
         """A connection error: GOAWAY, close, every open call UNAVAILABLE."""
         self._failed = True
-        self._write(frame(GOAWAY, 0, 0, U32.pack(0) + U32.pack(code) + reason.encode()))
+        self._write(goaway_frame(0, code, reason))
         self._closing()
         self.close()
         self.connection_lost(None)
@@ -513,7 +516,7 @@ class _Connection(asyncio.Protocol):
             self._connection.on_settings(payload)  # only future streams: ours send at once
             self._write(SETTINGS_ACK)
         elif kind == PING and not flags & ACK:
-            self._write(frame(PING, ACK, 0, payload))
+            self._write(ping_ack(payload))
         elif kind == PING:
             self._ping_answered = True
         elif kind == WINDOW_UPDATE and stream_id == 0:
@@ -525,7 +528,7 @@ class _Connection(asyncio.Protocol):
                 call._finish(StreamError(_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
                                          f"stream reset by the server (HTTP/2 error {code})"))
         elif kind == GOAWAY:
-            last = U32.unpack_from(payload)[0] & 0x7FFFFFFF
+            last, _ = goaway_fields(payload)
             self._closing()  # no new streams here; those the server never saw fail now
             for sid, call in list(self.streams.items()):
                 if sid > last:

@@ -319,6 +319,25 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
 
 
 SETTINGS_ACK = frame(SETTINGS, ACK, 0)
+LAST_POSSIBLE_STREAM = 0x7FFFFFFF
+_GOAWAY_DEBUG = 256  # bytes of the reason a GOAWAY carries
+
+
+def goaway_frame(last_stream_id: int, code: int, reason: str = "") -> bytes:
+    """GOAWAY naming the last stream the sender took, its error code and (debug data) the first
+    bytes of `reason`."""
+    debug = reason.encode("utf-8", "replace")[:_GOAWAY_DEBUG]
+    return frame(GOAWAY, 0, 0, U32.pack(last_stream_id) + U32.pack(code) + debug)
+
+
+def goaway_fields(payload: bytes) -> tuple[int, int]:
+    """A GOAWAY's (last stream id, error code); `FrameReader` checked its length."""
+    return U32.unpack_from(payload)[0] & 0x7FFFFFFF, U32.unpack_from(payload, 4)[0]
+
+
+def ping_ack(payload: bytes) -> bytes:
+    """The answer to a PING: an ACK with the same 8 bytes."""
+    return frame(PING, ACK, 0, payload)
 
 
 def header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int) -> list[bytes]:

@@ -34,7 +34,10 @@ from kvswitch.protocol.http2 import (
     H2ProtocolError,
     HeaderDecoder,
     frame,
+    goaway_fields,
+    goaway_frame,
     header_frames,
+    ping_ack,
     settings_entries,
 )
 
@@ -259,3 +262,10 @@ def test_frames_that_carry_something_end_a_run_and_neutral_ones_do_not() -> None
     with pytest.raises(H2ProtocolError) as caught:
         Recorder(max_idle_frames=3).feed(PING_FRAME * 2 + neutral + PING_FRAME * 2)
     assert caught.value.code == ENHANCE_YOUR_CALM
+
+
+def test_goaway_and_ping_answers() -> None:
+    [(kind, _, stream_id, payload, _)] = read(goaway_frame(7, ENHANCE_YOUR_CALM, "é" * 300))
+    assert (kind, stream_id, goaway_fields(payload)) == (GOAWAY, 0, (7, ENHANCE_YOUR_CALM))
+    assert len(payload) == 8 + 256  # the reason is cut short
+    assert ping_ack(b"12345678") == frame(PING, ACK, 0, b"12345678")
