@@ -154,6 +154,7 @@ class ConnectionEnded:
 
 
 Event: TypeAlias = StreamOpened | MessageReceived | InputEnded | StreamReset | ConnectionEnded
+_NO_EVENTS: list[Event] = []  # never appended to: frames are handled only inside `receive()`
 
 
 H2ConnectionError = H2ProtocolError
@@ -208,7 +209,7 @@ class H2GrpcConnection:
         self._decoder = HeaderDecoder(MAX_HEADER_LIST)
         self._connection = ConnectionState()
         self._blocked: dict[int, _Stream] = {}
-        self._events: list[Event] = []  # what the `receive()` under way returns
+        self._events: list[Event] = _NO_EVENTS  # what the `receive()` under way returns
 
     def initiate(self) -> None:
         """Queue our SETTINGS (no push, the stream limit, big stream window and frames) and open
@@ -237,6 +238,7 @@ class H2GrpcConnection:
         except Exception as exc:  # a parsing bug must cost this connection, not the server
             logger.exception("HTTP/2 connection failed")
             self._fail(INTERNAL_ERROR, f"internal error: {exc}", events)
+        self._events = _NO_EVENTS  # the caller's now: not kept past this call
         connection = self._connection
         if connection.recv_unacked >= connection.refill_at:
             self._out.append(connection.refill())

@@ -266,6 +266,10 @@ def settings_payload(entries: dict[int, int]) -> bytes:
     return b"".join(_SETTING.pack(key, value) for key, value in entries.items())
 
 
+_CACHED_BLOCKS = 64
+_CACHED_BLOCK = 4096  # bytes: Envoy's and grpc's blocks are far smaller; big ones would pin memory
+
+
 class HeaderDecoder:
     """HPACK decoding (RFC 7541) to a dict (a repeated name keeps its last value), with the
     decoded header list capped at `max_header_list` bytes (RFC 9113's size: name + value + 32
@@ -273,7 +277,8 @@ class HeaderDecoder:
     ENHANCE_YOUR_CALM for one over the cap. A peer sends the same blocks again and again
     (Envoy's ext_proc request headers, a server's response headers and trailers): a block whose
     decoding left the dynamic table unchanged decodes the same while the table stays so, and its
-    result is reused (hpack costs ≈ 2 µs per field). Values are `value_encoding`."""
+    result is reused (hpack costs ≈ 2 µs per field); at most 64 blocks of up to 4 KiB are kept.
+    Values are `value_encoding`."""
 
     __slots__ = ("_cache", "_decoder", "_value_encoding")
 
@@ -305,8 +310,8 @@ class HeaderDecoder:
         # Any insertion makes a new newest entry, any eviction a shorter table, a size update
         # a new maxsize: unchanged means the block may be reused.
         if ((dynamic[0] if dynamic else None) is newest and len(dynamic) == length
-                and table.maxsize == maxsize):
-            if len(self._cache) >= 64:
+                and table.maxsize == maxsize and len(block) <= _CACHED_BLOCK):
+            if len(self._cache) >= _CACHED_BLOCKS:
                 self._cache.clear()
             self._cache[block] = (newest, length, maxsize, headers)
         return headers

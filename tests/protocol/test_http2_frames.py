@@ -37,6 +37,7 @@ from kvswitch.protocol.http2 import (
     goaway_fields,
     goaway_frame,
     header_frames,
+    hpack_literal,
     ping_ack,
     settings_entries,
 )
@@ -228,6 +229,15 @@ def test_cached_blocks_follow_the_hpack_table() -> None:
     assert decoder.decode(encoder.encode([("x-b", "2")])) == {"x-b": "2"}  # table changed
     # The same bytes now index a different dynamic entry: decoded afresh, not from the cache.
     assert decoder.decode(indexed) == {":status": "200", "x-b": "2"}
+
+
+def test_only_small_blocks_are_kept_for_reuse() -> None:
+    decoder = HeaderDecoder(1 << 16)
+    small = hpack_literal("x-a", "1")
+    big = hpack_literal("x-big", "v" * 8190)  # not indexed: the table stays as it was
+    assert decoder.decode(big) == {"x-big": "v" * 8190}
+    assert decoder.decode(big) is not decoder.decode(big)  # decoded afresh each time
+    assert decoder.decode(small) is decoder.decode(small)
 
 
 def test_values_decode_as_told() -> None:
