@@ -41,7 +41,8 @@ prompt's uncached tokens in `pending_prefill(endpoint)` until the prompt's last 
 stored there (the engine stores a block once the step computing it ends, and the step that
 computes a prompt's last block ends its prefill), or `ttl` passes. The engine's own load report
 counts only waiting requests' prefill; this also covers requests admitted and still
-prefilling (chunked prefill of a long prompt). One dict test per newly real block.
+prefilling (chunked prefill of a long prompt). One dict test per newly real block. An endpoint
+whose events cannot be indexed (another block size, `set_indexed`) awaits nothing.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class _EndpointBlocks:
     likely cache miss in a loaded EPP, whose tables are far larger than the CPU caches (4 x
     29k blocks: ~4 MB less), and no second copy of the same fact to keep in step."""
 
-    __slots__ = ("awaiting", "bit", "by_engine", "extra_copies", "extra_owns", "pending", "real",
-                 "speculative")
+    __slots__ = ("awaiting", "bit", "by_engine", "extra_copies", "extra_owns", "indexed",
+                 "pending", "real", "speculative")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -132,6 +133,9 @@ class _EndpointBlocks:
         # block is stored (the step that computes a prompt's last block ends its prefill).
         self.awaiting: dict[int, int] = {}
         self.pending = 0
+        # False while the endpoint's events cannot be indexed (another block size): no
+        # prefill is awaited there, as no BlockStored would end it.
+        self.indexed = True
 
 
 class PrefixIndex:
@@ -156,8 +160,10 @@ class PrefixIndex:
         # the ends; a heap's sift walks entries scattered in memory).
         self._expiries: deque[tuple[float, int, _EndpointBlocks, list[int]]] = deque()
         self._speculations = 0
-        # (expiry, endpoint state, last block, tokens) per awaited prefill, in expiry order.
-        self._awaiting: deque[tuple[float, _EndpointBlocks, int, int]] = deque()
+        # (expiry, endpoint, its state, last block, tokens) per awaited prefill, expiry order.
+        self._awaiting: deque[tuple[float, str, _EndpointBlocks, int, int]] = deque()
+        self.pending: dict[str, int] = {}
+        """endpoint -> `pending_prefill(endpoint)` (absent: 0), for per-endpoint reads."""
 
     # -- endpoints -----------------------------------------------------------------------------
 
@@ -196,6 +202,7 @@ class PrefixIndex:
         state.real = 0
         state.awaiting.clear()
         state.pending = 0
+        self.pending.pop(endpoint, None)
 
     def _release(self, owns: Iterable[int], bit: int) -> None:
         """The endpoint with `bit` no longer holds these blocks (real or speculative)."""
@@ -251,6 +258,8 @@ class PrefixIndex:
                 self.clear(endpoint)
                 cleared = True
         confirmed = speculative - len(state.speculative)
+        if state.awaiting or endpoint in self.pending:
+            self.pending[endpoint] = state.pending
         return ApplyStats(stored, unplaced, removed, cleared, confirmed)
 
     def _store(self, state: _EndpointBlocks, blocks: Sequence[tuple[int, bytes]],
@@ -385,23 +394,33 @@ class PrefixIndex:
         to prefill: count them in `pending_prefill` until that block is stored there (or `ttl`
         seconds pass: the request failed, or its events were lost)."""
         state = self._endpoints.get(endpoint)
-        if state is None or tokens <= 0:
+        if state is None or tokens <= 0 or not state.indexed:
             return
         now = self.clock()
         expired = self._awaiting
         while expired and expired[0][0] <= now:
-            _, old, block, count = expired.popleft()
+            _, name, old, block, count = expired.popleft()
             left = old.awaiting.get(block, 0)
             if left:  # (0: stored already)
                 take = min(left, count)
                 old.pending -= take
+                self.pending[name] = old.pending
                 if left > take:
                     old.awaiting[block] = left - take
                 else:
                     del old.awaiting[block]
         state.awaiting[last_hash] = state.awaiting.get(last_hash, 0) + tokens
         state.pending += tokens
-        expired.append((now + ttl, state, last_hash, tokens))
+        self.pending[endpoint] = state.pending
+        expired.append((now + ttl, endpoint, state, last_hash, tokens))
+
+    def set_indexed(self, endpoint: str, indexed: bool) -> None:
+        """Whether `endpoint`'s KV events are indexed (its block size is the index's)."""
+        state = self._endpoints.get(endpoint)
+        if state is not None:
+            state.indexed = indexed
+            if not indexed:
+                self.clear(endpoint)
 
     def pending_prefill(self, endpoint: str) -> int:
         """Uncached prompt tokens routed to `endpoint` whose prefill has not ended yet."""
