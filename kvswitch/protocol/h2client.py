@@ -68,13 +68,16 @@ from kvswitch.protocol.http2 import (
     ping_ack,
 )
 
-__all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError", "available", "parse_target",
-           "timeout_header"]
+__all__ = ["MAX_RESPONSE_MESSAGE", "H2Channel", "MessageCallback", "NotAccepted", "StreamCall",
+           "StreamError", "available", "parse_target", "timeout_header"]
 
 _REFILL_AT = REFILL_AT
 MAX_HEADER_BLOCK = 256 * 1024
 """Largest header block (HEADERS + CONTINUATION) and decoded header list read before the
 connection is dropped; advertised as SETTINGS_MAX_HEADER_LIST_SIZE."""
+MAX_RESPONSE_MESSAGE = 64 * 1024 * 1024
+"""Largest response message a call takes (what the frontend's grpc.aio fallback allows); a
+longer one announced fails the call with RESOURCE_EXHAUSTED before its bytes are kept."""
 _KEEPALIVE_PING = b"kvswkeep"
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _RST_CODES = {0x7: grpc.StatusCode.UNAVAILABLE, 0x8: grpc.StatusCode.CANCELLED,
@@ -123,15 +126,17 @@ class StreamCall:
     """One call's received messages; `read_batch()` returns all those waiting."""
 
     __slots__ = (
-        "_buffer",
         "_conn",
         "_ended",
         "_error",
+        "_have",
         "_headers_seen",
         "_id",
         "_messages",
+        "_need",
         "_on_message",
         "_parse",
+        "_partial",
         "_received",
         "_timer",
         "_waiter",
@@ -141,7 +146,10 @@ class StreamCall:
                  on_message: MessageCallback | None = None) -> None:
         self._conn, self._id, self._parse = conn, stream_id, parse
         self._on_message = on_message
-        self._buffer = b""
+        # A partial message as received (joined once whole: a big one arrives in many reads),
+        # its size so far and the size that completes it (or its 5-byte prefix).
+        self._partial: list[bytes] = []
+        self._have = self._need = 0
         self._messages: list[Any] = []
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
@@ -212,13 +220,26 @@ class StreamCall:
         if self._received >= _REFILL_AT:
             self._conn.refill(self._id, self._received)
             self._received = 0
-        buffer = self._buffer + data if self._buffer else data
+        if self._partial:
+            self._partial.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            buffer = b"".join(self._partial)
+            self._partial, self._have = [], 0
+        else:
+            buffer = data
         offset, size = 0, len(buffer)
         parse, messages = self._parse, self._messages
         error: StreamError | None = None
         try:
             while size - offset >= 5:
                 length = U32.unpack_from(buffer, offset + 1)[0]
+                if length > MAX_RESPONSE_MESSAGE:
+                    error = StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"response message of {length} bytes over the "
+                                        f"{MAX_RESPONSE_MESSAGE} limit")
+                    break
                 end = offset + 5 + length
                 if end > size:
                     break
@@ -228,7 +249,10 @@ class StreamCall:
                 offset = end
         except Exception as exc:  # noqa: BLE001 - a bad message fails its call, not the others
             error = StreamError(grpc.StatusCode.INTERNAL, f"bad response message: {exc}")
-        self._buffer = buffer[offset:] if offset < size else b""
+        if offset < size and error is None:
+            rest = buffer[offset:]
+            self._partial, self._have = [rest], len(rest)
+            self._need = 5 + U32.unpack_from(rest, 1)[0] if len(rest) >= 5 else 5
         if self._on_message is not None and messages:
             self._dispatch()  # those before a bad message still count
         if error is not None:

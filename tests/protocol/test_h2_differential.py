@@ -150,7 +150,8 @@ class ClientPipe:
     """`h2client._Connection` on a fake transport and an h2 server; `pump()` as above. The
     server answers each request stream with `answer(stream_id, headers)`."""
 
-    def __init__(self) -> None:
+    def __init__(self, read_size: int = 1 << 30) -> None:
+        self.read_size = read_size  # bytes per data_received: how the socket would cut them
         self.server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
         self.server.initiate_connection()
         self.transport = FakeTransport()
@@ -176,8 +177,8 @@ class ClientPipe:
                         self.server.acknowledge_received_data(event.flow_controlled_length,
                                                               event.stream_id)
             downstream = self.server.data_to_send()
-            if downstream:
-                self.conn.data_received(downstream)
+            for start in range(0, len(downstream), self.read_size):
+                self.conn.data_received(downstream[start:start + self.read_size])
             if not upstream and not downstream:
                 return
         raise AssertionError("the peers never went quiet")
@@ -273,3 +274,26 @@ async def test_a_ping_flood_from_the_server_ends_the_connection() -> None:
     assert caught.value.code.name == "UNAVAILABLE"
     [ended] = [e for e in pipe.server_events if isinstance(e, h2.events.ConnectionTerminated)]
     assert ended.error_code == ENHANCE_YOUR_CALM
+
+
+async def test_a_big_message_over_many_small_reads_arrives_whole() -> None:
+    pipe = ClientPipe(read_size=1000)
+    call = pipe.conn.start(PATH, (), b"", bytes)
+    pipe.pump()
+    big = bytes(range(256)) * 1200
+    pipe.answer(1, [big, b"after"])
+    pipe.pump()
+    assert await call.read_batch() == [big, b"after"]
+
+
+async def test_a_response_message_over_the_limit_fails_its_call_before_it_is_kept() -> None:
+    pipe = ClientPipe()
+    call = pipe.conn.start(PATH, (), b"", bytes)
+    pipe.pump()
+    pipe.server.send_headers(1, [(":status", "200"), ("content-type", "application/grpc")])
+    pipe.server.send_data(1, b"\x00" + struct.pack(">I", h2client.MAX_RESPONSE_MESSAGE + 1))
+    pipe.pump()
+    with pytest.raises(StreamError) as caught:
+        await asyncio.wait_for(call.response(), 1)
+    assert caught.value.code.name == "RESOURCE_EXHAUSTED"
+    assert [e.stream_id for e in pipe.server_events if isinstance(e, h2.events.StreamReset)] == [1]
