@@ -2,8 +2,8 @@
 
 Used by the EPP's ext_proc server (`kvswitch.epp.h2connection`) and the gRPC client
 (`kvswitch.protocol.h2client`). `FrameReader` cuts frames out of received bytes and enforces
-RFC 9113's frame-level rules: on the server side the client's preface, then SETTINGS; frame
-size against the advertised maximum; padding within its frame; the fixed lengths of PING,
+RFC 9113's frame-level rules: SETTINGS first (on the server side after the client's preface);
+frame size against the advertised maximum; padding within its frame; the fixed lengths of PING,
 SETTINGS, WINDOW_UPDATE, RST_STREAM, PRIORITY and GOAWAY; the stream (zero or not) each type
 belongs on; CONTINUATION only right after the HEADERS or CONTINUATION of its stream; no
 PUSH_PROMISE (both sides disable push); header blocks capped; floods (`MAX_IDLE_FRAMES`). A
@@ -77,9 +77,9 @@ class H2ProtocolError(Exception):
 
 class FrameReader:
     """Frames out of a byte stream, checked, handed in order to `on_data` (DATA) and `on_frame`
-    (the rest) by `feed(data)`, which keeps a partial frame for the next call. With `preface`
-    (the server side), the client's connection preface and a SETTINGS frame must come first
-    (RFC 9113 §3.4)."""
+    (the rest) by `feed(data)`, which keeps a partial frame for the next call. The peer's first
+    frame must be SETTINGS, after the client's connection preface with `preface` (the server
+    side; RFC 9113 §3.4)."""
 
     __slots__ = ("_block", "_have", "_idle", "_need", "_partial", "_plain", "_preface",
                  "_settings_seen", "max_frame", "max_header_block", "max_idle_frames", "on_data",
@@ -94,7 +94,7 @@ class FrameReader:
         self._idle = 0  # frames in a row that carried nothing
         self.max_header_block = max_header_block
         self._preface = preface
-        self._settings_seen = not preface
+        self._settings_seen = False
         # An incomplete frame as received (joined once whole: big frames arrive in many reads),
         # its size so far and the size that completes it.
         self._partial: list[bytes] = []
@@ -102,7 +102,7 @@ class FrameReader:
         self._need = 9
         # An unfinished header block: (stream id, first frame's flags, fragments, size).
         self._block: tuple[int, int, list[bytes], int] | None = None
-        self._plain = not preface  # SETTINGS seen, no header block open: the short way is safe
+        self._plain = False  # SETTINGS seen, no header block open: the short way is safe
 
     def feed(self, data: bytes) -> None:
         """Hand over each whole frame in `data` (after what came before); raises

@@ -79,7 +79,8 @@ async def test_a_well_formed_padded_response_is_read() -> None:
     grpc_message = b"\x00" + struct.pack(">I", len(body)) + body
     head = hpack_literal(":status", "200") + hpack_literal("content-type", "application/grpc")
     trailers = hpack_literal("grpc-status", "0")
-    conn.data_received(frame(HEADERS, 0x4 | PADDED, 1, b"\x02" + head + b"\x00\x00")
+    conn.data_received(frame(SETTINGS, 0, 0)
+                       + frame(HEADERS, 0x4 | PADDED, 1, b"\x02" + head + b"\x00\x00")
                        + frame(DATA, PADDED, 1, b"\x03" + grpc_message + b"\x00" * 3)
                        + frame(HEADERS, 0x5, 1, trailers))
     assert not transport.closed

@@ -60,6 +60,11 @@ class Recorder:
     def on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes, length: int) -> None:
         self.frames.append((kind, flags, stream_id, payload, length))
 
+    def started(self) -> Recorder:
+        """Past the peer's first SETTINGS, with a run of idle frames ended (by HEADERS)."""
+        self.feed(SETTINGS_FRAME + frame(HEADERS, END_HEADERS, 1, b"\x82"))
+        return self
+
     def feed(self, data: bytes) -> list[tuple[int, int, int, bytes, int]]:
         self.reader.feed(data)
         frames, self.frames = self.frames, []
@@ -133,10 +138,11 @@ def test_frames_before_a_broken_one_are_handed_over_first() -> None:
 @pytest.mark.parametrize("first", [
     frame(PING, 0, 0, b"12345678"), frame(SETTINGS, ACK, 0), frame(DATA, 0, 1, b"x"),
     frame(HEADERS, END_HEADERS, 1, b"\x82")])
-def test_the_first_frame_after_the_preface_must_be_settings(first: bytes) -> None:
-    with pytest.raises(H2ProtocolError) as caught:
-        Recorder(preface=True).feed(PREFACE + first)
-    assert caught.value.code == PROTOCOL_ERROR
+def test_the_first_frame_must_be_settings(first: bytes) -> None:
+    for side, wire in ((Recorder(), first), (Recorder(preface=True), PREFACE + first)):
+        with pytest.raises(H2ProtocolError) as caught:
+            side.feed(wire)
+        assert caught.value.code == PROTOCOL_ERROR
 
 
 @pytest.mark.parametrize(("wire", "code"), [
@@ -254,23 +260,23 @@ PING_FRAME = frame(PING, 0, 0, b"12345678")
     frame(0x20, 0, 0, b"unknown"), frame(DATA, 0, 1, b""),
 ])
 def test_a_run_of_frames_that_carry_nothing_is_a_flood(idle: bytes) -> None:
-    assert len(Recorder(max_idle_frames=3).feed(idle * 3)) == 3
+    assert len(Recorder(max_idle_frames=3).started().feed(idle * 3)) == 3
     with pytest.raises(H2ProtocolError) as caught:
-        Recorder(max_idle_frames=3).feed(idle * 4)
+        Recorder(max_idle_frames=3).started().feed(idle * 4)
     assert caught.value.code == ENHANCE_YOUR_CALM
 
 
 def test_frames_that_carry_something_end_a_run_and_neutral_ones_do_not() -> None:
     useful = [frame(DATA, 0, 1, b"x"), frame(DATA, END_STREAM, 1, b""),
               frame(HEADERS, END_HEADERS, 3, b"\x82"), frame(GOAWAY, 0, 0, b"\x00" * 8)]
-    assert Recorder(max_idle_frames=3).feed(b"".join(PING_FRAME * 3 + f for f in useful))
+    assert Recorder(max_idle_frames=3).started().feed(b"".join(PING_FRAME * 3 + f for f in useful))
     # Window updates, resets and the ACKs of our own PINGs and SETTINGS neither count nor reset.
     neutral = (frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x01")
                + frame(RST_STREAM, 0, 1, b"\x00" * 4) + frame(PING, ACK, 0, b"12345678")
                + frame(SETTINGS, ACK, 0))
-    assert Recorder(max_idle_frames=3).feed(neutral * 10)
+    assert Recorder(max_idle_frames=3).started().feed(neutral * 10)
     with pytest.raises(H2ProtocolError) as caught:
-        Recorder(max_idle_frames=3).feed(PING_FRAME * 2 + neutral + PING_FRAME * 2)
+        Recorder(max_idle_frames=3).started().feed(PING_FRAME * 2 + neutral + PING_FRAME * 2)
     assert caught.value.code == ENHANCE_YOUR_CALM
 
 
