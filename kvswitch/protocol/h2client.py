@@ -476,7 +476,10 @@ class _Connection(asyncio.Protocol):
             self._receive(data)
         except H2ProtocolError as exc:
             if self._gathered:  # what arrived before the broken frame still counts
-                self._deliver()
+                try:
+                    self._deliver()
+                except H2ProtocolError:
+                    pass  # over the window too: the connection fails all the same
             self._fail(exc.code, exc.reason)
 
     def _fail(self, code: int, reason: str) -> None:
@@ -499,15 +502,18 @@ class _Connection(asyncio.Protocol):
             self.transport.write(refill)
 
     def _deliver(self) -> None:
+        """Hand the plain DATA gathered to its calls, counted against the connection window
+        (once per stream and read, not per frame: the same check, fewer calls)."""
         gathered, self._gathered = self._gathered, {}
-        streams = self.streams
+        streams, received = self.streams, self._connection.received
         for stream_id, parts in gathered.items():
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            received(len(data))
             call = streams.get(stream_id)
             if call is not None:
-                call._data(parts[0] if len(parts) == 1 else b"".join(parts))
+                call._data(data)
 
     def _on_data(self, flags: int, stream_id: int, payload: bytes, length: int) -> None:
-        self._connection.received(length)
         if not flags:
             parts = self._gathered.get(stream_id)
             if parts is None:
@@ -517,6 +523,7 @@ class _Connection(asyncio.Protocol):
             return
         if self._gathered:  # in order: what came before this frame first
             self._deliver()
+        self._connection.received(length)
         call = self.streams.get(stream_id)
         if call is None:
             return
