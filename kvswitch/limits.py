@@ -1,13 +1,16 @@
 """Limits on what arrives from outside: one dataclass per kind, each field a CLI flag.
 
 - `SamplingLimits`: the counts inside one generation request (`n`, `best_of`, logprobs, stop
-  strings and their length, stop token ids, logit_bias entries, max_tokens). `check_sampling`
-  applies them; the engine (`kvswitch engine`) and the EPP (`kvswitch epp`, `kvswitch up`) both
-  do, so an absurd request is refused before it costs anything (INVALID_ARGUMENT / 400, naming
-  the field). The engine also bounds max_tokens by its max_model_len.
-- `HttpLimits`: the frontend's HTTP/1.1 server (`kvswitch frontend`): request line and header
-  bytes (414 / 431), header count (431), a deadline for the request head and one for the body
-  (408), the keep-alive idle timeout.
+  strings and their length, stop token ids, logit_bias entries, max_tokens, and prompts x n:
+  the engine calls one request fans out to). `check_sampling` applies them; the engine
+  (`kvswitch engine`) and the EPP (`kvswitch epp`, `kvswitch up`) both do, and the frontend
+  with the defaults, so an absurd request is refused before it costs anything
+  (INVALID_ARGUMENT / 400, naming the field). The engine also bounds max_tokens by its
+  max_model_len.
+- `HttpLimits`: the frontend's HTTP/1.1 server (`kvswitch frontend`; Envoy's listener and the
+  engine's /metrics server take the head limits too): request target and head bytes
+  (414 / 431), header count (431), a deadline for the request head and one for the body
+  (408), the keep-alive idle timeout, the body size (413).
 - `MessageLimits`: one gRPC message after decompression (RESOURCE_EXHAUSTED / 413).
 - `MAX_TOKENIZER_ARCHIVE_BYTES`: a tokenizer archive the frontend downloads from its target
   (GetTokenizer), compressed and each file inflated.

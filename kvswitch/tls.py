@@ -5,21 +5,28 @@ must present a certificate signed by it (mTLS). `grpc_server_credentials` makes 
 credentials of them (`kvswitch engine --tls-cert ...`); `envoy_downstream_tls` the transport
 socket of Envoy's listener (`kvswitch envoy-config --tls-cert ...`), which offers h2 and
 http/1.1 by ALPN so gRPC and the OpenAI API share the port as in plaintext.
-`add_tls_flags(parser)` / `tls_from_args(args)` are the flags.
+`server_ssl_context` is the same for kvswitch's own HTTP/2 server (the EPP, ALPN h2).
+`UpstreamTls(ca, cert, key)`: how Envoy calls a TLS upstream (`envoy_upstream_tls`: verify it
+against `ca`, present `cert` for mTLS). `add_tls_flags(parser)` / `tls_from_args(args)` are the
+flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TlsFiles", "add_tls_flags", "envoy_downstream_tls", "grpc_server_credentials",
-           "tls_from_args"]
+__all__ = ["TlsFiles", "UpstreamTls", "add_tls_flags", "client_ssl_context",
+           "envoy_downstream_tls", "envoy_upstream_tls", "grpc_channel_credentials",
+           "grpc_server_credentials", "server_ssl_context", "tls_from_args"]
 
 _DOWNSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
                    "DownstreamTlsContext")
+_UPSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+                 "UpstreamTlsContext")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +43,62 @@ def grpc_server_credentials(tls: TlsFiles) -> Any:
     ca = tls.client_ca.read_bytes() if tls.client_ca else None
     return grpc.ssl_server_credentials([(tls.key.read_bytes(), tls.cert.read_bytes())],
                                        root_certificates=ca, require_client_auth=ca is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTls:
+    ca: Path
+    """Verify the upstream's certificate against this CA."""
+    cert: Path | None = None
+    key: Path | None = None
+    """A client certificate and key to present (mTLS)."""
+    sni: str = "localhost"
+    """The name the upstream's certificate must carry."""
+
+
+def server_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """An asyncio server's TLS context: HTTP/2 by ALPN, client certificates with `client_ca`."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    context.set_alpn_protocols(["h2"])
+    if tls.client_ca is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(tls.client_ca)
+    return context
+
+
+def client_ssl_context(tls: UpstreamTls) -> ssl.SSLContext:
+    """A client's TLS context for a gRPC upstream: HTTP/2 by ALPN, the server verified against
+    `ca`, `cert` presented when set."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca)
+    context.set_alpn_protocols(["h2"])
+    if tls.cert is not None and tls.key is not None:
+        context.load_cert_chain(tls.cert, tls.key)
+    return context
+
+
+def grpc_channel_credentials(tls: UpstreamTls) -> Any:
+    import grpc
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca.read_bytes(),
+        private_key=tls.key.read_bytes() if tls.key else None,
+        certificate_chain=tls.cert.read_bytes() if tls.cert else None)
+
+
+def envoy_upstream_tls(tls: UpstreamTls, *, alpn: str = "h2") -> dict[str, Any]:
+    common: dict[str, Any] = {
+        "validation_context": {"trusted_ca": {"filename": str(tls.ca.resolve())},
+                               "match_typed_subject_alt_names": [{
+                                   "san_type": "DNS", "matcher": {"exact": tls.sni}}]},
+        "alpn_protocols": [alpn],
+    }
+    if tls.cert is not None and tls.key is not None:
+        common["tls_certificates"] = [{
+            "certificate_chain": {"filename": str(tls.cert.resolve())},
+            "private_key": {"filename": str(tls.key.resolve())}}]
+    return {"name": "envoy.transport_sockets.tls",
+            "typed_config": {"@type": _UPSTREAM_TLS, "sni": tls.sni, "common_tls_context": common}}
 
 
 def envoy_downstream_tls(tls: TlsFiles) -> dict[str, Any]:

@@ -3,6 +3,7 @@ Envoy's listener (kvswitch's bootstrap) terminating TLS for gRPC clients in fron
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,8 +14,9 @@ from kvswitch.engine.server import EngineServer, ServerOptions
 from kvswitch.envoy import EnvoyProcess, GatewayOptions, PoolTarget, build_bootstrap, render
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc
-from kvswitch.tls import TlsFiles
+from kvswitch.tls import TlsFiles, UpstreamTls
 from kvswitch.tokenization import load_tokenizer
+from kvswitch.up import write_pool_file
 from tests.engine.fake_engine import FakeEngine
 from tests.support.certs import Certs, make_certs
 from tests.support.processes import free_port, kvswitch_argv, running
@@ -103,3 +105,64 @@ def test_envoy_terminates_mtls_for_grpc_clients(certs: Certs, envoy_port: int) -
     with without_cert as channel, pytest.raises(grpc.RpcError) as caught:
         list(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(REQUEST, timeout=10))
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_envoy_calls_the_epp_over_mtls(certs: Certs, tmp_path: Path) -> None:
+    """The real Envoy routing through a `kvswitch epp` that serves only mTLS."""
+    engine_port, epp_port, metrics_port, port, admin = (free_port() for _ in range(5))
+    pool = write_pool_file(tmp_path / "pool.yaml", [f"127.0.0.1:{engine_port}"])
+    engine = kvswitch_argv("engine", "--port", str(engine_port), "--profile", "tiny",
+                           "--mode", "echo", "--time-scale", "100")
+    epp = kvswitch_argv("epp", "--pool", str(pool), "--port", str(epp_port),
+                        "--metrics-port", str(metrics_port), "--tls-cert", str(certs.server_cert),
+                        "--tls-key", str(certs.server_key), "--tls-client-ca", str(certs.ca))
+    options = GatewayOptions(pool=PoolTarget((f"127.0.0.1:{engine_port}",)),
+                             epp=f"127.0.0.1:{epp_port}", port=port, admin_port=admin,
+                             epp_tls=UpstreamTls(certs.ca, certs.client_cert, certs.client_key))
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render(build_bootstrap(options)))
+    with running(engine, engine_port, tmp_path / "engine.log"), \
+            running(epp, epp_port, tmp_path / "epp.log"), EnvoyProcess(path, admin), \
+            grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        deadline = time.monotonic() + 30
+        while True:  # bounded: until the EPP has seen the engine ready
+            try:
+                messages = list(stub.Generate(REQUEST, timeout=10))
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                assert time.monotonic() < deadline, exc
+                time.sleep(0.2)
+        assert messages[-1].complete.completion_tokens == 3
+        # The EPP refuses a plaintext caller, and a TLS one without a client certificate.
+        with grpc.insecure_channel(f"127.0.0.1:{epp_port}") as plain, \
+                pytest.raises(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(plain).result(timeout=2)
+        no_cert = grpc.secure_channel(f"localhost:{epp_port}", credentials(certs, client=False))
+        with no_cert, pytest.raises(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(no_cert).result(timeout=2)
+
+
+def test_the_frontend_calls_its_target_over_mtls(certs: Certs, envoy_port: int,
+                                                 tmp_path: Path) -> None:
+    """The openai SDK -> `kvswitch frontend` -> (gRPC over mTLS) the real Envoy -> an engine."""
+    import openai
+
+    port = free_port()
+    argv = kvswitch_argv("frontend", "--target", f"127.0.0.1:{envoy_port}", "--port", str(port),
+                         "--target-tls-ca", str(certs.ca), "--target-tls-cert",
+                         str(certs.client_cert), "--target-tls-key", str(certs.client_key))
+    with running(argv, port, tmp_path / "frontend.log"):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-",
+                               max_retries=0, timeout=20)
+        deadline = time.monotonic() + 30
+        while True:  # bounded: the frontend reads the model from its target at start
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        completion = client.completions.create(model=model, prompt="Hello", max_tokens=3)
+    assert completion.usage is not None and completion.usage.completion_tokens == 3

@@ -47,7 +47,7 @@ from kvswitch.protocol.headers import (
     SESSION_TOKEN,
     USAGE_TRAILER,
 )
-from kvswitch.tls import TlsFiles, envoy_downstream_tls
+from kvswitch.tls import TlsFiles, UpstreamTls, envoy_downstream_tls, envoy_upstream_tls
 
 __all__ = ["EPP_HEADERS", "GatewayOptions", "PoolTarget", "Routing", "build_bootstrap"]
 
@@ -133,6 +133,8 @@ class GatewayOptions:
     408)."""
     tls: TlsFiles | None = None
     """TLS on the listener (mTLS with a client CA); None: plaintext."""
+    epp_tls: UpstreamTls | None = None
+    """Call the EPP over TLS (mTLS with a client certificate); None: h2c."""
     request_timeout_s: float = 120.0
     """Envoy's request_timeout: the whole request must be received (routing, and so the EPP's
     flow-control wait, included) within it; a response already started disarms it."""
@@ -144,7 +146,10 @@ def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
     if not options.round_robin:
         if not options.epp:
             raise ValueError("an EPP address is required unless round_robin is set")
-        clusters.append(_static_cluster(EPP_CLUSTER, [options.epp], http2=True))
+        epp_cluster = _static_cluster(EPP_CLUSTER, [options.epp], http2=True)
+        if options.epp_tls is not None:
+            epp_cluster["transport_socket"] = envoy_upstream_tls(options.epp_tls)
+        clusters.append(epp_cluster)
     if options.frontends:
         clusters.append(_static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False))
     return {

@@ -23,6 +23,7 @@ from typing import Any
 from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.epp.request import EndpointPicker
 from kvswitch.limits import add_sampling_flags, sampling_from_args
+from kvswitch.tls import add_tls_flags, tls_from_args
 
 __all__ = ["add_arguments", "run"]
 
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and grpc.health.v1 Health Check/Watch; several times less CPU per "
                              "request); grpcio = grpc.aio (adds server reflection)")
     add_sampling_flags(parser)
+    add_tls_flags(parser)
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="debug logs one line per request")
@@ -98,7 +100,8 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = EppServer(picker, host=args.host, port=args.port, transport=args.transport)
+    server = EppServer(picker, host=args.host, port=args.port, transport=args.transport,
+                       tls=tls_from_args(args))
     metrics = None
     if args.metrics_port:
         # Served on this loop by the engine's hardened /metrics server (a head deadline, a

@@ -225,6 +225,8 @@ class ExtProcStream:
         content_type = headers.get("content-type", "")
         self._grpc = content_type.startswith("application/grpc")
         length = headers.get("content-length")
+        if length and not length.isdigit():
+            raise InvalidRequest(f"content-length {length[:32]!r} is not a number")
         if length and int(length) > self._picker.max_body_bytes:
             raise _too_large(self._picker.max_body_bytes)
         path = self._path = headers.get(":path", "/").split("?", 1)[0]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl as ssl_module
 from collections.abc import Callable, Mapping
 from typing import Protocol, TypeAlias
 
@@ -207,8 +208,11 @@ class H2GrpcServer:
 
     def __init__(self, handlers: Mapping[str, HandlerFactory], *, host: str = "127.0.0.1",
                  port: int = 0, max_message_bytes: int = 4 << 20,
-                 max_concurrent_streams: int = MAX_CONCURRENT_STREAMS) -> None:
+                 max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
+                 ssl: ssl_module.SSLContext | None = None) -> None:
         check_stream_limit(max_concurrent_streams)  # here, not at the first connection
+        self.ssl = ssl
+        """TLS (ALPN h2) instead of h2c when set."""
         self.handlers = dict(handlers)
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
@@ -222,7 +226,8 @@ class H2GrpcServer:
     async def start(self) -> int:
         """Bind and listen; returns the bound port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Protocol(self), self.host, self.port)
+        self._server = await loop.create_server(lambda: _Protocol(self), self.host, self.port,
+                                                ssl=self.ssl)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 

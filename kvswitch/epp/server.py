@@ -41,6 +41,7 @@ from kvswitch.epp.access_log import AccessLogSink
 from kvswitch.epp.extproc import Action, ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.h2server import INTERNAL, NOT_FOUND, Call, H2GrpcServer, HandlerFactory
 from kvswitch.epp.request import EndpointPicker, Router, RoutingDecision
+from kvswitch.tls import TlsFiles, grpc_server_credentials, server_ssl_context
 
 __all__ = ["EXT_PROC_SERVICE", "HEALTH_SERVICES", "TRANSPORTS", "EppServer", "ExtProcServicer"]
 
@@ -415,13 +416,14 @@ class EppServer:
     (grpc.aio, with health Check and Watch and reflection)."""
 
     def __init__(self, picker: EndpointPicker, *, host: str = "127.0.0.1", port: int = 9002,
-                 transport: str = "h2"):
+                 transport: str = "h2", tls: TlsFiles | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}: {transport!r}")
         self.picker = picker
         self.host = host
         self.port = port
         self.transport = transport
+        self.tls = tls
         # "" is the server as a whole, as grpcio's HealthServicer has it.
         self._health: dict[str, int] = {"": _SERVING}
         self._shutting_down = False
@@ -443,7 +445,8 @@ class EppServer:
             }
             if sink is not None:
                 handlers[access_log.SERVICE_PATH] = lambda call: self._access_log(sink, call)
-            self._h2 = H2GrpcServer(handlers, host=host, port=port, max_message_bytes=limit)
+            self._h2 = H2GrpcServer(handlers, host=host, port=port, max_message_bytes=limit,
+                                    ssl=server_ssl_context(tls) if tls is not None else None)
         else:
             self._grpc, self._grpc_health = _grpcio_server(picker, limit), health_aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._grpc_health, self._grpc)
@@ -479,7 +482,9 @@ class EppServer:
             self.port = await self._h2.start()
         else:
             assert self._grpc is not None
-            self.port = self._grpc.add_insecure_port(f"{self.host}:{self.port}")
+            address = f"{self.host}:{self.port}"
+            self.port = (self._grpc.add_secure_port(address, grpc_server_credentials(self.tls))
+                         if self.tls is not None else self._grpc.add_insecure_port(address))
             if not self.port:
                 raise OSError(f"cannot bind the EPP to {self.host}")
             await self._grpc.start()

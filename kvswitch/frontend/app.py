@@ -25,6 +25,7 @@ from kvswitch.frontend.serving_completions import CompletionServing
 from kvswitch.frontend.serving_embeddings import EmbeddingServing
 from kvswitch.frontend.serving_models import ModelRegistry
 from kvswitch.frontend.sse import error_reply, sse_reply
+from kvswitch.tls import UpstreamTls
 
 __all__ = ["Frontend", "FrontendSettings", "build_app"]
 
@@ -40,6 +41,8 @@ class FrontendSettings:
     tokenizer_dir: str | None = None
     user_as_fairness_id: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    target_tls: UpstreamTls | None = None
+    """Call the target over TLS; None: h2c."""
 
 
 Handler = Callable[[Any, Mapping[str, str]], Awaitable[Any]]
@@ -62,7 +65,7 @@ class Frontend:
 
     def __init__(self, settings: FrontendSettings) -> None:
         self.settings = settings
-        self._client = EngineClient(settings.target)
+        self._client = EngineClient(settings.target, settings.target_tls)
         self.models = ModelRegistry(self._client, served_model_names=settings.served_model_names,
                                     tokenizer_dir=settings.tokenizer_dir)
         self.metrics = FrontendMetrics()

@@ -13,10 +13,12 @@ import multiprocessing
 import signal
 import socket
 import sys
+from pathlib import Path
 from types import FrameType
 
 from kvswitch.frontend.app import DEFAULT_MAX_BODY_BYTES, FrontendSettings
 from kvswitch.limits import HttpLimits, add_http_flags, http_from_args
+from kvswitch.tls import UpstreamTls
 
 __all__ = ["add_arguments", "run"]
 
@@ -38,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user-as-fairness-id", action="store_true",
                         help="use the OpenAI `user` field as x-llm-d-inference-fairness-id")
     add_http_flags(parser, defaults=HttpLimits(max_body_bytes=DEFAULT_MAX_BODY_BYTES))
+    tls = parser.add_argument_group("TLS to the target (unset: h2c)")
+    tls.add_argument("--target-tls-ca", type=Path, default=None, metavar="PEM",
+                     help="call the target over TLS, verifying it against this CA")
+    tls.add_argument("--target-tls-cert", type=Path, default=None, metavar="PEM",
+                     help="client certificate to present (mTLS)")
+    tls.add_argument("--target-tls-key", type=Path, default=None, metavar="PEM",
+                     help="the client certificate's key")
+    tls.add_argument("--target-tls-sni", default="localhost",
+                     help="the name the target's certificate must carry")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
 
@@ -47,7 +58,10 @@ def _settings(args: argparse.Namespace) -> FrontendSettings:
                             served_model_names=tuple(args.served_model_name),
                             tokenizer_dir=args.tokenizer,
                             user_as_fairness_id=args.user_as_fairness_id,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes,
+                            target_tls=UpstreamTls(args.target_tls_ca, args.target_tls_cert,
+                                                   args.target_tls_key, args.target_tls_sni)
+                            if args.target_tls_ca else None)
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:

@@ -40,6 +40,7 @@ from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, parse_target
 from kvswitch.protocol.h2client import available as h2_available
+from kvswitch.tls import UpstreamTls, client_ssl_context, grpc_channel_credentials
 
 __all__ = ["EngineClient", "GenerateStream", "Metadata", "error_from_rpc", "error_from_status"]
 
@@ -124,12 +125,16 @@ class _AioStream:
 class EngineClient:
     """The VllmEngine calls the frontend makes, on one channel per process."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, tls: UpstreamTls | None = None) -> None:
         self.target = target
+        self.tls = tls
+        """Call the target over TLS (mTLS with a client certificate); None: h2c."""
         self._channel: grpc.aio.Channel | None = None
         self._stub: vllm_engine_pb2_grpc.VllmEngineStub | None = None
         addresses = parse_target(target)
-        self._h2 = H2Channel(addresses) if addresses and h2_available() else None
+        self._h2 = (H2Channel(addresses, ssl=client_ssl_context(tls) if tls else None,
+                              server_hostname=tls.sni if tls else None)
+                    if addresses and h2_available() else None)
         if addresses and self._h2 is None:
             logger.warning("the hpack package is not installed: Generate uses grpc.aio "
                            "(about 3x the CPU per streamed token)")
@@ -137,7 +142,12 @@ class EngineClient:
     @property
     def stub(self) -> vllm_engine_pb2_grpc.VllmEngineStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            if self.tls is None:
+                self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            else:
+                self._channel = grpc.aio.secure_channel(
+                    self.target, grpc_channel_credentials(self.tls),
+                    options=[*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", self.tls.sni)])
             self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)
         return self._stub
 

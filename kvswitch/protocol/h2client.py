@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import math
+import ssl as ssl_module
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -586,7 +587,10 @@ class H2Channel:
     def __init__(self, addresses: Sequence[tuple[str, int]], *,
                  user_agent: str = "kvswitch-frontend",
                  on_lost: Callable[[], None] | None = None,
-                 keepalive: float | None = None) -> None:
+                 keepalive: float | None = None, ssl: ssl_module.SSLContext | None = None,
+                 server_hostname: str | None = None) -> None:
+        self._ssl, self._server_hostname = ssl, server_hostname
+        """TLS (the context offers ALPN h2) instead of h2c when set."""
         self._addresses = list(addresses)
         self._user_agent = user_agent
         self._on_lost = on_lost
@@ -659,7 +663,8 @@ class H2Channel:
         _, conn = await loop.create_connection(
             lambda: _Connection(_authority(host, port), self._user_agent, self._on_lost,
                                 self._keepalive),
-            host, port)
+            host, port, ssl=self._ssl,
+            server_hostname=(self._server_hostname or host) if self._ssl is not None else None)
         self._connections[index] = conn
         return conn
 

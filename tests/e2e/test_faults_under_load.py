@@ -1,7 +1,8 @@
 """Faults under load with real processes: while streams run through the gateway, kill -9 an
 engine, the EPP, the frontend and Envoy in turn. Every stream ends within seconds (complete, or
 a clear UNAVAILABLE / INTERNAL), the supervisor restarts what died (with backoff) and the
-gateway serves again."""
+gateway serves again. An engine that goes silent (SIGSTOP: its connections stay open) stops
+being routed to within seconds."""
 
 from __future__ import annotations
 
@@ -146,4 +147,28 @@ def test_kill_9_mid_stream(gateway: Gateway, victim: str) -> None:
     if victim == "epp":  # routed streams do not depend on the EPP
         assert {outcome for _, outcome in streams.outcomes} == {"complete"}
     wait_restarted(gateway, victim)
+    serves_again(gateway)
+
+
+def test_a_silent_engine_stops_being_routed_to(gateway: Gateway) -> None:
+    # SIGSTOP: the engine's TCP connections stay up but nothing answers (a half-open peer).
+    victim = gateway.supervisor.get("engine-1").pid
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        in_a_row = 0
+        seed = 100
+        while in_a_row < 10:  # bounded by the deadline
+            assert time.monotonic() < deadline, (
+                f"still routed to the silent engine\n{gateway.logs()}")
+            seed += 1
+            try:
+                messages = list(gateway.stub.Generate(pb.GenerateRequest(
+                    tokenized=pb.TokenizedInput(input_ids=prompt(seed)),
+                    sampling_params=pb.SamplingParams(max_tokens=2)), timeout=2))
+                in_a_row = in_a_row + 1 if messages[-1].complete.completion_tokens == 2 else 0
+            except grpc.RpcError:
+                in_a_row = 0
+    finally:
+        os.kill(victim, signal.SIGCONT)
     serves_again(gateway)

@@ -104,3 +104,9 @@ def test_a_body_of_many_messages_is_refused_at_the_second() -> None:
     body = encode(b"") * (16 * 1024 * 1024 // 5)
     with pytest.raises(InvalidRequest, match="more than 1 gRPC message"):
         VllmGrpcParser().parse(GENERATE_PATH, {}, body)
+
+
+def test_a_content_length_that_is_not_a_number_is_400() -> None:
+    s = stream()
+    [reply] = decoded(s.receive(http_headers("/v1/completions", ("content-length", "12abc"))))
+    assert reply.immediate_response.status.code == 400
