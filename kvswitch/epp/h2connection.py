@@ -1,21 +1,21 @@
 """The sans-IO core of the EPP's lean gRPC-over-HTTP/2 server (h2c, prior knowledge).
 
 `H2GrpcConnection`: `receive(bytes) -> [event]`, `send_message()`, `finish()`, `reset()`,
-`drain()` / `goaway()`, `data_to_send() -> bytes`. It parses and writes frames, keeps per-stream state,
-does HTTP/2 flow control both ways (inbound: large windows, topped up as data arrives;
+`drain()` / `goaway()`, `data_to_send() -> bytes`. Frames are read, checked and HPACK-decoded
+by the shared frame layer (`kvswitch.protocol.http2`); this keeps per-stream state, does HTTP/2
+flow control both ways (inbound: large windows, topped up as data arrives;
 outbound: data waits per stream for WINDOW_UPDATE), and gRPC message framing (5-byte prefix;
 compressed messages are refused: no encoding is negotiated). A stream opened past
 `max_concurrent_streams` (advertised in SETTINGS) is refused with RST_STREAM REFUSED_STREAM.
 Malformed input is a connection error: GOAWAY with the error code, then `closed`. Floods are
-too: more than `MAX_IDLE_FRAMES` frames in a row that cost work but carry nothing (PING,
-SETTINGS, PRIORITY, unknown types, empty DATA frames that do not end their stream) end the
-connection with ENHANCE_YOUR_CALM; the header list is bounded (`MAX_HEADER_LIST`, advertised).
+too: more than `MAX_IDLE_FRAMES` frames in a row that cost work but carry nothing (counted by
+the frame layer) end the connection with ENHANCE_YOUR_CALM; the header list is bounded
+(`MAX_HEADER_LIST`, advertised).
 `kvswitch.epp.h2server` drives it.
 
 Scope, on purpose: unary and bidi calls, no compression, no server push, no priorities,
-grpc-timeout ignored (Envoy's message_timeout governs). HPACK decoding is `hpack`; responses are
-encoded as literals without indexing (`kvswitch.protocol.http2`), so encoding touches no HPACK
-state.
+grpc-timeout ignored (Envoy's message_timeout governs). Responses are encoded as literals without
+indexing, so encoding touches no HPACK state.
 """
 
 from __future__ import annotations
@@ -27,46 +27,49 @@ from dataclasses import dataclass
 from typing import TypeAlias
 from urllib.parse import quote
 
-from hpack import Decoder, HPACKError
-
+from kvswitch.protocol.h2state import ConnectionState
 from kvswitch.protocol.http2 import (
     ACK,
     CANCEL,
-    COMPRESSION_ERROR,
-    CONTINUATION,
     DATA,
-    DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
-    ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR,
-    FRAME_HEADER,
-    FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
     INTERNAL_ERROR,
+    LAST_POSSIBLE_STREAM,
+    MAX_FRAME,
+    MAX_IDLE_FRAMES,
     MAX_WINDOW,
     NO_ERROR,
-    PADDED,
     PING,
-    PREFACE,
-    PRIORITY,
-    PRIORITY_FLAG,
     PROTOCOL_ERROR,
-    PUSH_PROMISE,
     REFUSED_STREAM,
     RST_STREAM,
     SETTINGS,
+    SETTINGS_ACK,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
     STREAM_CLOSED,
     U32,
     WINDOW_UPDATE,
+    FrameReader,
+    H2ProtocolError,
+    HeaderDecoder,
     frame,
+    goaway_frame,
+    header_frames,
     hpack_literal,
+    ping_ack,
 )
 
 __all__ = [
-    "MAX_CONCURRENT_STREAMS", "ConnectionEnded", "Event", "H2ConnectionError", "H2GrpcConnection",
-    "InputEnded", "MessageReceived", "StreamOpened", "StreamReset",
+    "MAX_CONCURRENT_STREAMS", "MAX_IDLE_FRAMES", "ConnectionEnded", "Event", "H2ConnectionError",
+    "H2GrpcConnection", "InputEnded", "MessageReceived", "StreamOpened", "StreamReset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -74,16 +77,10 @@ logger = logging.getLogger(__name__)
 # gRPC status codes used here.
 OK, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 5, 8, 12, 13
 
-_MAX_FRAME = 1 << 20  # what we accept; Envoy sends up to this once told
 MAX_HEADER_LIST = 1 << 20
-"""A header block's bytes (HEADERS + CONTINUATION), advertised as SETTINGS_MAX_HEADER_LIST_SIZE."""
-MAX_IDLE_FRAMES = 10_000
-"""Frames in a row that carry nothing (no data, no new stream, no end of stream) before the
-connection counts as a flood. WINDOW_UPDATE and RST_STREAM do not count: a proxy reading many
-responses, or cancelling many calls, sends long runs of them."""
-_IDLE_KINDS = frozenset({PING, SETTINGS, PRIORITY})
+"""A header block's bytes (HEADERS + CONTINUATION) and its decoded header list, advertised as
+SETTINGS_MAX_HEADER_LIST_SIZE."""
 _STREAM_WINDOW = 4 << 20
-_REFILL_CONNECTION_AT = 1 << 30
 # Streams one client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). Envoy multiplexes
 # a worker's ext_proc streams over one connection, each open while flow control queues its
 # request, so the limit must sit above any backlog worth queuing. 4096 is what kvswitch's Envoy
@@ -98,7 +95,6 @@ _DATA_MESSAGE = struct.Struct(">HBBBIBI")
 _RESPONSE_HEADERS = b"\x88" + hpack_literal("content-type", "application/grpc")
 _OK_TRAILERS = hpack_literal("grpc-status", "0")
 _DRAIN_PING = b"kvsdrain"  # the opaque data of the PING that follows a draining GOAWAY
-_LAST_POSSIBLE_STREAM = 0x7FFFFFFF
 
 
 def _trailers(status: int, message: str) -> bytes:
@@ -158,14 +154,10 @@ class ConnectionEnded:
 
 
 Event: TypeAlias = StreamOpened | MessageReceived | InputEnded | StreamReset | ConnectionEnded
+_NO_EVENTS: list[Event] = []  # never appended to: frames are handled only inside `receive()`
 
 
-class H2ConnectionError(Exception):
-    """A connection error (RFC 9113 §5.4.1): answered with GOAWAY `code`."""
-
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
-        self.code, self.reason = code, reason
+H2ConnectionError = H2ProtocolError
 
 
 class _Stream:
@@ -212,29 +204,20 @@ class H2GrpcConnection:
         self.draining = False  # `drain()` was called: the final GOAWAY follows the PING's ACK
         self.peer_goaway = False
         self._out: list[bytes] = []
-        self._partial: list[bytes] = []  # an incomplete frame, joined once whole (as above)
-        self._have = self._need = 0
-        self._idle_frames = 0
-        self._preface = False
-        self._settings_seen = False
-        self._decoder = Decoder()
-        self._decoded: dict[bytes, tuple[object, int, dict[str, str]]] = {}
-        self._header_block: tuple[int, int, bytearray] | None = None
-        self._send_window = DEFAULT_WINDOW
-        self._peer_initial_window = DEFAULT_WINDOW
-        self._peer_max_frame = 16384
-        self._recv_window = DEFAULT_WINDOW
-        self._recv_unacked = 0
+        self._reader = FrameReader(self._on_data, self._on_frame,
+                                   max_header_block=MAX_HEADER_LIST, preface=True)
+        self._decoder = HeaderDecoder(MAX_HEADER_LIST)
+        self._connection = ConnectionState()
         self._blocked: dict[int, _Stream] = {}
+        self._events: list[Event] = _NO_EVENTS  # what the `receive()` under way returns
 
     def initiate(self) -> None:
         """Queue our SETTINGS (no push, the stream limit, big stream window and frames) and open
         the connection window."""
-        settings = struct.pack(">HIHIHIHIHI", 0x2, 0, 0x3, self.max_concurrent_streams,
-                               0x4, self.stream_window, 0x5, _MAX_FRAME, 0x6, MAX_HEADER_LIST)
-        self._out.append(frame(SETTINGS, 0, 0, settings))
-        self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
-        self._recv_window = MAX_WINDOW
+        self._out.append(self._connection.initiate({
+            SETTINGS_ENABLE_PUSH: 0, SETTINGS_MAX_CONCURRENT_STREAMS: self.max_concurrent_streams,
+            SETTINGS_INITIAL_WINDOW_SIZE: self.stream_window, SETTINGS_MAX_FRAME_SIZE: MAX_FRAME,
+            SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST}))
 
     def data_to_send(self) -> bytes:
         out, self._out = self._out, []
@@ -247,159 +230,69 @@ class H2GrpcConnection:
         if self.closed:
             return []
         events: list[Event] = []
-        if self._partial:
-            self._partial.append(data)
-            self._have += len(data)
-            if self._have < self._need:
-                return events
-            buffer = b"".join(self._partial)
-            self._partial, self._have = [], 0
-        else:
-            buffer = data
-        offset = 0
+        self._events = events
         try:
-            if not self._preface:
-                if len(buffer) < len(PREFACE):
-                    if not PREFACE.startswith(buffer):
-                        raise H2ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                    self._partial, self._have, self._need = [buffer], len(buffer), len(PREFACE)
-                    return events
-                if not buffer.startswith(PREFACE):
-                    raise H2ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                self._preface = True
-                offset = len(PREFACE)
-            size = len(buffer)
-            self._need = 9
-            while size - offset >= 9:
-                high, low, kind, flags, stream_id = FRAME_HEADER.unpack_from(buffer, offset)
-                length = high << 8 | low
-                if length > _MAX_FRAME:
-                    raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
-                end = offset + 9 + length
-                if end > size:
-                    self._need = 9 + length
-                    break
-                stream_id &= 0x7FFFFFFF
-                payload = buffer[offset + 9:end]
-                offset = end
-                if (kind in _IDLE_KINDS or kind > CONTINUATION
-                        or (kind == DATA and not length and not flags & END_STREAM)):
-                    self._idle_frames += 1
-                    if self._idle_frames > MAX_IDLE_FRAMES:
-                        raise H2ConnectionError(ENHANCE_YOUR_CALM, "a flood of frames that "
-                                                "carry nothing")
-                elif kind != WINDOW_UPDATE and kind != RST_STREAM:
-                    self._idle_frames = 0
-                if kind == DATA and self._header_block is None and self._settings_seen:
-                    self._on_data(flags, stream_id, payload, events)  # most frames: one call less
-                else:
-                    self._on_frame(kind, flags, stream_id, payload, events)
-                if self.closed:
-                    return events
-            if offset < size:
-                self._partial, self._have = [buffer[offset:]], size - offset
+            self._reader.feed(data)
         except H2ConnectionError as exc:
             self._fail(exc.code, exc.reason, events)
         except Exception as exc:  # a parsing bug must cost this connection, not the server
             logger.exception("HTTP/2 connection failed")
             self._fail(INTERNAL_ERROR, f"internal error: {exc}", events)
-        if self._recv_unacked >= _REFILL_CONNECTION_AT:
-            self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self._recv_unacked)))
-            self._recv_window += self._recv_unacked
-            self._recv_unacked = 0
+        self._events = _NO_EVENTS  # the caller's now: not kept past this call
+        connection = self._connection
+        if connection.recv_unacked >= connection.refill_at:
+            self._out.append(connection.refill())
         return events
 
     def _fail(self, code: int, reason: str, events: list[Event]) -> None:
         logger.warning("HTTP/2 connection error %#x: %s", code, reason)
-        self.goaway(code, reason.encode("utf-8", "replace")[:256])
+        self.goaway(code, reason)
         self.closed = True
         events.append(ConnectionEnded(code, reason))
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes,
-                  events: list[Event]) -> None:
-        if self._header_block is not None and (
-                kind != CONTINUATION or stream_id != self._header_block[0]):
-            raise H2ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION")
-        if not self._settings_seen:
-            if kind != SETTINGS or flags & ACK:
-                raise H2ConnectionError(PROTOCOL_ERROR, "the preface must be followed by SETTINGS")
-            self._settings_seen = True
-        if kind == DATA:
-            self._on_data(flags, stream_id, payload, events)
-        elif kind == HEADERS or kind == CONTINUATION:
-            self._on_headers(kind, flags, stream_id, payload, events)
+                  length: int) -> None:
+        """A frame other than DATA, as `FrameReader` checked it (header blocks whole)."""
+        events = self._events
+        if kind == HEADERS:
+            if not stream_id & 1:
+                raise H2ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+            self._header_block_done(stream_id, flags, payload, events)
         elif kind == WINDOW_UPDATE:
             self._on_window_update(stream_id, payload, events)
         elif kind == RST_STREAM:
-            if len(payload) != 4:
-                raise H2ConnectionError(FRAME_SIZE_ERROR, "RST_STREAM of the wrong size")
             self._check_not_idle(stream_id, "RST_STREAM")
             if self._drop(stream_id):
                 events.append(StreamReset(stream_id, U32.unpack(payload)[0]))
         elif kind == SETTINGS:
-            self._on_settings(flags, stream_id, payload)
+            self._on_settings(flags, payload)
         elif kind == PING:
-            if stream_id:
-                raise H2ConnectionError(PROTOCOL_ERROR, "PING on a stream")
-            if len(payload) != 8:
-                raise H2ConnectionError(FRAME_SIZE_ERROR, "PING of the wrong size")
             if not flags & ACK:
-                self._out.append(frame(PING, ACK, 0, payload))
+                self._out.append(ping_ack(payload))
             elif payload == _DRAIN_PING and self.draining and not self.goaway_sent:
                 self.goaway()  # the peer has seen the first GOAWAY: name the real last stream
         elif kind == GOAWAY:
-            if stream_id or len(payload) < 8:
-                raise H2ConnectionError(PROTOCOL_ERROR, "malformed GOAWAY")
             self.peer_goaway = True  # no new streams from the peer; open ones carry on
-        elif kind == PRIORITY:
-            if not stream_id:
-                raise H2ConnectionError(PROTOCOL_ERROR, "PRIORITY on stream 0")
-            if len(payload) != 5:
-                raise H2ConnectionError(FRAME_SIZE_ERROR, "PRIORITY of the wrong size")
-        elif kind == PUSH_PROMISE:
-            raise H2ConnectionError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-        # Unknown frame types are ignored (RFC 9113 §4.1).
+        # PRIORITY and unknown frame types are ignored (RFC 9113 §5.3.2, §4.1).
 
     def _check_not_idle(self, stream_id: int, what: str) -> None:
         if not stream_id or stream_id > self.highest_stream_id:
             raise H2ConnectionError(PROTOCOL_ERROR, f"{what} on idle stream {stream_id}")
 
-    def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if stream_id:
-            raise H2ConnectionError(PROTOCOL_ERROR, "SETTINGS on a stream")
+    def _on_settings(self, flags: int, payload: bytes) -> None:
         if flags & ACK:
-            if payload:
-                raise H2ConnectionError(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
             return
-        if len(payload) % 6:
-            raise H2ConnectionError(FRAME_SIZE_ERROR, "SETTINGS of the wrong size")
-        for i in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, i)
-            if key == 0x2 and value > 1:
-                raise H2ConnectionError(PROTOCOL_ERROR, "bad SETTINGS_ENABLE_PUSH")
-            if key == 0x4:
-                if value > MAX_WINDOW:
-                    raise H2ConnectionError(FLOW_CONTROL_ERROR, "bad SETTINGS_INITIAL_WINDOW_SIZE")
-                delta, self._peer_initial_window = value - self._peer_initial_window, value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-            elif key == 0x5:
-                if not 16384 <= value < 1 << 24:
-                    raise H2ConnectionError(PROTOCOL_ERROR, "bad SETTINGS_MAX_FRAME_SIZE")
-                self._peer_max_frame = value
-        self._out.append(frame(SETTINGS, ACK, 0))
+        delta = self._connection.on_settings(payload)
+        if delta:
+            for stream in self.streams.values():
+                stream.send_window += delta
+        self._out.append(SETTINGS_ACK)
         self._flush_blocked()
 
     def _on_window_update(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
-        if len(payload) != 4:
-            raise H2ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE of the wrong size")
         increment = U32.unpack(payload)[0] & 0x7FFFFFFF
         if not stream_id:
-            if not increment:
-                raise H2ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > MAX_WINDOW:
-                raise H2ConnectionError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+            self._connection.on_window_update(payload)
             self._flush_blocked()
             return
         self._check_not_idle(stream_id, "WINDOW_UPDATE")
@@ -413,16 +306,9 @@ class H2GrpcConnection:
         elif stream.pending:
             self._flush(stream)
 
-    def _on_data(self, flags: int, stream_id: int, payload: bytes, events: list[Event]) -> None:
-        if not stream_id:
-            raise H2ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
-        length = len(payload)
-        self._recv_window -= length
-        if self._recv_window < 0:
-            raise H2ConnectionError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
-        self._recv_unacked += length
-        if flags & PADDED:
-            payload = _unpad(payload)
+    def _on_data(self, flags: int, stream_id: int, payload: bytes, length: int) -> None:
+        events = self._events
+        self._connection.received(length)
         stream = self.streams.get(stream_id)
         if stream is None:
             self._check_not_idle(stream_id, "DATA")
@@ -507,36 +393,9 @@ class H2GrpcConnection:
         self.reset(stream.id, code)
         events.append(StreamReset(stream.id, code))
 
-    def _on_headers(self, kind: int, flags: int, stream_id: int, payload: bytes,
-                    events: list[Event]) -> None:
-        if kind == HEADERS:
-            if not stream_id or not stream_id & 1:
-                raise H2ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
-            if flags & PADDED:
-                payload = _unpad(payload)
-            if flags & PRIORITY_FLAG:
-                if len(payload) < 5:
-                    raise H2ConnectionError(FRAME_SIZE_ERROR, "HEADERS too short for priority")
-                payload = payload[5:]
-            if flags & END_HEADERS:
-                self._header_block_done(stream_id, flags, payload, events)
-            else:
-                self._header_block = (stream_id, flags, bytearray(payload))
-            return
-        if self._header_block is None:
-            raise H2ConnectionError(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
-        block = self._header_block[2]
-        block += payload
-        if len(block) > MAX_HEADER_LIST:
-            raise H2ConnectionError(ENHANCE_YOUR_CALM, "header block over 1 MiB")
-        if flags & END_HEADERS:
-            _, first_flags, _ = self._header_block
-            self._header_block = None
-            self._header_block_done(stream_id, first_flags, bytes(block), events)
-
     def _header_block_done(self, stream_id: int, flags: int, block: bytes,
                            events: list[Event]) -> None:
-        headers = self._decode(block)
+        headers = dict(self._decoder.decode(block))
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers
             if not flags & END_STREAM or stream.remote_done:
@@ -553,7 +412,7 @@ class H2GrpcConnection:
             # final GOAWAY. Decoded above, so HPACK stays in step; other streams carry on.
             self._out.append(frame(RST_STREAM, 0, stream_id, U32.pack(REFUSED_STREAM)))
             return
-        stream = self.streams[stream_id] = _Stream(stream_id, self._peer_initial_window,
+        stream = self.streams[stream_id] = _Stream(stream_id, self._connection.peer_initial_window,
                                                            self.stream_window)
         path = headers.get(":path")
         if headers.get(":method") != "POST" or not path:
@@ -562,29 +421,6 @@ class H2GrpcConnection:
         events.append(StreamOpened(stream_id, path, headers))
         if flags & END_STREAM:
             self._remote_ended(stream, events)
-
-    def _decode(self, block: bytes) -> dict[str, str]:
-        """The header block as a dict. Envoy opens every ext_proc stream with the same block
-        (indexed fields and a literal :path that is not indexed): a block whose decoding left
-        the dynamic table as it was decodes the same way while the table stays so, and its
-        result is reused (hpack costs ≈ 2 µs per field). Any insertion makes a new newest
-        entry, any eviction a shorter table: (newest entry, length) tells the table changed."""
-        dynamic = self._decoder.header_table.dynamic_entries
-        newest, length = (dynamic[0] if dynamic else None), len(dynamic)
-        cached = self._decoded.get(block)
-        if cached is not None and cached[0] is newest and cached[1] == length:
-            return dict(cached[2])
-        try:  # always decoded otherwise, to keep the HPACK state in step
-            fields = self._decoder.decode(block, raw=True)
-        except (HPACKError, ValueError, IndexError) as exc:
-            raise H2ConnectionError(COMPRESSION_ERROR, f"HPACK: {exc}") from exc
-        headers = {bytes(k).decode("latin-1"): bytes(v).decode("latin-1") for k, v in fields}
-        if (dynamic[0] if dynamic else None) is newest and len(dynamic) == length:
-            if len(self._decoded) >= 64:
-                self._decoded.clear()
-            self._decoded[block] = (newest, length, headers)
-            return dict(headers)
-        return headers
 
     # -- output ------------------------------------------------------------------------------
 
@@ -598,10 +434,11 @@ class H2GrpcConnection:
             stream.headers_sent = True
             self._out.append(frame(HEADERS, END_HEADERS, stream_id, _RESPONSE_HEADERS))
         size = 5 + len(message)
-        if (not stream.pending and size <= stream.send_window and size <= self._send_window
-                and size <= self._peer_max_frame):
+        connection = self._connection
+        if (not stream.pending and size <= stream.send_window and size <= connection.send_window
+                and size <= connection.peer_max_frame):
             stream.send_window -= size
-            self._send_window -= size
+            connection.send_window -= size
             # The frame header and the gRPC prefix in one pack: one copy of the message.
             self._out.append(_DATA_MESSAGE.pack(size >> 8, size & 0xFF, DATA, 0, stream_id, 0,
                                                 size - 5) + message)
@@ -627,22 +464,15 @@ class H2GrpcConnection:
             self._send_trailers(stream, block)
 
     def _send_trailers(self, stream: _Stream, block: bytes) -> None:
-        step = self._peer_max_frame
-        if len(block) <= step:
-            self._out.append(frame(HEADERS, END_STREAM | END_HEADERS, stream.id, block))
-        else:
-            self._out.append(frame(HEADERS, END_STREAM, stream.id, block[:step]))
-            for start in range(step, len(block), step):
-                last = start + step >= len(block)
-                self._out.append(frame(CONTINUATION, END_HEADERS if last else 0, stream.id,
-                                       block[start:start + step]))
+        self._out.extend(header_frames(stream.id, block, True,
+                                      self._connection.peer_max_frame))
         if stream.remote_done:
             del self.streams[stream.id]
         else:  # the client may still be sending: tell it to stop (as gRPC servers do)
             self.reset(stream.id, NO_ERROR)
 
     def _flush(self, stream: _Stream) -> None:
-        pending = stream.pending
+        pending, connection = stream.pending, self._connection
         while pending:
             item = pending[0]
             if type(item) is tuple:
@@ -651,12 +481,13 @@ class H2GrpcConnection:
                 self._send_trailers(stream, item[0])
                 return
             assert isinstance(item, bytes)
-            size = min(len(item), stream.send_window, self._send_window, self._peer_max_frame)
+            size = min(len(item), stream.send_window, connection.send_window,
+                       connection.peer_max_frame)
             if size <= 0:
                 self._blocked[stream.id] = stream
                 return
             stream.send_window -= size
-            self._send_window -= size
+            connection.send_window -= size
             self._out.append(frame(DATA, 0, stream.id, item[:size]))
             if size == len(item):
                 pending.popleft()
@@ -666,7 +497,7 @@ class H2GrpcConnection:
 
     def _flush_blocked(self) -> None:
         for stream in list(self._blocked.values()):
-            if self._send_window <= 0:
+            if self._connection.send_window <= 0:
                 return
             if stream.id in self.streams:
                 self._flush(stream)
@@ -691,20 +522,12 @@ class H2GrpcConnection:
         if self.draining or self.goaway_sent:
             return
         self.draining = True
-        self._out.append(frame(GOAWAY, 0, 0, U32.pack(_LAST_POSSIBLE_STREAM) + U32.pack(NO_ERROR)))
+        self._out.append(goaway_frame(LAST_POSSIBLE_STREAM, NO_ERROR))
         self._out.append(frame(PING, 0, 0, _DRAIN_PING))
 
-    def goaway(self, code: int = NO_ERROR, debug: bytes = b"") -> None:
+    def goaway(self, code: int = NO_ERROR, reason: str = "") -> None:
         """No new streams past the highest seen; open ones may finish (NO_ERROR)."""
         self.goaway_sent = True
         self._open_limit = 0
-        payload = U32.pack(self.highest_stream_id) + U32.pack(code) + debug
-        self._out.append(frame(GOAWAY, 0, 0, payload))
-
-
-def _unpad(payload: bytes) -> bytes:
-    if not payload or payload[0] >= len(payload):
-        raise H2ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
-    return payload[1:len(payload) - payload[0]]
-
+        self._out.append(goaway_frame(self.highest_stream_id, code, reason))
 

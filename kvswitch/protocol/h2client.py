@@ -17,11 +17,11 @@ as they are used, so a stream can live for days. A call may carry a deadline (se
 `grpc-timeout`; when it passes the call fails with DEADLINE_EXCEEDED and is reset). A lost
 connection fails every open call with UNAVAILABLE at once. With `keepalive` (seconds) a
 connection sends PINGs and drops itself, failing its calls, when one goes unanswered for an
-interval (a half-open connection to a silent peer). A frame that breaks RFC 9113's rules
-(`_check_frame`, header blocks over `MAX_HEADER_BLOCK`) is a connection error: GOAWAY, then the
-same. A call this channel cannot start (no
-connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE `StreamError`:
-the frontend then uses grpc.aio instead. HPACK decoding is `hpack` (python-hyper).
+interval (a half-open connection to a silent peer). Frames and HPACK are the shared frame
+layer (`kvswitch.protocol.http2`): a frame that breaks RFC 9113's rules, or a header block over
+`MAX_HEADER_BLOCK`, is a connection error: GOAWAY, then the same. A call this channel cannot
+start (no connection, window or stream slot) raises `NotAccepted`, itself an UNAVAILABLE
+`StreamError`: the frontend then uses grpc.aio instead. HPACK is `hpack` (python-hyper).
 """
 
 from __future__ import annotations
@@ -29,47 +29,55 @@ from __future__ import annotations
 import asyncio
 import math
 import ssl as ssl_module
-import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
 from hpack import Decoder
 
+from kvswitch.protocol.h2state import REFILL_AT, ConnectionState
 from kvswitch.protocol.http2 import (
     ACK,
-    COMPRESSION_ERROR,
-    CONTINUATION,
+    CANCEL,
     DATA,
-    END_HEADERS,
     END_STREAM,
-    FLOW_CONTROL_ERROR,
-    FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
+    MAX_FRAME,
     MAX_WINDOW,
     PADDED,
     PING,
     PREFACE,
-    PRIORITY_FLAG,
-    PROTOCOL_ERROR,
     RST_STREAM,
     SETTINGS,
+    SETTINGS_ACK,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
     U32,
     WINDOW_UPDATE,
+    FrameReader,
+    H2ProtocolError,
+    HeaderDecoder,
     frame,
+    goaway_fields,
+    goaway_frame,
+    header_frames,
     hpack_literal,
+    ping_ack,
 )
 
-__all__ = ["H2Channel", "MessageCallback", "NotAccepted", "StreamCall", "StreamError",
-           "parse_target", "timeout_header"]
+__all__ = ["MAX_RESPONSE_MESSAGE", "H2Channel", "MessageCallback", "NotAccepted", "StreamCall",
+           "StreamError", "parse_target", "timeout_header"]
 
-_REFILL_AT = 2**30
-_MAX_FRAME = 1 << 20
-"""SETTINGS_MAX_FRAME_SIZE we advertise; a longer frame is a connection error."""
+_REFILL_AT = REFILL_AT
 MAX_HEADER_BLOCK = 256 * 1024
-"""Largest header block (HEADERS + CONTINUATION) read before the connection is dropped."""
-_FIXED_LENGTH = {RST_STREAM: 4, WINDOW_UPDATE: 4, PING: 8}
+"""Largest header block (HEADERS + CONTINUATION) and decoded header list read before the
+connection is dropped; advertised as SETTINGS_MAX_HEADER_LIST_SIZE."""
+MAX_RESPONSE_MESSAGE = 64 * 1024 * 1024
+"""Largest response message a call takes (what the frontend's grpc.aio fallback allows); a
+longer one announced fails the call with RESOURCE_EXHAUSTED before its bytes are kept."""
 _KEEPALIVE_PING = b"kvswkeep"
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _RST_CODES = {0x7: grpc.StatusCode.UNAVAILABLE, 0x8: grpc.StatusCode.CANCELLED,
@@ -114,15 +122,17 @@ class StreamCall:
     """One call's received messages; `read_batch()` returns all those waiting."""
 
     __slots__ = (
-        "_buffer",
         "_conn",
         "_ended",
         "_error",
+        "_have",
         "_headers_seen",
         "_id",
         "_messages",
+        "_need",
         "_on_message",
         "_parse",
+        "_partial",
         "_received",
         "_timer",
         "_waiter",
@@ -132,7 +142,10 @@ class StreamCall:
                  on_message: MessageCallback | None = None) -> None:
         self._conn, self._id, self._parse = conn, stream_id, parse
         self._on_message = on_message
-        self._buffer = b""
+        # A partial message as received (joined once whole: a big one arrives in many reads),
+        # its size so far and the size that completes it (or its 5-byte prefix).
+        self._partial: list[bytes] = []
+        self._have = self._need = 0
         self._messages: list[Any] = []
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
@@ -203,13 +216,26 @@ class StreamCall:
         if self._received >= _REFILL_AT:
             self._conn.refill(self._id, self._received)
             self._received = 0
-        buffer = self._buffer + data if self._buffer else data
+        if self._partial:
+            self._partial.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            buffer = b"".join(self._partial)
+            self._partial, self._have = [], 0
+        else:
+            buffer = data
         offset, size = 0, len(buffer)
         parse, messages = self._parse, self._messages
         error: StreamError | None = None
         try:
             while size - offset >= 5:
                 length = U32.unpack_from(buffer, offset + 1)[0]
+                if length > MAX_RESPONSE_MESSAGE:
+                    error = StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"response message of {length} bytes over the "
+                                        f"{MAX_RESPONSE_MESSAGE} limit")
+                    break
                 end = offset + 5 + length
                 if end > size:
                     break
@@ -219,7 +245,10 @@ class StreamCall:
                 offset = end
         except Exception as exc:  # noqa: BLE001 - a bad message fails its call, not the others
             error = StreamError(grpc.StatusCode.INTERNAL, f"bad response message: {exc}")
-        self._buffer = buffer[offset:] if offset < size else b""
+        if offset < size and error is None:
+            rest = buffer[offset:]
+            self._partial, self._have = [rest], len(rest)
+            self._need = 5 + U32.unpack_from(rest, 1)[0] if len(rest) >= 5 else 5
         if self._on_message is not None and messages:
             self._dispatch()  # those before a bad message still count
         if error is not None:
@@ -247,8 +276,7 @@ class StreamCall:
             self._finish(error)
             self._conn.reset(self._id)
 
-    def _headers(self, headers: Iterable[tuple[str, str]], end_stream: bool) -> None:
-        values = dict(headers)
+    def _headers(self, values: Mapping[str, str], end_stream: bool) -> None:
         if not self._headers_seen and not end_stream:
             self._headers_seen = True
             status = values.get(":status", "200")
@@ -282,33 +310,6 @@ class StreamCall:
 
 MessageCallback = Callable[[Any], bool]
 """Takes one parsed message as it arrives; returns False to end the call (it is cancelled)."""
-
-
-class _ConnectionError(Exception):
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
-        self.code, self.reason = code, reason
-
-
-def _check_frame(kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-    """RFC 9113's frame-level rules for what this client reads (`_ConnectionError` if broken):
-    fixed lengths, padding within the frame, SETTINGS in whole entries."""
-    size = len(payload)
-    fixed = _FIXED_LENGTH.get(kind)
-    if fixed is not None and size != fixed:
-        raise _ConnectionError(FRAME_SIZE_ERROR, f"frame type {kind} of {size} bytes")
-    if kind in (DATA, HEADERS) and flags & PADDED:
-        reserved = 1 + (5 if kind == HEADERS and flags & PRIORITY_FLAG else 0)
-        if size < reserved or payload[0] > size - reserved:
-            raise _ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
-    elif kind == HEADERS and flags & PRIORITY_FLAG and size < 5:
-        raise _ConnectionError(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
-    elif kind == SETTINGS and (size % 6 or (flags & ACK and size)):
-        raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS not in whole entries")
-    elif kind == GOAWAY and size < 8:
-        raise _ConnectionError(FRAME_SIZE_ERROR, "GOAWAY too short")
-    if kind in (DATA, HEADERS, CONTINUATION, RST_STREAM) and stream_id == 0:
-        raise _ConnectionError(PROTOCOL_ERROR, f"frame type {kind} on stream 0")
 
 
 def _http_status_code(status: str) -> grpc.StatusCode:
@@ -352,26 +353,24 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._next_id = 1
-        self._buffer = b""
-        self._decoder = Decoder()
+        self._reader = FrameReader(self._on_data, self._on_control,
+                                   max_header_block=MAX_HEADER_BLOCK)
+        # Plain DATA frames are gathered per stream and handed over once per read, so a stream
+        # whose messages arrived together is parsed and woken once.
+        self._gathered: dict[int, list[bytes]] = {}
+        self._decoder = HeaderDecoder(MAX_HEADER_BLOCK, "utf-8")
         self._fixed_headers: dict[tuple[str, float | None], bytes] = {}
-        self._header_block: tuple[int, int, bytearray] | None = None
-        self._send_window = 65535
-        self._peer_initial_window = 65535
-        self._peer_max_frame = 16384
-        self._peer_max_streams = 2**31
-        self._received = 0
+        self._connection = ConnectionState(_REFILL_AT)
         self._failed = False
         self._out: list[bytes] = []
-        self._decoded: dict[bytes, list[tuple[str, str]]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         if self.keepalive is not None:
             self._ping_timer = self.loop.call_later(self.keepalive, self._ping)
-        settings = struct.pack(">HIHIHI", 0x2, 0, 0x4, MAX_WINDOW, 0x5, 1 << 20)
-        self.transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)  # type: ignore[union-attr]
-                             + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - 65535)))
+        self.transport.write(PREFACE + self._connection.initiate({  # type: ignore[union-attr]
+            SETTINGS_ENABLE_PUSH: 0, SETTINGS_INITIAL_WINDOW_SIZE: MAX_WINDOW,
+            SETTINGS_MAX_FRAME_SIZE: MAX_FRAME, SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_BLOCK}))
 
     def _ping(self) -> None:
         if self.closed or self.transport is None or self.keepalive is None:
@@ -414,9 +413,10 @@ class _Connection(asyncio.Protocol):
               parse: Callable[[bytes], Any], timeout: float | None = None,
               on_message: MessageCallback | None = None) -> StreamCall:
         size = len(body) + 5
+        connection = self._connection
         if (self.closed or self.transport is None or self._next_id >= 2**31
-                or len(self.streams) >= self._peer_max_streams
-                or size > min(self._send_window, self._peer_initial_window)):
+                or len(self.streams) >= connection.peer_max_streams
+                or size > min(connection.send_window, connection.peer_initial_window)):
             raise NotAccepted(f"{self.authority}: no connection, window or stream slot")
         stream_id, self._next_id = self._next_id, self._next_id + 2
         fixed = self._fixed_headers.get((path, timeout))
@@ -436,9 +436,9 @@ class _Connection(asyncio.Protocol):
         if timeout is not None:
             call._timer = self.loop.call_later(timeout, call._expire)
         message = b"\x00" + U32.pack(len(body)) + body
-        self._send_window -= size
-        out = [frame(HEADERS, END_HEADERS, stream_id, block)]
-        step = self._peer_max_frame
+        connection.send_window -= size
+        step = connection.peer_max_frame
+        out = header_frames(stream_id, block, False, step)
         for start in range(0, len(message), step):
             last = start + step >= len(message)
             out.append(frame(DATA, END_STREAM if last else 0, stream_id,
@@ -448,7 +448,7 @@ class _Connection(asyncio.Protocol):
 
     def reset(self, stream_id: int) -> None:
         if not self.closed and self.transport is not None:
-            self._send(frame(RST_STREAM, 0, stream_id, U32.pack(0x8)))
+            self._send(frame(RST_STREAM, 0, stream_id, U32.pack(CANCEL)))
 
     def refill(self, stream_id: int, received: int) -> None:
         """Give a long-lived stream back the window its received bytes used."""
@@ -470,13 +470,18 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self._receive(data)
-        except _ConnectionError as exc:
+        except H2ProtocolError as exc:
+            if self._gathered:  # what arrived before the broken frame still counts
+                try:
+                    self._deliver()
+                except H2ProtocolError:
+                    pass  # over the window too: the connection fails all the same
             self._fail(exc.code, exc.reason)
 
     def _fail(self, code: int, reason: str) -> None:
         """A connection error: GOAWAY, close, every open call UNAVAILABLE."""
         self._failed = True
-        self._write(frame(GOAWAY, 0, 0, U32.pack(0) + U32.pack(code) + reason.encode()))
+        self._write(goaway_frame(0, code, reason))
         self._closing()
         self.close()
         self.connection_lost(None)
@@ -485,88 +490,64 @@ class _Connection(asyncio.Protocol):
         if self._failed:
             return
         self._last_received = self.loop.time()
-        buffer = self._buffer + data if self._buffer else data
-        offset, size = 0, len(buffer)
-        # Plain DATA frames are gathered per stream and handed over once per read, so a stream
-        # whose messages arrived together is parsed and woken once.
-        gathered: dict[int, list[bytes]] = {}
-        while size - offset >= 9:
-            length = U32.unpack_from(buffer, offset)[0] >> 8
-            if length > _MAX_FRAME:
-                raise _ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
-            end = offset + 9 + length
-            if end > size:
-                break
-            kind, flags = buffer[offset + 3], buffer[offset + 4]
-            stream_id = U32.unpack_from(buffer, offset + 5)[0] & 0x7FFFFFFF
-            payload = buffer[offset + 9:end]
-            offset = end
-            if self._header_block is not None and kind != CONTINUATION:
-                raise _ConnectionError(PROTOCOL_ERROR, "a header block left unfinished")
-            if kind == DATA and not flags:
-                self._received += length
-                parts = gathered.get(stream_id)
-                if parts is None:
-                    gathered[stream_id] = [payload]
-                else:
-                    parts.append(payload)
-                continue
-            if gathered:  # in order: what came before this frame first
-                self._deliver(gathered)
-                gathered = {}
-            _check_frame(kind, flags, stream_id, payload)
-            if kind == DATA:
-                self._received += length
-                self._on_data(stream_id, flags, payload)
-            else:
-                self._on_control(kind, flags, stream_id, payload)
-        self._buffer = buffer[offset:] if offset < size else b""
-        if gathered:
-            self._deliver(gathered)
-        if self._received >= _REFILL_AT and self.transport is not None:
-            self.transport.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self._received)))
-            self._received = 0
+        self._reader.feed(data)
+        if self._gathered:
+            self._deliver()
+        refill = self._connection.refill()
+        if refill and self.transport is not None:
+            self.transport.write(refill)
 
-    def _deliver(self, gathered: dict[int, list[bytes]]) -> None:
-        streams = self.streams
+    def _deliver(self) -> None:
+        """Hand the plain DATA gathered to its calls, counted against the connection window
+        (once per stream and read, not per frame: the same check, fewer calls)."""
+        gathered, self._gathered = self._gathered, {}
+        streams, received = self.streams, self._connection.received
         for stream_id, parts in gathered.items():
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            received(len(data))
             call = streams.get(stream_id)
             if call is not None:
-                call._data(parts[0] if len(parts) == 1 else b"".join(parts))
+                call._data(data)
 
-    def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
+    def _on_data(self, flags: int, stream_id: int, payload: bytes, length: int) -> None:
+        if not flags:
+            parts = self._gathered.get(stream_id)
+            if parts is None:
+                self._gathered[stream_id] = [payload]
+            else:
+                parts.append(payload)
+            return
+        if self._gathered:  # in order: what came before this frame first
+            self._deliver()
+        self._connection.received(length)
         call = self.streams.get(stream_id)
         if call is None:
             return
         if flags & PADDED:
-            call._received += payload[0] + 1  # padding counts against the window too
-            payload = payload[1:len(payload) - payload[0]]
+            call._received += length - len(payload)  # padding counts against the window too
         if payload:
             call._data(payload)
         if flags & END_STREAM:
             call._finish(StreamError(grpc.StatusCode.INTERNAL, "stream ended without trailers"))
 
-    def _on_control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind in (HEADERS, CONTINUATION):
-            self._on_header_fragment(kind, flags, stream_id, payload)
+    def _on_control(self, kind: int, flags: int, stream_id: int, payload: bytes,
+                    length: int) -> None:
+        if self._gathered:  # in order: what came before this frame first
+            self._deliver()
+        if kind == HEADERS:
+            call = self.streams.get(stream_id)
+            headers = self._decoder.decode(payload)  # always, to keep HPACK state in step
+            if call is not None:
+                call._headers(headers, bool(flags & END_STREAM))
         elif kind == SETTINGS and not flags & ACK:
-            for i in range(0, len(payload) - 5, 6):
-                key, value = struct.unpack_from(">HI", payload, i)
-                if key == 0x3:
-                    self._peer_max_streams = value
-                elif key == 0x4:
-                    self._peer_initial_window = value
-                elif key == 0x5:
-                    self._peer_max_frame = value
-            self._write(frame(SETTINGS, ACK, 0))
+            self._connection.on_settings(payload)  # only future streams: ours send at once
+            self._write(SETTINGS_ACK)
         elif kind == PING and not flags & ACK:
-            self._write(frame(PING, ACK, 0, payload))
+            self._write(ping_ack(payload))
         elif kind == PING:
             self._ping_answered = True
         elif kind == WINDOW_UPDATE and stream_id == 0:
-            self._send_window += U32.unpack_from(payload)[0] & 0x7FFFFFFF
-            if self._send_window > MAX_WINDOW:
-                raise _ConnectionError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+            self._connection.on_window_update(payload)
         elif kind == RST_STREAM:
             call = self.streams.get(stream_id)
             if call is not None:
@@ -574,62 +555,12 @@ class _Connection(asyncio.Protocol):
                 call._finish(StreamError(_RST_CODES.get(code, grpc.StatusCode.INTERNAL),
                                          f"stream reset by the server (HTTP/2 error {code})"))
         elif kind == GOAWAY:
-            last = U32.unpack_from(payload)[0] & 0x7FFFFFFF
+            last, _ = goaway_fields(payload)
             self._closing()  # no new streams here; those the server never saw fail now
             for sid, call in list(self.streams.items()):
                 if sid > last:
                     call._finish(StreamError(grpc.StatusCode.UNAVAILABLE,
                                              "connection closing (GOAWAY)"))
-
-    def _on_header_fragment(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind == HEADERS:
-            pad = 0
-            if flags & PADDED:
-                pad, payload = payload[0], payload[1:]
-            if flags & PRIORITY_FLAG:
-                payload = payload[5:]
-            if pad:
-                payload = payload[:-pad]
-            self._header_block = (stream_id, flags, bytearray(payload))
-        elif self._header_block is None or self._header_block[0] != stream_id:
-            raise _ConnectionError(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
-        else:
-            self._header_block[2].extend(payload)
-        if len(self._header_block[2]) > MAX_HEADER_BLOCK:
-            raise _ConnectionError(PROTOCOL_ERROR, f"header block over {MAX_HEADER_BLOCK} bytes")
-        if not flags & END_HEADERS:
-            return
-        sid, first_flags, block = self._header_block
-        self._header_block = None
-        try:  # always, to keep HPACK state in step
-            headers = self._decode(bytes(block))
-        except Exception as exc:
-            raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from exc
-        call = self.streams.get(sid)
-        if call is not None:
-            call._headers(headers, bool(first_flags & END_STREAM))
-
-    def _decode(self, block: bytes) -> list[tuple[str, str]]:
-        """HPACK-decode `block`, from the cache when the same bytes decoded earlier against
-        the same dynamic table. A server sends the same response headers (all indexed) and
-        near-same trailers on every call: a block that changed no table state decodes the same
-        until the table changes, and every change (an indexed literal, a size update) empties
-        the cache."""
-        headers = self._decoded.get(block)
-        if headers is not None:
-            return headers
-        table = self._decoder.header_table
-        before = (len(table.dynamic_entries), table._current_size, table.maxsize)
-        first = table.dynamic_entries[0] if table.dynamic_entries else None
-        headers = [(bytes(k).decode("latin-1"), bytes(v).decode("utf-8", "replace"))
-                   for k, v in self._decoder.decode(block, raw=True)]
-        unchanged = (before == (len(table.dynamic_entries), table._current_size, table.maxsize)
-                     and first is (table.dynamic_entries[0] if table.dynamic_entries else None))
-        if not unchanged or len(self._decoded) >= 256:
-            self._decoded.clear()
-        if unchanged:
-            self._decoded[block] = headers
-        return headers
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:

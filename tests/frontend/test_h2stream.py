@@ -112,20 +112,3 @@ def test_parse_target() -> None:
     assert parse_target("localhost:80") == [("localhost", 80)]
     for other in ("unix:/tmp/sock", "dns:///svc:80", "a:1,b:2", "nohost"):
         assert parse_target(other) is None
-
-
-async def test_cached_header_blocks_follow_the_hpack_table() -> None:
-    from hpack import Encoder
-
-    from kvswitch.protocol.h2client import _Connection
-
-    conn, encoder = _Connection("x"), Encoder()
-    first = [(":status", "200"), ("x-a", "1")]
-    assert conn._decode(encoder.encode(first)) == first  # x-a enters the table
-    indexed = encoder.encode(first)
-    assert conn._decode(indexed) == first and conn._decode(indexed) == first  # cached
-    assert indexed in conn._decoded
-    assert conn._decode(encoder.encode([("x-b", "2")])) == [("x-b", "2")]  # table changed
-    assert not conn._decoded
-    # The same bytes now index a different dynamic entry: decoded afresh, not from the cache.
-    assert conn._decode(indexed) == [(":status", "200"), ("x-b", "2")]

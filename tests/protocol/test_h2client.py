@@ -23,6 +23,7 @@ from kvswitch.protocol.http2 import (
     HEADERS,
     PREFACE,
     RST_STREAM,
+    SETTINGS,
     U32,
     WINDOW_UPDATE,
     frame,
@@ -274,7 +275,8 @@ async def test_a_long_stream_gets_its_window_back_and_a_bad_message_fails_only_i
     good = conn.start(EVENTS, (), b"", common_pb2.KvEventBatch.FromString)
     bad = conn.start(EVENTS, (), b"", common_pb2.KvEventBatch.FromString)
     encoder = Encoder()
-    conn.data_received(frame(HEADERS, END_HEADERS, 1, encoder.encode([(":status", "200")]))
+    conn.data_received(frame(SETTINGS, 0, 0)
+                       + frame(HEADERS, END_HEADERS, 1, encoder.encode([(":status", "200")]))
                        + frame(HEADERS, END_HEADERS, 3, encoder.encode([(":status", "200")])))
     message = _grpc_message(common_pb2.KvEventBatch(sequence_number=7).SerializeToString())
     transport.written.clear()
@@ -309,8 +311,9 @@ def _streaming(*handlers: h2client.MessageCallback
     calls = [conn.start(EVENTS, (), b"", common_pb2.KvEventBatch.FromString, on_message=h)
              for h in handlers]
     encoder = Encoder()
-    conn.data_received(b"".join(frame(HEADERS, END_HEADERS, call._id,
-                                      encoder.encode([(":status", "200")])) for call in calls))
+    conn.data_received(frame(SETTINGS, 0, 0) + b"".join(
+        frame(HEADERS, END_HEADERS, call._id, encoder.encode([(":status", "200")]))
+        for call in calls))
     conn._flush()
     transport.written.clear()  # the preface and requests: `_resets` reads what comes next
     return conn, transport, calls

@@ -14,6 +14,7 @@ from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.http2 import (
     CONTINUATION,
     DATA,
+    ENHANCE_YOUR_CALM,
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
@@ -47,7 +48,7 @@ def goaway_code(written: bytes) -> int | None:
     (frame(HEADERS, PADDED, 1, b""), PROTOCOL_ERROR),
     (frame(CONTINUATION, 0, 1, b"x"), PROTOCOL_ERROR),
     (frame(HEADERS, 0, 1, b"x") + b"".join(frame(CONTINUATION, 0, 1, b"x" * 16384)
-                                          for _ in range(17)), PROTOCOL_ERROR),
+                                          for _ in range(17)), ENHANCE_YOUR_CALM),
     (frame(HEADERS, 0, 1, b"x") + frame(DATA, 0, 1, b"y"), PROTOCOL_ERROR),
     (b"\x20\x00\x00\x00\x00\x00\x00\x00\x01", FRAME_SIZE_ERROR),  # a 32 MiB frame announced
     (frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)), 0x3),
@@ -78,7 +79,8 @@ async def test_a_well_formed_padded_response_is_read() -> None:
     grpc_message = b"\x00" + struct.pack(">I", len(body)) + body
     head = hpack_literal(":status", "200") + hpack_literal("content-type", "application/grpc")
     trailers = hpack_literal("grpc-status", "0")
-    conn.data_received(frame(HEADERS, 0x4 | PADDED, 1, b"\x02" + head + b"\x00\x00")
+    conn.data_received(frame(SETTINGS, 0, 0)
+                       + frame(HEADERS, 0x4 | PADDED, 1, b"\x02" + head + b"\x00\x00")
                        + frame(DATA, PADDED, 1, b"\x03" + grpc_message + b"\x00" * 3)
                        + frame(HEADERS, 0x5, 1, trailers))
     assert not transport.closed

@@ -1,0 +1,99 @@
+"""The connection-level HTTP/2 state both of kvswitch's transports keep (RFC 9113 §6.5, §6.9);
+no I/O. Used by the EPP's server (`kvswitch.epp.h2connection`) and the gRPC client
+(`kvswitch.protocol.h2client`).
+
+`ConnectionState` holds what the peer's SETTINGS said (initial stream window, frame size,
+stream limit) and the connection's flow-control windows both ways. Inbound, the window is
+opened to 2^31-1 at once and topped up once `refill_at` bytes were used; DATA beyond it is a
+FLOW_CONTROL_ERROR. Outbound, the window grows with the peer's WINDOW_UPDATEs (0 is a
+PROTOCOL_ERROR, past 2^31-1 a FLOW_CONTROL_ERROR). Methods return the frames to write; errors
+raise `H2ProtocolError`. Per-stream windows stay with each transport's streams.
+"""
+
+from __future__ import annotations
+
+from kvswitch.protocol.http2 import (
+    DEFAULT_MAX_FRAME,
+    DEFAULT_WINDOW,
+    FLOW_CONTROL_ERROR,
+    MAX_WINDOW,
+    PROTOCOL_ERROR,
+    SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_FRAME_SIZE,
+    U32,
+    WINDOW_UPDATE,
+    H2ProtocolError,
+    frame,
+    settings_entries,
+    settings_payload,
+)
+
+__all__ = ["REFILL_AT", "ConnectionState"]
+
+REFILL_AT = 1 << 30
+"""Inbound bytes after which the connection window is topped up (half of 2^31-1: one
+WINDOW_UPDATE per GiB, and the peer never runs dry)."""
+
+
+class ConnectionState:
+    """One connection's SETTINGS and connection-level windows."""
+
+    __slots__ = ("peer_initial_window", "peer_max_frame", "peer_max_streams", "recv_unacked",
+                 "recv_window", "refill_at", "send_window")
+
+    def __init__(self, refill_at: int = REFILL_AT) -> None:
+        self.refill_at = refill_at
+        self.peer_initial_window = DEFAULT_WINDOW
+        self.peer_max_frame = DEFAULT_MAX_FRAME
+        self.peer_max_streams = 2**31
+        self.send_window = DEFAULT_WINDOW
+        self.recv_window = DEFAULT_WINDOW
+        self.recv_unacked = 0
+
+    def initiate(self, settings: dict[int, int]) -> bytes:
+        """Our SETTINGS, and the connection window opened to 2^31-1."""
+        self.recv_window = MAX_WINDOW
+        return (frame(SETTINGS, 0, 0, settings_payload(settings))
+                + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
+
+    def on_settings(self, payload: bytes) -> int:
+        """Apply the peer's SETTINGS (not an ACK; the caller answers with `SETTINGS_ACK`); returns how
+        much its initial stream window changed, for the open streams' send windows."""
+        delta = 0
+        for key, value in settings_entries(payload):
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                delta += value - self.peer_initial_window
+                self.peer_initial_window = value
+            elif key == SETTINGS_MAX_FRAME_SIZE:
+                self.peer_max_frame = value
+            elif key == SETTINGS_MAX_CONCURRENT_STREAMS:
+                self.peer_max_streams = value
+        return delta
+
+    def on_window_update(self, payload: bytes) -> None:
+        """A WINDOW_UPDATE on stream 0."""
+        increment = U32.unpack(payload)[0] & 0x7FFFFFFF
+        if not increment:
+            raise H2ProtocolError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+        self.send_window += increment
+        if self.send_window > MAX_WINDOW:
+            raise H2ProtocolError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+
+    def received(self, length: int) -> None:
+        """A DATA frame's flow-controlled length arrived."""
+        self.recv_window -= length
+        if self.recv_window < 0:
+            raise H2ProtocolError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        self.recv_unacked += length
+
+    def refill(self) -> bytes:
+        """The WINDOW_UPDATE that tops the connection window up, once due; else b""."""
+        unacked = self.recv_unacked
+        if unacked < self.refill_at:
+            return b""
+        self.recv_window += unacked
+        self.recv_unacked = 0
+        return frame(WINDOW_UPDATE, 0, 0, U32.pack(unacked))
+
