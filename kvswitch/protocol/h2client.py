@@ -33,7 +33,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
-from hpack import Decoder
 
 from kvswitch.protocol.h2state import REFILL_AT, ConnectionState
 from kvswitch.protocol.http2 import (
