@@ -13,7 +13,8 @@ duration):
 Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (per member, the
 best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
 oracle, its cache-conserving variant and its look-ahead variant), smg-cache-aware-model (a
-model of SMG's policy, not SMG), kvswitch (`kvswitch up`'s default EPP config), and every
+model of SMG's policy with KV events, as SMG runs against kvswitch's engines, not SMG;
+`--baselines` can add its no-events variant), kvswitch (`kvswitch up`'s default EPP config), and every
 `--epp NAME=PATH` given.
 
 Output (`--out`): panel.json (every router x member x step: engine-side TTFT p50/p90/p99,
@@ -47,6 +48,7 @@ from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "benchmarks" / "traces" / "mooncake_conversation_30min.jsonl"
 BASELINES = ("round-robin", "random", "oracle", "oracle-best", "smg-cache-aware-model")
+OPTIONAL = ("oracle-conserve", "oracle-lookahead", "smg-cache-aware-tree-model")
 TARGET_RATIO = 1.2
 
 
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--members", default="",
                         help="comma-separated subset of: " + ", ".join(m.name for m in MEMBERS))
     parser.add_argument("--baselines", default=",".join(BASELINES),
-                        help="comma-separated subset of: " + ", ".join(BASELINES))
+                        help="comma-separated, of: " + ", ".join(BASELINES + OPTIONAL))
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--scale", type=float, default=1.0,
                         help="stretch every member's duration (0.2 for a quick look)")
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                              "step or two is not a regression)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("routing-panel"))
+    parser.add_argument("--tree", default=None,
+                        help="the code version to record (default: git describe of this "
+                             "script's repository)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -312,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown members: {sorted(unknown)}")
     members = [m for m in MEMBERS if not chosen or m.name in chosen]
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
-    if set(baselines) - set(BASELINES):
-        parser.error(f"unknown baselines: {sorted(set(baselines) - set(BASELINES))}")
+    if set(baselines) - set(BASELINES + OPTIONAL):
+        parser.error(f"unknown baselines: {sorted(set(baselines) - set(BASELINES + OPTIONAL))}")
     epp = ([] if args.no_default else [("kvswitch", "kvswitch")]) + [
         (name, f"epp:{path}") for name, path in map(_epp_arg, args.epp)]
     routers = [(b, b) for b in baselines] + epp
@@ -332,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             panel.append(run_member(member, routers, tokenizer, args, bar))
     labels = [label for label, _ in routers]
     epp_labels = [label for label, _ in epp]
-    git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True, check=False).stdout.strip() or "?"
+    git = args.tree or subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True, text=True, check=False).stdout.strip() or "?"
     command = ["python", "benchmarks/routing_panel.py", *(argv or sys.argv[1:])]
     meta = {"command": " ".join(command),
             "replicas": args.replicas, "seed": args.seed, "scale": args.scale,

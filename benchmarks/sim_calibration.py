@@ -1,7 +1,8 @@
 """The simulator's step-time model against published vLLM measurements; prints and saves JSON.
 
-(a) Single servers, one or more published figures per profile, each reproduced by running the
-    simulator's own scheduler (sans IO, virtual time) on the published setup:
+(a) Single servers, published figures per profile: KV capacity from the profile, the Lambda run
+    through the simulator's own scheduler (sans IO, virtual time), llm-d's ITL from the step
+    model at the operating point that run implies:
     - llama3-8b-h100: vLLM's memory profiler for Llama-3-8B on one H100 (KV cache GiB), and
       Lambda's vLLM 0.6 run of 10 ShareGPT prompts at once on one H100 SXM (TTFT, median TPOT);
     - qwen3-32b-2xh100: the KV tokens llm-d's vLLM logged per Qwen3-32B TP=2 instance, and the

@@ -67,10 +67,12 @@ logger = logging.getLogger("kvswitch.up")
 H2C = "kubernetes.io/h2c"
 READY_ENDPOINTS_METRIC = "kvswitch_epp_pool_ready_endpoints"
 
-# Precise prefix matches from the engines' KV events, weighed with queue depth and KV
-# utilisation (llm-d's weights 3 / 2 / 2), max-score picker. In two 8-replica runs of the
-# 150x5 shared-prefix benchmark (docs/benchmarks/) this beat the estimated-ttft-scorer profile
-# at the higher QPS steps, so it is the default; estimated-ttft-scorer stays available.
+# The estimated-TTFT profile: per replica, the prefill work ahead (the reported queue plus what
+# the EPP sent and no report shows yet, or the prefill in progress from KV events) plus the
+# request's own uncached prefill counted twice (a miss also spends prefill later requests of its
+# prefix would get from the cache); the precise scorer is listed for its KV-event index. Chosen
+# on the routing panel (docs/benchmarks/routing-panel/); kvswitch/bench/configs/kvswitch.yaml is
+# the same profile (a test keeps them equal).
 DEFAULT_EPP_CONFIG = {
     "apiVersion": "llm-d.ai/v1alpha1",
     "kind": "EndpointPickerConfig",
@@ -79,17 +81,15 @@ DEFAULT_EPP_CONFIG = {
         {"name": "openai-parser", "type": "openai-parser"},
         {"name": "precise-prefix-cache-scorer", "type": "precise-prefix-cache-scorer",
          "parameters": {"blockSize": 16}},
-        {"name": "queue-scorer", "type": "queue-scorer"},
-        {"name": "kv-cache-utilization-scorer", "type": "kv-cache-utilization-scorer"},
+        {"name": "estimated-ttft-scorer", "type": "estimated-ttft-scorer",
+         "parameters": {"uncachedWeight": 2}},
         # The pick plus one fallback: Envoy retries a refused connection (a replica that died
         # before the EPP noticed) on the fallback instead of failing the request.
         {"name": "max-score-picker", "type": "max-score-picker",
          "parameters": {"maxNumOfEndpoints": 2}},
     ],
     "schedulingProfiles": [{"name": "default", "plugins": [
-        {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
-        {"pluginRef": "queue-scorer", "weight": 2},
-        {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+        {"pluginRef": "estimated-ttft-scorer", "weight": 1},
         {"pluginRef": "max-score-picker"},
     ]}],
     "requestHandler": {"parsers": [{"pluginRef": "vllmgrpc-parser"},

@@ -80,3 +80,27 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     assert len(json.loads((out / "requests.json").read_text())["oracle"]) == \
         report["meta"]["requests"]
+
+
+@pytest.mark.timeout(240)
+def test_bench_replays_a_trace_and_reports_rows_too_long(tmp_path: Path) -> None:
+    rows = [{"timestamp": 250 * i, "input_length": 600 + 100 * (i % 4), "output_length": 8,
+             "hash_ids": [0, 1 + i % 3]} for i in range(10)]
+    rows.insert(4, {"timestamp": 1000, "input_length": 140_000, "output_length": 8,
+                    "hash_ids": list(range(100, 374))})
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "kvswitch", "bench", "--trace", str(trace), "--replicas", "2",
+            "--profile", "llama3-8b-h100", "--time-scale", "4", "--targets",
+            "round-robin,oracle", "--out", str(out), "--no-progress", "--drain-timeout", "30",
+            "--no-stream"]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    trace_meta = report["meta"]["trace"]
+    assert trace_meta["skipped_rows"] == [4] and trace_meta["replayed"] == 10
+    assert 0 < trace_meta["ideal_hit_ratio"] < 1
+    for target in report["targets"]:
+        assert target["engine"]["overall"]["succeeded"] == 10, target["target"]
+    assert "longer than max_model_len left out" in (out / "summary.md").read_text()

@@ -154,3 +154,74 @@ def test_the_panel_checks_issue_24s_targets_per_member_and_step() -> None:
     assert result["rows"] == 2 and not result["all_met"]
     assert result["misses"] == {"oracle-best x1.2": ["m@2"], "round-robin": ["m@2"],
                                 "smg-cache-aware-model": []}
+
+
+class _Ctx:
+    """A bare FleetContext for routers tested on their own."""
+
+    def __init__(self, n: int) -> None:
+        from kvswitch.bench.fleet.replica import Replica
+
+        self.profile = PROFILE
+        self.replicas = [Replica(i, PROFILE) for i in range(n)]
+        self.requests: list[Any] = []
+        self.timers: list[tuple[float, Any]] = []
+
+    def now(self) -> float:
+        return 0.0
+
+    def call_at(self, when: float, callback: Any) -> None:
+        self.timers.append((when, callback))
+
+
+def test_smg_model_follows_cached_prefixes_until_load_is_imbalanced(shared_prefix: Any) -> None:
+    from kvswitch.bench.fleet.routers import SmgCacheAwareModel
+    from kvswitch.engine.base import KvBlockStored, KvEventBatchData
+
+    router = SmgCacheAwareModel("events", kv_delay=0.01)
+    ctx = _Ctx(3)
+    router.setup(ctx)  # type: ignore[arg-type]
+    request = shared_prefix.requests[0]
+    tokens, size = request.prompt_ids, PROFILE.block_size
+    stored, parent = [], None
+    for i in range(len(tokens) // size):
+        block = KvBlockStored(10_000 + i, parent, tuple(tokens[i * size:(i + 1) * size]))
+        stored.append(block)
+        parent = block.block_hash
+    router.kv_batch(2, KvEventBatchData(0, 0.0, tuple(stored)), 0.0)
+    assert router.route(request, 0.0) == 0  # the batch is not delivered yet: least loaded
+    for _, deliver in ctx.timers:
+        deliver()
+    assert router.route(request, 0.0) == 2  # replica 2 holds the prefix
+    router.load = [40, 0, 5]  # max - min > 32 and max > 1.1 x min: shortest queue
+    assert router.route(request, 0.0) == 1
+
+
+def test_smg_model_keeps_more_prefix_hits_than_random(shared_prefix: Any) -> None:
+    smg = run_fleet(shared_prefix, make_router("smg-cache-aware-model"), PROFILE, 4)
+    tree = run_fleet(shared_prefix, make_router("smg-cache-aware-tree-model"), PROFILE, 4)
+    rand = run_fleet(shared_prefix, make_router("random"), PROFILE, 4)
+    assert smg.overall["cache_hit_rate"] > rand.overall["cache_hit_rate"]
+    assert tree.overall["cache_hit_rate"] > rand.overall["cache_hit_rate"]
+
+
+def test_flow_control_holds_requests_until_the_pool_has_room(shared_prefix: Any) -> None:
+    from kvswitch.up import DEFAULT_EPP_CONFIG
+
+    config = {**DEFAULT_EPP_CONFIG, "flowControl": {"maxWait": "60s"},
+              "saturationDetector": {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 0.05}}
+    router = EppRouter(config, "queueing")
+    held: list[int] = []
+    step = router._step
+
+    def spy(request: Any, coro: Any, later: Any) -> Any:
+        out = step(request, coro, later)
+        if out is None and later is None and router._held:
+            held.append(request.index)
+        return out
+
+    router._step = spy  # type: ignore[method-assign]
+    result = run_fleet(shared_prefix, router, PROFILE, 2)
+    assert held  # flow control queued some requests ...
+    assert len(result.records) + len(result.rejected) == len(shared_prefix.requests)
+    assert not router._held  # ... and released every one

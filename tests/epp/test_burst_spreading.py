@@ -48,9 +48,10 @@ async def route_burst(config: object, *, record_sent: bool = True) -> Counter[st
     for address in addresses:  # one report each, all idle, before the burst
         datalayer.update(address, Metrics(max_tokens=500_000, block_size=16,
                                           updated_at=datalayer.clock()))
-    if not record_sent:
-        datalayer.record_sent = lambda endpoint, tokens: None  # type: ignore[method-assign]
     scorer = next(p for p in router.scheduler.plugins if isinstance(p, PrecisePrefixCacheScorer))
+    if not record_sent:  # neither the unreported account nor the prefill in progress
+        datalayer.record_sent = lambda endpoint, tokens: None  # type: ignore[method-assign]
+        scorer.prefill_ttl = 0.0
     scorer._handle = None  # no KV-event subscriptions: the test feeds the index itself
     for address in addresses[:HOLDERS]:
         scorer.index.apply(address, [stored(SHARED)])
@@ -63,7 +64,8 @@ async def route_burst(config: object, *, record_sent: bool = True) -> Counter[st
     return picks
 
 
-@pytest.mark.parametrize("config", ["default", "kvswitch.yaml", "kvswitch-estimated-ttft.yaml"])
+@pytest.mark.parametrize("config", ["default", "kvswitch.yaml", "kvswitch-weighted.yaml",
+                                    "kvswitch-estimated-ttft.yaml"])
 async def test_a_burst_spreads_over_every_replica(config: str) -> None:
     source = DEFAULT_EPP_CONFIG if config == "default" else CONFIGS / config
     picks = await route_burst(source)
@@ -71,7 +73,9 @@ async def test_a_burst_spreads_over_every_replica(config: str) -> None:
     assert max(picks.values()) <= -(-BURST // REPLICAS) + 1, picks
 
 
-async def test_without_the_sent_record_the_burst_herds() -> None:
+@pytest.mark.parametrize("config", ["default", "kvswitch-weighted.yaml"])
+async def test_without_the_sent_record_the_burst_herds(config: str) -> None:
     # The control: what the test above would see if the EPP forgot what it had just sent.
-    picks = await route_burst(DEFAULT_EPP_CONFIG, record_sent=False)
+    source = DEFAULT_EPP_CONFIG if config == "default" else CONFIGS / config
+    picks = await route_burst(source, record_sent=False)
     assert set(picks) <= {f"127.0.0.1:{20000 + i}" for i in range(HOLDERS)}, picks

@@ -10,8 +10,8 @@ per the engine's window (50 ms) and handed to the router with its own delivery d
   `kvswitch` for `kvswitch up`'s DEFAULT_EPP_CONFIG): the real plugins and router code
   (`fleet.epp`);
 - `round-robin`, `random`, `oracle` (the bench's greedy oracle), `oracle-conserve`,
-  `oracle-lookahead` (variants), `smg-cache-aware-model` (a model of SMG's policy)
-  (`fleet.routers`).
+  `oracle-lookahead` (variants), `smg-cache-aware-model` and `smg-cache-aware-tree-model`
+  (models of SMG's policy with and without KV events) (`fleet.routers`).
 `oracle-best` is not a router but a reference: the best of the oracle variants per run
 (`best_of`), by engine-side TTFT p90.
 
@@ -71,7 +71,9 @@ def make_router(name: str, seed: int = 0, kv_delay: float = 0.002) -> FleetRoute
     if name == "oracle-lookahead":
         return LookaheadOracle()
     if name == "smg-cache-aware-model":
-        return SmgCacheAwareModel()
+        return SmgCacheAwareModel("events", kv_delay=kv_delay)
+    if name == "smg-cache-aware-tree-model":
+        return SmgCacheAwareModel("tree")
     if name == "kvswitch":
         from kvswitch.up import DEFAULT_EPP_CONFIG
 
@@ -83,7 +85,8 @@ def make_router(name: str, seed: int = 0, kv_delay: float = 0.002) -> FleetRoute
         return EppRouter(path if path.is_file() else _config_path(argument), name, kv_delay,
                          seed)
     raise ValueError(f"unknown fleet router {name!r}: round-robin, random, oracle, "
-                     "oracle-conserve, oracle-lookahead, smg-cache-aware-model, kvswitch, "
+                     "oracle-conserve, oracle-lookahead, smg-cache-aware-model, "
+                     "smg-cache-aware-tree-model, kvswitch, "
                      "epp:PATH or epp:NAME (a bundled config)")
 
 

@@ -14,13 +14,17 @@ now)` for every KV event batch a replica publishes (the router applies its own d
   greedily on top of it (queues frozen, prefix matches of the look-ahead requests among
   themselves counted) and picks the replica whose placement gives the smallest sum of
   estimated TTFTs. A router cannot know the future; this one peeks, as a reference only.
-- `SmgCacheAwareModel`: a MODEL of SMG's `cache_aware` policy (approximate-tree mode, as SMG
-  runs without KV events), written from its documented rule, not SMG itself. Per replica it
-  counts its own requests in flight (load) and the prompts it routed there (the approximate
-  tree, never evicted here; SMG evicts LRU leaves past a size bound). Imbalanced when
-  max - min > 32 and max > 1.1 x min: the least-loaded replica. Otherwise the replica with the
-  longest prefix match (ties: least load, then lowest index) when matched / prompt tokens > 0.5,
-  else the replica with the smallest tree. Matching is per 16-token block, not per character.
+- `SmgCacheAwareModel`: a MODEL of SMG's `cache_aware` policy, written from its documented
+  rule, not SMG itself. Per replica it counts its own requests in flight (load). Imbalanced when
+  max - min load > 32 and max > 1.1 x min: the least-loaded replica (ties: fewer requests
+  routed so far, then lowest index). Otherwise, in mode "events" (`smg-cache-aware-model`, what
+  SMG runs when the engines stream KV events, as kvswitch's do): the replica whose KV cache (from
+  the engines' coalesced KV events, `kv_delay` after publication) holds the longest prefix of the
+  prompt, ties to the least loaded then the smallest cache, and the least-loaded replica when no
+  replica holds any of it. In mode "tree" (`smg-cache-aware-tree-model`, SMG without KV events):
+  the replica it routed the longest prefix to (its approximate tree, never evicted here; SMG
+  evicts LRU leaves past a size bound) when matched / prompt tokens > 0.5 (ties: least load),
+  else the replica with the smallest tree. Matching is per 16-token block.
 """
 
 from __future__ import annotations
@@ -244,46 +248,71 @@ class LookaheadOracle(Oracle):
 class SmgCacheAwareModel(_Base):
     """A model of SMG's cache_aware policy (see the module docstring)."""
 
-    name = "smg-cache-aware-model"
-
-    def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 32,
-                 balance_rel: float = 1.1) -> None:
+    def __init__(self, mode: str = "events", cache_threshold: float = 0.5,
+                 balance_abs: int = 32, balance_rel: float = 1.1,
+                 kv_delay: float = 0.002) -> None:
+        if mode not in ("events", "tree"):
+            raise ValueError(f"unknown SMG model mode {mode!r}")
+        self.mode = mode
+        self.name = "smg-cache-aware-model" if mode == "events" else "smg-cache-aware-tree-model"
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
+        self.kv_delay = kv_delay
 
     def setup(self, ctx: FleetContext) -> None:
         super().setup(ctx)
         self.addresses = [r.address for r in ctx.replicas]
         self.block_size = ctx.profile.block_size
-        # "Routed there" entries that never expire: the approximate tree.
-        self.tree = PrefixIndex(self.block_size, clock=ctx.now)
+        # events: the engines' caches from their KV events; tree: "routed there" entries that
+        # never expire (the approximate tree).
+        self.index = PrefixIndex(self.block_size, clock=ctx.now)
         for a in self.addresses:
-            self.tree.add_endpoint(a)
+            self.index.add_endpoint(a)
         self.load = [0] * self.n
+        self.processed = [0] * self.n
+
+    def _least_loaded(self) -> int:
+        # (load, processed requests, index): SMG's tie-break for shortest queue.
+        return min(range(self.n), key=lambda i: (self.load[i], self.processed[i], i))
+
+    def _size(self, i: int) -> int:
+        a = self.addresses[i]
+        return (self.index.num_blocks(a) if self.mode == "events"
+                else self.index.num_speculative(a))
 
     def route(self, request: Any, now: float) -> int:
         load = self.load
         low, high = min(load), max(load)
         hashes = block_hashes(request.prompt_ids, self.block_size)
+        matched = self.index.match(hashes, self.addresses) if hashes else {}
+        best = max(matched.values(), default=0)
         if high - low > self.balance_abs and high > self.balance_rel * low:
-            pick = load.index(low)
-        else:
-            matched = self.tree.match(hashes, self.addresses) if hashes else {}
-            best = max(matched.values(), default=0)
-            rate = best * self.block_size / max(1, len(request.prompt_ids))
-            if best and rate > self.cache_threshold:
-                pick = min((load[i], i) for i, a in enumerate(self.addresses)
-                           if matched[a] == best)[1]
+            pick = self._least_loaded()
+        elif self.mode == "events":
+            if best:
+                pick = min((load[i], self._size(i), i) for i, a in enumerate(self.addresses)
+                           if matched[a] == best)[2]
             else:
-                sizes = [self.tree.num_speculative(a) for a in self.addresses]
-                pick = sizes.index(min(sizes))
-        if hashes:
+                pick = self._least_loaded()
+        elif best and best * self.block_size / max(1, len(request.prompt_ids)) \
+                > self.cache_threshold:
+            pick = min((load[i], i) for i, a in enumerate(self.addresses)
+                       if matched[a] == best)[1]
+        else:
+            pick = min(range(self.n), key=lambda i: (self._size(i), i))
+        if hashes and self.mode == "tree":
             address = self.addresses[pick]
-            held = self.tree.match(hashes, (address,))[address]
-            self.tree.speculate(address, hashes, float("inf"), held=held)
+            self.index.speculate(address, hashes, float("inf"), held=matched.get(address, 0))
         load[pick] += 1
+        self.processed[pick] += 1
         return pick
 
     def finished(self, request: Any, replica: int, now: float) -> None:
         self.load[replica] -= 1
+
+    def kv_batch(self, replica: int, batch: KvEventBatchData, now: float) -> None:
+        if self.mode == "events":
+            events = stored_events(batch, self.block_size)
+            address = self.addresses[replica]
+            self.ctx.call_at(now + self.kv_delay, lambda: self.index.apply(address, events))

@@ -11,6 +11,7 @@ or was rejected, or at `limit` virtual seconds (the rest are reported unfinished
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import time
@@ -147,6 +148,11 @@ class _Fleet:
                 done = len(self.records)
 
 
+async def _run_in_loop(fleet: _Fleet, limit: float,
+                       progress: Callable[[int], None] | None) -> None:
+    fleet.run(limit, progress)
+
+
 def run_fleet(workload: Any, router: FleetRouter, profile: SimProfile, replicas: int = 8, *,
               seed: int = 0, coalesce_seconds: float = COALESCE_SECONDS,
               drain_limit: float = 600.0,
@@ -158,7 +164,14 @@ def run_fleet(workload: Any, router: FleetRouter, profile: SimProfile, replicas:
     fleet = _Fleet(requests, profile, replicas, router, seed, coalesce_seconds)
     last = max((r.send_at for r in requests), default=0.0)
     started = time.perf_counter()
-    fleet.run(last + drain_limit, progress)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        # The EPP's flow-control gate queues a request on an asyncio future: give it a loop
+        # (the run itself never awaits; held requests are resumed by the router).
+        asyncio.run(_run_in_loop(fleet, last + drain_limit, progress))
+    else:
+        fleet.run(last + drain_limit, progress)
     wall = time.perf_counter() - started
     stages = sorted({r.stage for r in requests})
     rate = {r.stage: r.qps for r in requests}

@@ -129,3 +129,42 @@ def test_the_linear_option_reproduces_the_old_fit() -> None:
         SimConfig(profile="tiny", step_model="roofline").resolved_profile()
     with pytest.raises(ValueError, match="unknown step model"):
         get_profile(QWEN, "quadratic")
+
+
+def test_engine_cli_selects_the_step_model() -> None:
+    import argparse
+
+    from kvswitch.engine.cli import add_arguments, sim_config_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--profile", QWEN, "--step-model", "linear"])
+    profile = SimConfig(**sim_config_kwargs(args)).resolved_profile()
+    assert (profile.name, profile.step_model) == (QWEN, "linear")
+    default = SimConfig(**sim_config_kwargs(parser.parse_args(["--profile", QWEN])))
+    assert default.resolved_profile().step_model == "roofline"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--step-model", "quadratic"])
+
+
+async def test_embedding_costs_a_prefill_of_its_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from kvswitch.engine.sim import engine as engine_module
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def record(seconds: float) -> None:
+        slept.append(seconds)
+        await real_sleep(0)
+
+    engine = make_engine(profile=QWEN)
+    monkeypatch.setattr(engine_module.asyncio, "sleep", record)
+    n = 8000
+    vector = await engine.embed("e", list(range(1000, 1000 + n)))
+    assert len(vector) == engine.config.embedding_dim
+    p = engine.profile
+    expected = p.step_seconds(n, 0, prefill_context=n, prefill_pairs=n * (n + 1) // 2)
+    assert expected > p.step_seconds(n, 0)  # the attention over the input is charged
+    assert slept == [pytest.approx(expected / engine.config.time_scale)]

@@ -89,3 +89,16 @@ def test_scores_are_ratios_of_work() -> None:
     request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
     scores = scorer.score(request, {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {})}, eps)
     assert scores[0] == 1.0 and abs(scores[1] - (PROMPT + 1) / (2 * PROMPT + 1)) < 1e-12
+
+
+def test_uncached_weight_keeps_a_group_on_its_holder_longer() -> None:
+    eps = endpoints(2)
+    load(eps[0], waiting=4, waiting_tokens=8000)  # holds 6,000 of the 7,200 tokens
+    assert pick(eps, {"e0:1": 375}) == "e1:1"  # own TTFT: 8,000 + 1,200 > 7,200
+    scorer = create("t", {"uncachedWeight": 2.0, "runningRequestTokens": 0},
+                    PluginHandle(Datalayer()))
+    profile = SchedulerProfile("p", [], [(scorer, 1.0)], MaxScorePicker("m"))
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {"e0:1": 375})}
+    # Counting the miss's prefill twice: 8,000 + 2,400 < 14,400.
+    assert profile.run(request, state, eps).endpoints[0].address == "e0:1"
