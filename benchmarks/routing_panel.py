@@ -10,8 +10,8 @@ duration):
   prompts, no bursts);
 - a bursty synthetic shape: the 150x5 shared-prefix prompts arriving in bursts of 10-50 at once
   (`--arrivals bursts`), two steps of 20 s.
-Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (per member, the
-best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
+Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (per member and
+step, the best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
 oracle, its cache-conserving variant and its look-ahead variant), smg-cache-aware-model (a
 model of SMG's policy with KV events, as SMG runs against kvswitch's engines, not SMG;
 `--baselines` can add its no-events variant), kvswitch (`kvswitch up`'s default EPP config), and every
@@ -176,7 +176,7 @@ def check_targets(panel: list[dict[str, Any]], epp: list[str],
                     other = routers.get(ref, {}).get("steps", [{}] * (i + 1))[i].get("ttft_p90")
                     if (mine is not None and other is not None
                             and mine > factor * other * (1 + tolerance)):
-                        misses[key].append(f"{m['member']}@{step['qps']:g}")
+                        misses[key].append(f"{m['member']}@{step['qps']:.3g}")
         out[name] = {"rows": rows, "misses": misses,
                      "all_met": not any(misses.values())}
     return out
@@ -207,8 +207,9 @@ def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
             lines.append(f"| {m['member']} | {step['qps']:.3g} | "
                          f"{_fmt(m['ideal_prefix_hit_ratio'], 2)} | " + " | ".join(cells) + " |")
     lines += ["", "oracle-best = the best of " + ", ".join(ORACLE_VARIANTS)
-              + " per member (by overall TTFT p90): "
-              + ", ".join(f"{m['member']}: {m['routers']['oracle-best']['overall'].get('from')}"
+              + " per member and step (by TTFT p90): "
+              + "; ".join(f"{m['member']}: " + ", ".join(
+                  str(s.get("from")) for s in m["routers"]["oracle-best"]["steps"])
                           for m in panel if "oracle-best" in m["routers"]), ""]
     lines += ["## Cache hit ratio per member and step", "",
               "| member | QPS | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
@@ -282,6 +283,41 @@ def plots(panel: list[dict[str, Any]], labels: list[str], out: Path) -> None:
         plt.close(fig)
 
 
+def _best_json(variants: dict[str, Any]) -> dict[str, Any]:
+    """oracle-best from saved variant runs, as `best_of` makes it."""
+    def p90(summary: dict[str, Any]) -> float:
+        value = summary.get("ttft_p90")
+        return float("inf") if value is None else float(value)
+
+    runs = list(variants.values())
+    best = min(runs, key=lambda r: p90(r["overall"]))
+    steps = []
+    for i in range(len(best["steps"])):
+        run = min(runs, key=lambda r: p90(r["steps"][i]))
+        steps.append({**run["steps"][i], "from": run["router"]})
+    return {**best, "router": "oracle-best", "steps": steps,
+            "overall": {**best["overall"], "from": best["router"]}}
+
+
+def render(source: Path, out: Path, tolerance: float) -> int:
+    saved = json.loads(source.read_text())
+    meta, panel = saved["meta"], saved["members"]
+    for m in panel:
+        if "oracle-best" in m["routers"] and m.get("variants"):
+            m["routers"]["oracle-best"] = _best_json(m["variants"])
+    labels = list(panel[0]["routers"])
+    epp = list(meta.get("epp", {}))
+    meta["tolerance"] = tolerance
+    if {"oracle-best", "round-robin", "smg-cache-aware-model"} <= set(labels):
+        meta["targets"] = check_targets(panel, epp, tolerance)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "panel.json").write_text(json.dumps({"meta": meta, "members": panel}, indent=1))
+    (out / "panel.md").write_text(markdown(panel, labels, epp, meta))
+    plots(panel, labels, out)
+    print(f"rendered {source} into {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -309,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the code version to record (default: git describe of this "
                              "script's repository)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--render", type=Path, default=None, metavar="PANEL_JSON",
+                        help="run nothing: rewrite panel.md and the plots from a saved "
+                             "panel.json (oracle-best recomputed from its variants) into --out")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        return render(args.render, args.out, args.tolerance)
 
     chosen = [m.strip() for m in args.members.split(",") if m.strip()]
     unknown = set(chosen) - {m.name for m in MEMBERS}

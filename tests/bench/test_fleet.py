@@ -64,13 +64,16 @@ def test_the_oracle_beats_random_on_a_shared_prefix_workload(shared_prefix: Any)
     assert oracle.overall["ttft_p90"] < rand.overall["ttft_p90"]
 
 
-def test_oracle_best_is_the_variant_with_the_lowest_ttft_p90(shared_prefix: Any) -> None:
+def test_oracle_best_takes_the_best_variant_per_step(shared_prefix: Any) -> None:
     runs = [run_fleet(shared_prefix, make_router(n), PROFILE, 4)
             for n in ("oracle", "oracle-conserve")]
     best = best_of(runs)
     assert best.router == "oracle-best"
     assert best.overall["ttft_p90"] == min(r.overall["ttft_p90"] for r in runs)
     assert best.overall["from"] in ("oracle", "oracle-conserve")
+    for i, step in enumerate(best.steps):  # per step, the best variant at that step
+        assert step["ttft_p90"] == min(r.steps[i]["ttft_p90"] for r in runs)
+        assert step["from"] in ("oracle", "oracle-conserve")
 
 
 class _Recorder(EppRouter):

@@ -150,7 +150,7 @@ def test_prefill_in_progress_ends_when_the_prompts_last_block_is_stored() -> Non
     index.expire()
     index.apply("e:1", [BlocksStored(tuple(StoredBlock.of(i, prompt[i * 16:(i + 1) * 16])
                                            for i in range(2, 4)), 1, 16)])
-    assert index.pending_prefill("e:1") == 0
+    assert index.pending_prefill("e:1") == 0 and index.pending == {"e:1": 0}
 
 
 def test_prefill_never_stored_expires_and_a_clear_drops_it() -> None:
@@ -164,9 +164,9 @@ def test_prefill_never_stored_expires_and_a_clear_drops_it() -> None:
     assert index.pending_prefill("e:1") == 750
     now[0] = 31.0
     index.await_prefill("e:1", 333, 1, 30.0)  # (expiry is checked on the next call)
-    assert index.pending_prefill("e:1") == 51
+    assert index.pending_prefill("e:1") == 51 and index.pending == {"e:1": 51}
     index.clear("e:1")
-    assert index.pending_prefill("e:1") == 0
+    assert index.pending_prefill("e:1") == 0 and not index.pending
 
 
 def test_estimated_ttft_counts_prefill_the_engine_admitted() -> None:
@@ -177,7 +177,7 @@ def test_estimated_ttft_counts_prefill_the_engine_admitted() -> None:
     pending = {"a:1": 8000, "b:1": 0}
     scorer = create("t", {"runningRequestTokens": 0}, PluginHandle(Datalayer()))
     request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * 1600))
-    match = PrefixMatch(tuple(range(100)), {"a:1": 100}, 16, pending.get)
+    match = PrefixMatch(tuple(range(100)), {"a:1": 100}, 16, pending)
     scores = scorer.score(request, {"prefix-index": match}, [a, b])
     assert scores[1] == 1.0 and scores[0] < 1.0  # 8,000 queued > 1,600 saved
     pending["a:1"] = 1000

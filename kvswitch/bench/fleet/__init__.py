@@ -12,8 +12,8 @@ per the engine's window (50 ms) and handed to the router with its own delivery d
 - `round-robin`, `random`, `oracle` (the bench's greedy oracle), `oracle-conserve`,
   `oracle-lookahead` (variants), `smg-cache-aware-model` and `smg-cache-aware-tree-model`
   (models of SMG's policy with and without KV events) (`fleet.routers`).
-`oracle-best` is not a router but a reference: the best of the oracle variants per run
-(`best_of`), by engine-side TTFT p90.
+`oracle-best` is not a router but a reference: the best of the oracle variants (`best_of`), per
+stage by engine-side TTFT p90.
 
 Results are engine-side, as `kvswitch bench` reports them from the engines' request logs
 (`kvswitch.bench.engine_report`): TTFT p50/p90/p99, queue time, ITL, e2e, output tok/s, cache
@@ -27,6 +27,7 @@ CLI: `python -m kvswitch.bench.fleet --help` (one workload, several routers).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvswitch.bench.fleet.epp import EppRouter
 from kvswitch.bench.fleet.routers import (
@@ -91,14 +92,19 @@ def make_router(name: str, seed: int = 0, kv_delay: float = 0.002) -> FleetRoute
 
 
 def best_of(results: list[FleetResult], name: str = "oracle-best") -> FleetResult:
-    """The result with the lowest overall engine-side TTFT p90, relabelled `name`, with the
-    variant it came from in `overall["from"]`."""
-    def key(r: FleetResult) -> float:
-        value = r.overall.get("ttft_p90")
+    """The best of several runs of one workload as one reference, relabelled `name`: per stage,
+    the run with the lowest engine-side TTFT p90 at that stage (`steps[i]["from"]` names it);
+    overall and the rest, the run with the lowest overall TTFT p90 (`overall["from"]`)."""
+    def p90(summary: dict[str, Any]) -> float:
+        value = summary.get("ttft_p90")
         return float("inf") if value is None else float(value)
 
-    best = min(results, key=key)
+    best = min(results, key=lambda r: p90(r.overall))
+    steps = []
+    for i in range(len(best.steps)):
+        run = min(results, key=lambda r: p90(r.steps[i]))
+        steps.append({**run.steps[i], "from": run.router})
     overall = {**best.overall, "from": best.router}
-    return FleetResult(name, best.steps, overall, best.requests_per_replica, best.records,
+    return FleetResult(name, steps, overall, best.requests_per_replica, best.records,
                        best.replica_of, best.rejected, best.unfinished, best.sim_seconds,
                        sum(r.wall_seconds for r in results))

@@ -156,8 +156,10 @@ class PrefixIndex:
         # the ends; a heap's sift walks entries scattered in memory).
         self._expiries: deque[tuple[float, int, _EndpointBlocks, list[int]]] = deque()
         self._speculations = 0
-        # (expiry, endpoint state, last block, tokens) per awaited prefill, in expiry order.
-        self._awaiting: deque[tuple[float, _EndpointBlocks, int, int]] = deque()
+        # (expiry, endpoint, its state, last block, tokens) per awaited prefill, expiry order.
+        self._awaiting: deque[tuple[float, str, _EndpointBlocks, int, int]] = deque()
+        self.pending: dict[str, int] = {}
+        """endpoint -> `pending_prefill(endpoint)` (absent: 0), for per-endpoint reads."""
 
     # -- endpoints -----------------------------------------------------------------------------
 
@@ -196,6 +198,7 @@ class PrefixIndex:
         state.real = 0
         state.awaiting.clear()
         state.pending = 0
+        self.pending.pop(endpoint, None)
 
     def _release(self, owns: Iterable[int], bit: int) -> None:
         """The endpoint with `bit` no longer holds these blocks (real or speculative)."""
@@ -251,6 +254,8 @@ class PrefixIndex:
                 self.clear(endpoint)
                 cleared = True
         confirmed = speculative - len(state.speculative)
+        if state.awaiting or endpoint in self.pending:
+            self.pending[endpoint] = state.pending
         return ApplyStats(stored, unplaced, removed, cleared, confirmed)
 
     def _store(self, state: _EndpointBlocks, blocks: Sequence[tuple[int, bytes]],
@@ -390,18 +395,20 @@ class PrefixIndex:
         now = self.clock()
         expired = self._awaiting
         while expired and expired[0][0] <= now:
-            _, old, block, count = expired.popleft()
+            _, name, old, block, count = expired.popleft()
             left = old.awaiting.get(block, 0)
             if left:  # (0: stored already)
                 take = min(left, count)
                 old.pending -= take
+                self.pending[name] = old.pending
                 if left > take:
                     old.awaiting[block] = left - take
                 else:
                     del old.awaiting[block]
         state.awaiting[last_hash] = state.awaiting.get(last_hash, 0) + tokens
         state.pending += tokens
-        expired.append((now + ttl, state, last_hash, tokens))
+        self.pending[endpoint] = state.pending
+        expired.append((now + ttl, endpoint, state, last_hash, tokens))
 
     def pending_prefill(self, endpoint: str) -> int:
         """Uncached prompt tokens routed to `endpoint` whose prefill has not ended yet."""

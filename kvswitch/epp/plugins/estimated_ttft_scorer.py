@@ -76,8 +76,8 @@ class EstimatedTtftScorer:
             m = e.metrics
             queued = (m.waiting_tokens if m.waiting_tokens else m.waiting * prompt) \
                 + e.unreported_tokens
-            if pending is not None:
-                in_progress = pending(e.address)
+            if pending:
+                in_progress = pending.get(e.address, 0)
                 if in_progress > queued:  # noqa: PLR1730 (no max() call per endpoint)
                     queued = in_progress
             held = matched.get(e.address, 0) if matched else 0

@@ -20,7 +20,7 @@ request costs an endpoint.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswitch.epp.datalayer import Endpoint
@@ -42,14 +42,18 @@ class PrefixMatch:
     """endpoint address -> leading blocks it holds; absent means 0."""
     block_tokens: int = 16
     """Prompt tokens per block (the index's block size)."""
-    pending_prefill: Callable[[str], int] | None = None
+    pending_prefill: Mapping[str, int] | None = None
     """endpoint address -> uncached prompt tokens routed there whose prefill has not ended
-    (the precise index's, from KV events); None when the producer cannot tell."""
+    (the precise index's, from KV events; absent: 0); None when the producer cannot tell."""
+    prompt_tokens: int = -1
+    """The prompt's length in tokens as the producer counted it (-1: not counted)."""
 
 
 def prompt_tokens(request: InferenceRequest, match: PrefixMatch | None) -> int:
-    """The prompt's length in tokens: its token ids; else its full blocks; else ~4 characters
-    per token of its text."""
+    """The prompt's length in tokens: as the match counted it; else its token ids; else its
+    full blocks; else ~4 characters per token of its text."""
+    if match is not None and match.prompt_tokens >= 0:
+        return match.prompt_tokens
     body = request.body
     if body.prompt_token_ids is not None:
         return len(body.prompt_token_ids)
@@ -64,11 +68,8 @@ def uncached_tokens(request: InferenceRequest, match: PrefixMatch | None, addres
     """The prompt tokens `address` would have to prefill: those past its matched blocks."""
     if match is None or not match.matched:
         return prompt_tokens(request, match)
-    held = match.matched.get(address, 0) * match.block_tokens
-    ids = request.body.prompt_token_ids
-    if ids is None:
-        return len(match.hashes) * match.block_tokens - held
-    return max(0, len(ids) - held)
+    return max(0, prompt_tokens(request, match) - match.matched.get(address, 0)
+               * match.block_tokens)
 
 
 def block_hashes(request: InferenceRequest, block_size: int, chars_per_token: int,
