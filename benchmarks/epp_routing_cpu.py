@@ -45,9 +45,9 @@ from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheS
 from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.router import EppRouter
+from kvswitch.launcher import DEFAULT_EPP_CONFIG
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.packed import PackedTokenIds, pack_token_ids
-from kvswitch.up import DEFAULT_EPP_CONFIG
 
 PATH = "/vllm.grpc.engine.VllmEngine/Generate"
 

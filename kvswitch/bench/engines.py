@@ -25,9 +25,9 @@ from pathlib import Path
 import grpc
 
 from kvswitch.engine.request_log import RequestRecord, read_records
+from kvswitch.launcher import engine_spec, free_port
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.supervisor import Supervisor
-from kvswitch.up import engine_spec, free_port
 
 COUNTERS = {
     "vllm:prefix_cache_queries_total": "cache_queries",

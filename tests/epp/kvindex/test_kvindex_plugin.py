@@ -140,7 +140,7 @@ async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None
     from kvswitch.epp.datalayer import Metrics
     from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
     from kvswitch.epp.router import EppRouter
-    from kvswitch.up import DEFAULT_EPP_CONFIG
+    from kvswitch.launcher import DEFAULT_EPP_CONFIG
     from tests.support.processes import free_port
 
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]  # nothing listens there

@@ -182,7 +182,7 @@ def test_default_profile_keeps_a_prefix_together_before_any_kv_event() -> None:
     from kvswitch.epp.config import build_endpoint_picker, static_pool
     from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
     from kvswitch.epp.router import EppRouter
-    from kvswitch.up import DEFAULT_EPP_CONFIG
+    from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
     addresses = [f"127.0.0.1:{9001 + i}" for i in range(4)]
     router = build_endpoint_picker(DEFAULT_EPP_CONFIG, static_pool(addresses)).router
