@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvswitch.cli import DefaultsHelpFormatter
-from kvswitch.epp.request import EndpointPicker
+from kvswitch.epp.contracts import EndpointPicker
 
 __all__ = ["add_arguments", "run"]
 

@@ -17,8 +17,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvswitch.epp import access_log
 from kvswitch.epp.access_log import AccessLogSink
+from kvswitch.epp.contracts import EndpointPicker, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting
-from kvswitch.epp.request import EndpointPicker, RoutingDecision
 from kvswitch.epp.serving import (
     EXT_PROC_SERVICE,
     ROUTER_ERROR,

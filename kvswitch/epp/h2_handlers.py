@@ -20,9 +20,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from kvswitch.epp.access_log import AccessLogSink
+from kvswitch.epp.contracts import EndpointPicker, Router, RoutingDecision
 from kvswitch.epp.extproc import Action, ExtProcStream, NeedRouting
 from kvswitch.epp.h2server import INTERNAL, NOT_FOUND, Call
-from kvswitch.epp.request import EndpointPicker, Router, RoutingDecision
 from kvswitch.epp.serving import (
     ROUTER_ERROR,
     SERVICE_UNKNOWN,

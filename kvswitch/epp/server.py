@@ -34,10 +34,10 @@ from grpc_health.v1.health import aio as health_aio
 
 from kvswitch.epp import access_log
 from kvswitch.epp.access_log import AccessLogSink
+from kvswitch.epp.contracts import EndpointPicker
 from kvswitch.epp.grpcio_servicers import AccessLogServicer, grpcio_server
 from kvswitch.epp.h2_handlers import AccessLogCall, HealthCheckCall, HealthWatchCall, ProcessCall
 from kvswitch.epp.h2server import Call, H2GrpcServer, HandlerFactory
-from kvswitch.epp.request import EndpointPicker
 from kvswitch.epp.serving import (
     EXT_PROC_SERVICE,
     HEALTH_CHECK_PATH,

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2
 
 from kvswitch.epp import access_log
 from kvswitch.epp.access_log import AccessLogSink
+from kvswitch.epp.contracts import Router, RoutingDecision
 from kvswitch.epp.extproc import Action, NeedRouting, RequestFinished
-from kvswitch.epp.request import Router, RoutingDecision
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from kvswitch.epp.request import ParsedBody
+from kvswitch.epp.contracts import ParsedBody
 from kvswitch.errors import InvalidRequest
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, vllm_engine_pb2
 from kvswitch.protocol.frames import decode_all, single_message

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.kvindex import BlocksStored, StoredBlock
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import TYPE, create
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 from kvswitch.tokenization import load_tokenizer
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import ConfigError, PluginHandle, ProfileResult
 from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, CacheCleared, PrefixIndex, StoredBlock
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import create
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 
 B = 4
 PROMPT = list(range(100, 120))  # 5 blocks of 4
