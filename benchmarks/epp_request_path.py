@@ -63,7 +63,7 @@ from kvswitch.epp.h2server import _Protocol
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.server import PROCESS_PATH, EppServer
 from kvswitch.protocol import GENERATE_PATH, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 from kvswitch.protocol.headers import ACCESS_LOGGED, GATEWAY_METADATA_NAMESPACE
 from kvswitch.protocol.http2 import (
     CANCEL,

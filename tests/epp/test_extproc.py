@@ -15,7 +15,7 @@ from google.protobuf.struct_pb2 import ListValue, Value
 from kvswitch.epp.contracts import ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.protocol import GENERATE_PATH, method_path, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 from tests.support.extproc import (
     GENERATE,
     TOKENS,

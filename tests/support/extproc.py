@@ -14,7 +14,7 @@ from kvswitch.epp.extproc import ExtProcStream, NeedRouting
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.passthrough import PassthroughParser
 from kvswitch.protocol import GENERATE_PATH, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 
 
 class NeverRouter:

@@ -19,7 +19,7 @@ from kvswitch.epp.parsers import (
 )
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, method_path, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 
 GRPC = "application/grpc"
 
