@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-Protocol_ = Literal["grpc", "http"]
+RequestProtocol = Literal["grpc", "http"]
 
 
 @dataclass(slots=True, unsafe_hash=True)  # read-only; not frozen: see the module docstring
@@ -60,7 +60,7 @@ class InferenceRequest:
     """One request as the scheduling side sees it."""
 
     request_id: str
-    protocol: Protocol_
+    protocol: RequestProtocol
     path: str
     body: ParsedBody
     objective: str | None = None
