@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         gateway = launch_gateway(supervisor, spec, state_dir, stop_requested)
         if stop_requested:
             return 0
-        print(usage(gateway.ports, with_frontend, state_dir), flush=True)
+        print(startup_message(gateway.ports, with_frontend, state_dir), flush=True)
         return _supervise(supervisor, stop_requested)
     except (RuntimeError, TimeoutError) as exc:
         logger.error("%s", exc)
@@ -145,7 +145,7 @@ def served_model(address: str) -> str:
         return "default"
 
 
-def usage(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
+def startup_message(ports: Ports, with_frontend: bool, state_dir: Path) -> str:
     address = f"127.0.0.1:{ports.public}"
     proto_dir = Path(importlib.util.find_spec("smg_grpc_proto").origin or "").parent / "proto"  # type: ignore[union-attr]
     lines = [
