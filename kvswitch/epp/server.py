@@ -1,7 +1,7 @@
 """The EPP's gRPC server: Envoy's `ExternalProcessor` over `ExtProcStream`, health and reflection.
 
-The servicer is a thin driver: it reads ProcessingRequests, feeds them to a sans-IO
-`ExtProcStream`, writes the responses it returns, resolves `NeedRouting` with `router.route()`
+Each transport's Process handler is a thin driver: it reads ProcessingRequests, feeds them to a
+sans-IO `ExtProcStream`, writes the responses it returns, resolves `NeedRouting` with `router.route()`
 and hands `RequestFinished` to `router.request_finished()`. When the stream ends for any reason
 (end of request, client cancel, upstream reset -- Envoy closes or cancels the ext_proc stream)
 `ExtProcStream.close()` reports a routed request that has not finished yet, exactly once.
@@ -17,10 +17,9 @@ Two transports serve the same streams (`EppServer(transport=...)`, `kvswitch epp
 - `h2` (default): `kvswitch.epp.h2server`, a lean asyncio HTTP/2 gRPC server, with the stream
   handlers of `kvswitch.epp.h2_handlers`. Health Check and Watch; no reflection.
 - `grpcio`: grpc.aio with `kvswitch.epp.grpcio_servicers`, health (Check and Watch) and
-  reflection. It is
-  kept as the reference: the server tests run every behaviour on both transports, so grpc.aio
-  is the oracle for the lean one, and it serves reflection for grpcurl; it costs about three
-  times the CPU per request (docs/benchmarks/transports.md).
+  reflection. It is kept as the reference: the server tests run every behaviour on both
+  transports, so grpc.aio is the oracle for the lean one, and it serves reflection for grpcurl;
+  it costs about three times the CPU per request (docs/benchmarks/transports.md).
 """
 
 from __future__ import annotations
