@@ -183,3 +183,16 @@ def test_estimated_ttft_counts_prefill_the_engine_admitted() -> None:
     pending["a:1"] = 1000
     scores = scorer.score(request, {"prefix-index": match}, [a, b])
     assert scores[0] == 1.0 and scores[1] < 1.0  # 1,000 queued < 1,600 saved
+
+
+def test_no_prefill_is_awaited_where_events_cannot_be_indexed() -> None:
+    index = PrefixIndex(16)
+    index.add_endpoint("e:1")
+    index.await_prefill("e:1", 111, 500, 30.0)
+    index.set_indexed("e:1", False)  # another block size: no BlockStored will ever end it
+    assert index.pending_prefill("e:1") == 0
+    index.await_prefill("e:1", 222, 500, 30.0)
+    assert index.pending_prefill("e:1") == 0
+    index.set_indexed("e:1", True)
+    index.await_prefill("e:1", 222, 500, 30.0)
+    assert index.pending_prefill("e:1") == 500

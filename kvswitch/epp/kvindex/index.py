@@ -41,7 +41,8 @@ prompt's uncached tokens in `pending_prefill(endpoint)` until the prompt's last 
 stored there (the engine stores a block once the step computing it ends, and the step that
 computes a prompt's last block ends its prefill), or `ttl` passes. The engine's own load report
 counts only waiting requests' prefill; this also covers requests admitted and still
-prefilling (chunked prefill of a long prompt). One dict test per newly real block.
+prefilling (chunked prefill of a long prompt). One dict test per newly real block. An endpoint
+whose events cannot be indexed (another block size, `set_indexed`) awaits nothing.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class _EndpointBlocks:
     likely cache miss in a loaded EPP, whose tables are far larger than the CPU caches (4 x
     29k blocks: ~4 MB less), and no second copy of the same fact to keep in step."""
 
-    __slots__ = ("awaiting", "bit", "by_engine", "extra_copies", "extra_owns", "pending", "real",
-                 "speculative")
+    __slots__ = ("awaiting", "bit", "by_engine", "extra_copies", "extra_owns", "indexed",
+                 "pending", "real", "speculative")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -132,6 +133,9 @@ class _EndpointBlocks:
         # block is stored (the step that computes a prompt's last block ends its prefill).
         self.awaiting: dict[int, int] = {}
         self.pending = 0
+        # False while the endpoint's events cannot be indexed (another block size): no
+        # prefill is awaited there, as no BlockStored would end it.
+        self.indexed = True
 
 
 class PrefixIndex:
@@ -390,7 +394,7 @@ class PrefixIndex:
         to prefill: count them in `pending_prefill` until that block is stored there (or `ttl`
         seconds pass: the request failed, or its events were lost)."""
         state = self._endpoints.get(endpoint)
-        if state is None or tokens <= 0:
+        if state is None or tokens <= 0 or not state.indexed:
             return
         now = self.clock()
         expired = self._awaiting
@@ -409,6 +413,14 @@ class PrefixIndex:
         state.pending += tokens
         self.pending[endpoint] = state.pending
         expired.append((now + ttl, endpoint, state, last_hash, tokens))
+
+    def set_indexed(self, endpoint: str, indexed: bool) -> None:
+        """Whether `endpoint`'s KV events are indexed (its block size is the index's)."""
+        state = self._endpoints.get(endpoint)
+        if state is not None:
+            state.indexed = indexed
+            if not indexed:
+                self.clear(endpoint)
 
     def pending_prefill(self, endpoint: str) -> int:
         """Uncached prompt tokens routed to `endpoint` whose prefill has not ended yet."""

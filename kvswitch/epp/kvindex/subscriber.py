@@ -124,11 +124,10 @@ class KvEventSubscriber:
                                    vllm_engine_pb2.GetServerInfoResponse.FromString,
                                    timeout=self.rpc_timeout)
         compatible = not info.block_size or info.block_size == self.index.block_size
-        if not compatible:
-            if self.compatible:
-                log.warning("%s: block size %d != index block size %d; not indexed",
-                            self.address, info.block_size, self.index.block_size)
-            self.index.clear(self.address)
+        if not compatible and self.compatible:
+            log.warning("%s: block size %d != index block size %d; not indexed",
+                        self.address, info.block_size, self.index.block_size)
+        self.index.set_indexed(self.address, compatible)  # (clears it when not)
         self.compatible = compatible
         self._check_restart(time.time() - info.uptime_seconds)
         start = self.tracker.resume_from()
