@@ -33,9 +33,9 @@ from pathlib import Path
 
 import grpc
 
+from kvswitch.launcher import free_port
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc
-from kvswitch.up import free_port
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -57,13 +57,13 @@ from hpack import Encoder
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvswitch.epp.contracts import EndpointPicker, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting
 from kvswitch.epp.h2server import _Protocol
 from kvswitch.epp.parsers import default_parsers
-from kvswitch.epp.request import EndpointPicker, RoutingDecision
 from kvswitch.epp.server import PROCESS_PATH, EppServer
 from kvswitch.protocol import GENERATE_PATH, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 from kvswitch.protocol.headers import ACCESS_LOGGED, GATEWAY_METADATA_NAMESPACE
 from kvswitch.protocol.http2 import (
     CANCEL,
@@ -238,7 +238,7 @@ import asyncio, sys, uvloop
 sys.path.insert(0, {repo!r})
 from benchmarks.epp_request_path import ConstantRouter
 from kvswitch.epp.parsers import default_parsers
-from kvswitch.epp.request import EndpointPicker
+from kvswitch.epp.contracts import EndpointPicker
 from kvswitch.epp.server import EppServer
 async def main():
     server = EppServer(EndpointPicker(parsers=default_parsers(), router=ConstantRouter()), port=0,

@@ -39,15 +39,15 @@ from typing import Any
 
 from kvswitch.engine.kv_events import load_record, to_int64
 from kvswitch.epp.config import build_endpoint_picker, static_pool
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.kvindex import BlocksStored, KvEventBatchView, PrefixIndex, batch_from_proto
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.metrics import EppMetrics
-from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.router import EppRouter
+from kvswitch.launcher import DEFAULT_EPP_CONFIG
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.packed import PackedTokenIds, pack_token_ids
-from kvswitch.up import DEFAULT_EPP_CONFIG
 
 PATH = "/vllm.grpc.engine.VllmEngine/Generate"
 

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from kvswitch.epp.config import build_endpoint_picker, static_pool
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.metrics import EppMetrics
-from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.router import EppRouter
 from kvswitch.protocol.packed import PackedTokenIds
 

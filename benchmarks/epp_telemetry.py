@@ -41,9 +41,9 @@ import grpc
 import yaml
 
 from kvswitch.epp.config import static_pool
+from kvswitch.launcher import DEFAULT_EPP_CONFIG, free_port
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol.sglang import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
-from kvswitch.up import DEFAULT_EPP_CONFIG, free_port
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

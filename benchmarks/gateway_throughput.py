@@ -1,7 +1,7 @@
 """Gateway overhead on this machine: direct-to-engine vs Envoy round robin vs kvswitch.
 
 One run starts `--replicas` simulated engines on a huge time scale (so the model is not the
-bottleneck), the EPP and Envoy (kvswitch, through `kvswitch.up.launch_gateway`) and a second,
+bottleneck), the EPP and Envoy (kvswitch, through `kvswitch.launcher.launch_gateway`) and a second,
 round-robin Envoy over the same engines, then drives each target with a fixed number of
 in-flight requests from `--clients` separate processes (grpc.aio):
 
@@ -47,8 +47,7 @@ from pathlib import Path
 
 from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
 from kvswitch.envoy.bootstrap import H2C
-from kvswitch.supervisor import Supervisor
-from kvswitch.up import (
+from kvswitch.launcher import (
     GatewaySpec,
     LaunchedGateway,
     envoy_spec,
@@ -57,6 +56,7 @@ from kvswitch.up import (
     free_port,
     launch_gateway,
 )
+from kvswitch.supervisor import Supervisor
 
 SCHEDULING_METRIC = "kvswitch_epp_scheduler_e2e_duration_seconds"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

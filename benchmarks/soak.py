@@ -1,7 +1,7 @@
 """Soak: the whole gateway at about twice its pool's capacity for a long time, with mixed
 tenants, cancellations, sheddable requests and bad requests mixed in.
 
-Starts `--replicas` simulated engines, the EPP and Envoy (`kvswitch.up.launch_gateway`, as
+Starts `--replicas` simulated engines, the EPP and Envoy (`kvswitch.launcher.launch_gateway`, as
 `kvswitch up` does; the EPP config adds a sheddable `InferenceObjective` "batch" of priority -1)
 and keeps `--concurrency` gRPC clients busy (default: 2 x replicas x the profile's max_num_seqs,
 about twice what the pool runs at once). Each request, by a fixed cycle:
@@ -38,10 +38,10 @@ sys.path.insert(0, str(REPO))
 
 import grpc
 
+from kvswitch.launcher import DEFAULT_EPP_CONFIG, GatewaySpec, free_port, launch_gateway
 from kvswitch.protocol import GENERATE_PATH, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.supervisor import Supervisor
-from kvswitch.up import DEFAULT_EPP_CONFIG, GatewaySpec, free_port, launch_gateway
 
 FAIRNESS = "x-llm-d-inference-fairness-id"
 OBJECTIVE = "x-llm-d-inference-objective"

@@ -12,11 +12,11 @@ import pytest
 
 from kvswitch.engine.server import EngineServer, ServerOptions
 from kvswitch.envoy import EnvoyProcess, GatewayOptions, PoolTarget, build_bootstrap, render
+from kvswitch.launcher import write_pool_file
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc
 from kvswitch.tls import TlsFiles, UpstreamTls
 from kvswitch.tokenization import load_tokenizer
-from kvswitch.up import write_pool_file
 from tests.engine.fake_engine import FakeEngine
 from tests.support.certs import Certs, make_certs
 from tests.support.processes import free_port, kvswitch_argv, running

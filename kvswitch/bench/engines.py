@@ -26,10 +26,10 @@ from typing import Any
 import grpc
 
 from kvswitch.engine.request_log import RequestRecord, read_records
+from kvswitch.launcher import engine_spec, free_port
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc
 from kvswitch.supervisor import Supervisor
-from kvswitch.up import engine_spec, free_port
 
 COUNTERS = {
     "vllm:prefix_cache_queries_total": "cache_queries",

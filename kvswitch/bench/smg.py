@@ -24,8 +24,8 @@ from typing import Any
 
 from kvswitch.bench.client import RequestResult
 from kvswitch.bench.workloads import BenchRequest
+from kvswitch.launcher import free_port
 from kvswitch.supervisor import Child, ChildSpec
-from kvswitch.up import free_port
 
 
 def _ready(port: int) -> Any:

@@ -40,8 +40,8 @@ from kvswitch.envoy import (
     session_headers,
 )
 from kvswitch.epp.kvindex import KvEventSubscriptions, PrefixIndex
+from kvswitch.launcher import envoy_spec, epp_spec, free_port, write_pool_file
 from kvswitch.supervisor import Child, Supervisor
-from kvswitch.up import envoy_spec, epp_spec, free_port, write_pool_file
 
 
 class TargetUnavailable(Exception):

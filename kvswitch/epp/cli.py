@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvswitch.cli import DefaultsHelpFormatter
-from kvswitch.epp.request import EndpointPicker
+from kvswitch.epp.contracts import EndpointPicker
 from kvswitch.limits import add_sampling_flags, sampling_from_args
 from kvswitch.tls import add_tls_flags, tls_from_args
 

@@ -34,6 +34,7 @@ from kvswitch.epp.config_spec import (
     default_staleness,
     parse_config,
 )
+from kvswitch.epp.contracts import EndpointPicker, Parser
 from kvswitch.epp.datalayer import Datalayer, Discovery, Refresher, StaticDiscovery
 from kvswitch.epp.datalayer.discovery import SuppliesObjectives
 from kvswitch.epp.datalayer.pool import PoolSpec, parse_pool
@@ -51,7 +52,6 @@ from kvswitch.epp.framework import (
 )
 from kvswitch.epp.kvindex import PrefixIndex
 from kvswitch.epp.metrics import EppMetrics, default_metrics
-from kvswitch.epp.request import EndpointPicker, Parser
 from kvswitch.epp.router import EppRouter
 
 __all__ = [

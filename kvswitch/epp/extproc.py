@@ -38,6 +38,15 @@ from typing import TypeAlias
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from kvswitch.epp.contracts import (
+    EndpointPicker,
+    InferenceRequest,
+    ParsedBody,
+    Parser,
+    RequestOutcome,
+    RoutingDecision,
+    response_ok,
+)
 from kvswitch.epp.extproc_messages import (
     BODY_CONTINUE,
     HEADERS_CONTINUE,
@@ -56,15 +65,6 @@ from kvswitch.epp.extproc_messages import (
     streamed_body_chunks,
 )
 from kvswitch.epp.parsers import needs_body, select_parser
-from kvswitch.epp.request import (
-    EndpointPicker,
-    InferenceRequest,
-    ParsedBody,
-    Parser,
-    RequestOutcome,
-    RoutingDecision,
-    response_ok,
-)
 from kvswitch.errors import InternalError, InvalidRequest, KvswitchError, PayloadTooLarge
 from kvswitch.limits import check_sampling
 from kvswitch.protocol import headers as h

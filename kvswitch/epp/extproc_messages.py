@@ -16,7 +16,7 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOpt
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
-from kvswitch.epp.request import InferenceRequest, ParsedBody
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.errors import InvalidRequest, grpc_code_for_http, openai_type_for_http
 from kvswitch.protocol import headers as h
 

@@ -28,8 +28,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 # Plugins take what they need for their parameters from here, the plugin API.
 from kvswitch.epp.config_fields import ConfigError, duration  # noqa: F401
+from kvswitch.epp.contracts import InferenceRequest, RequestOutcome
 from kvswitch.epp.datalayer import Datalayer, Endpoint
-from kvswitch.epp.request import InferenceRequest, RequestOutcome
 
 ENTRY_POINT_GROUP = "kvswitch.epp.plugins"
 

@@ -84,7 +84,7 @@ class Call:
         if not protocol.receiving:
             protocol.flush()
         if protocol.server.closing:
-            protocol.server.connection_gone()
+            protocol.server.check_drained()
 
 
 HandlerFactory: TypeAlias = Callable[[Call], StreamHandler]
@@ -138,7 +138,7 @@ class _Protocol(asyncio.Protocol):
         if self.conn.closed and self.transport is not None:
             self.transport.close()
         if self.server.closing:  # a WINDOW_UPDATE may have let a finished stream's data out
-            self.server.connection_gone()
+            self.server.check_drained()
 
     def _dispatch(self, event: Event) -> None:
         kind = type(event)
@@ -157,7 +157,7 @@ class _Protocol(asyncio.Protocol):
             if handler is not None:
                 handler.on_reset()
             if self.server.closing:
-                self.server.connection_gone()
+                self.server.check_drained()
         elif kind is ConnectionEnded:
             self._reset_all()
 
@@ -194,7 +194,7 @@ class _Protocol(asyncio.Protocol):
         self.transport = None
         self.server.connections.discard(self)
         self._reset_all()
-        self.server.connection_gone()
+        self.server.check_drained()
 
     def idle(self) -> bool:
         """Drained: the final GOAWAY is out (no stream can still arrive) and no call is open."""
@@ -243,7 +243,7 @@ class H2GrpcServer:
         self._drained = asyncio.Event()
         final = asyncio.get_running_loop().call_later(min(_PING_ACK_WAIT, grace),
                                                       self._final_goaway)
-        self.connection_gone()
+        self.check_drained()
         try:
             await asyncio.wait_for(self._drained.wait(), grace)
         except TimeoutError:
@@ -261,9 +261,9 @@ class H2GrpcServer:
             if not protocol.conn.goaway_sent:
                 protocol.conn.goaway()
                 protocol.flush()
-        self.connection_gone()
+        self.check_drained()
 
-    def connection_gone(self) -> None:
+    def check_drained(self) -> None:
         """Called as calls and connections end; completes a shutdown drain."""
         if self._drained is not None and all(p.idle() for p in self.connections):
             self._drained.set()

@@ -28,13 +28,13 @@ from collections.abc import Mapping, Sequence
 import grpc
 
 from kvswitch.epp.access_log import LoggedEnd
+from kvswitch.epp.contracts import InferenceRequest, RequestOutcome, RoutingDecision, response_ok
 from kvswitch.epp.datalayer import Datalayer, Endpoint, Refresher
 from kvswitch.epp.flowcontrol import FlowGate, Verdict
 from kvswitch.epp.framework import CycleState, Lifecycle, Scheduler
 from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.plugins.prefix_index import STATE_KEY as PREFIX_STATE_KEY
 from kvswitch.epp.plugins.prefix_index import uncached_tokens
-from kvswitch.epp.request import InferenceRequest, RequestOutcome, RoutingDecision, response_ok
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ def test_named_configs_resolve_to_bundled_files() -> None:
 def test_the_kvswitch_target_is_the_kvswitch_up_default_profile() -> None:
     import yaml
 
-    from kvswitch.up import DEFAULT_EPP_CONFIG
+    from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
     target = make_target("kvswitch")
     assert isinstance(target, GatewayTarget) and target.epp_config is not None

@@ -80,7 +80,7 @@ class _Recorder(EppRouter):
     """The kvswitch profile, recording when each batch is published and delivered."""
 
     def __init__(self, delay: float) -> None:
-        from kvswitch.up import DEFAULT_EPP_CONFIG
+        from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
         super().__init__(DEFAULT_EPP_CONFIG, "recorder", kv_delay=delay)
         self.published: dict[tuple[int, int], float] = {}
@@ -209,7 +209,7 @@ def test_smg_model_keeps_more_prefix_hits_than_random(shared_prefix: Any) -> Non
 
 
 def test_flow_control_holds_requests_until_the_pool_has_room(shared_prefix: Any) -> None:
-    from kvswitch.up import DEFAULT_EPP_CONFIG
+    from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
     config = {**DEFAULT_EPP_CONFIG, "flowControl": {"maxWait": "60s"},
               "saturationDetector": {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 0.05}}

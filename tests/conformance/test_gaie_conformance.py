@@ -38,11 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, read_pool, render
 from kvswitch.envoy.bootstrap import EPP_CLUSTER
-from kvswitch.protocol import vllm_engine_pb2 as pb
-from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
-from kvswitch.protocol.headers import DESTINATION_SUBSET, SERVED_ENDPOINT
-from kvswitch.supervisor import ChildSpec, Supervisor, port_open
-from kvswitch.up import (
+from kvswitch.launcher import (
     engine_spec,
     envoy_spec,
     epp_pool_ready,
@@ -50,6 +46,10 @@ from kvswitch.up import (
     kvswitch_argv,
     write_pool_file,
 )
+from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
+from kvswitch.protocol.headers import DESTINATION_SUBSET, SERVED_ENDPOINT
+from kvswitch.supervisor import ChildSpec, Supervisor, port_open
 from tests.e2e.test_http_pool import CONFIG as HTTP_CONFIG
 from tests.e2e.test_http_pool import _ModelServer as HttpModelServer
 from tests.support.kube_api import ThreadedKubeApi, inference_pool, pod

@@ -1,6 +1,6 @@
 """A real gateway on loopback for the e2e tests: `kvswitch engine` processes, the EPP, Envoy.
 
-Everything is started through `kvswitch.supervisor` / `kvswitch.up.launch_gateway` (the code
+Everything is started through `kvswitch.supervisor` / `kvswitch.launcher.launch_gateway` (the code
 `kvswitch up` runs) and ended by PID when the module's tests are done, even on failure.
 """
 

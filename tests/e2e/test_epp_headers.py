@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvswitch.envoy import session_headers
-from kvswitch.up import DEFAULT_EPP_CONFIG
+from kvswitch.launcher import DEFAULT_EPP_CONFIG
 from tests.support.gateway import cached_on, generate, prompt, running_gateway
 
 SESSION_HEADER = "x-user-session"

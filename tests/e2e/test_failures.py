@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from kvswitch.launcher import DEFAULT_EPP_CONFIG
 from kvswitch.protocol.headers import DESTINATION_SUBSET, DROPPED_REASON, OBJECTIVE
-from kvswitch.up import DEFAULT_EPP_CONFIG
 from tests.support.gateway import (
     CALL_TIMEOUT,
     Gateway,

@@ -17,8 +17,8 @@ import grpc
 import httpx
 import pytest
 
+from kvswitch.launcher import frontend_available
 from kvswitch.protocol import vllm_engine_pb2 as pb
-from kvswitch.up import frontend_available
 from tests.support.gateway import Gateway, prompt, running_gateway
 
 STREAM_TOKENS = 400  # several seconds a stream at time scale 1: the kill lands mid-stream

@@ -21,9 +21,9 @@ import httpx
 import pytest
 import yaml
 
+from kvswitch.launcher import frontend_available
 from kvswitch.protocol import GENERATE_PATH, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
-from kvswitch.up import frontend_available
 from tests.support import raw_grpc
 from tests.support.processes import REPO, free_port
 

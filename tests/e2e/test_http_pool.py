@@ -17,8 +17,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
+from kvswitch.launcher import envoy_spec, epp_spec, write_pool_file
 from kvswitch.supervisor import Supervisor
-from kvswitch.up import envoy_spec, epp_spec, write_pool_file
 from tests.support.processes import free_port
 
 CONFIG = {

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kvswitch.up import epp_name
+from kvswitch.launcher import epp_name
 from tests.support.gateway import (
     BLOCK,
     CALL_TIMEOUT,

@@ -16,11 +16,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvswitch.launcher import DEFAULT_EPP_CONFIG
 from kvswitch.protocol.headers import FAIRNESS_ID
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as rpc
 from kvswitch.tokenization import load_tokenizer
-from kvswitch.up import DEFAULT_EPP_CONFIG
 from tests.support.gateway import BLOCK, CALL_TIMEOUT, Gateway, epp_samples, prompt, running_gateway
 
 TENANT = [(FAIRNESS_ID, "tenant-sglang")]

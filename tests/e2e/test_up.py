@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import httpx
 
+from kvswitch.launcher import frontend_available
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
-from kvswitch.up import frontend_available
 from tests.support.gateway import generate, prompt
 from tests.support.processes import REPO, free_port
 

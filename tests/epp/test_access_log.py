@@ -15,8 +15,8 @@ from google.protobuf.message import DecodeError
 
 from kvswitch.epp import access_log
 from kvswitch.epp.access_log import LoggedEnd, ended_requests
+from kvswitch.epp.contracts import EndpointPicker, InferenceRequest, RequestOutcome
 from kvswitch.epp.parsers import default_parsers
-from kvswitch.epp.request import EndpointPicker, InferenceRequest, RequestOutcome
 from kvswitch.epp.server import EppServer
 from kvswitch.protocol.headers import ACCESS_LOGGED, GATEWAY_METADATA_NAMESPACE, USAGE_TRAILER
 from tests.support.extproc import GENERATE, body, grpc_headers, make_stream, route_generate

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from kvswitch.epp.config import build_endpoint_picker, static_pool
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.kvindex import BlocksStored, StoredBlock
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 from kvswitch.epp.router import EppRouter
-from kvswitch.up import DEFAULT_EPP_CONFIG
+from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
 CONFIGS = Path(__file__).parents[2] / "kvswitch" / "bench" / "configs"
 REPLICAS = 8

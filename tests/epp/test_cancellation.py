@@ -7,11 +7,11 @@ import asyncio
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from kvswitch.epp.contracts import EndpointPicker
 from kvswitch.epp.datalayer import Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.flowcontrol import FlowGate, SaturationConfig
 from kvswitch.epp.flowcontrol.core import DISPATCH
 from kvswitch.epp.parsers import default_parsers
-from kvswitch.epp.request import EndpointPicker
 from kvswitch.epp.server import EppServer
 from tests.support.extproc import GENERATE, body, grpc_headers
 from tests.support.router import ADDRS, NoBackground, config, make_router, prompt, request, set_load

@@ -12,10 +12,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import ListValue, Value
 
+from kvswitch.epp.contracts import ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting, RequestFinished
-from kvswitch.epp.request import ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.protocol import GENERATE_PATH, method_path, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 from tests.support.extproc import (
     GENERATE,
     TOKENS,

@@ -8,6 +8,7 @@ import pytest
 
 from kvswitch.epp import framework
 from kvswitch.epp.config_fields import duration
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import (
     ConfigError,
@@ -20,7 +21,6 @@ from kvswitch.epp.framework import (
 )
 from kvswitch.epp.plugins.max_score_picker import MaxScorePicker
 from kvswitch.epp.plugins.single_profile_handler import SingleProfileHandler
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 
 REQ = InferenceRequest("r", "grpc", "/p", ParsedBody())
 

@@ -15,10 +15,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hpack import Encoder
 
+from kvswitch.epp.contracts import EndpointPicker, InferenceRequest, RoutingDecision
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.passthrough import PassthroughParser
-from kvswitch.epp.request import EndpointPicker, InferenceRequest, RoutingDecision
 from kvswitch.epp.server import PROCESS_PATH, EppServer
+from kvswitch.launcher import write_pool_file
 from kvswitch.protocol.http2 import (
     ACK,
     DATA,
@@ -32,7 +33,6 @@ from kvswitch.protocol.http2 import (
     SETTINGS,
     frame,
 )
-from kvswitch.up import write_pool_file
 from tests.support.extproc import GENERATE, body, grpc_headers, http_headers, response_trailers
 from tests.support.processes import free_port, kvswitch_argv, running
 from tests.support.router import FakeRouter

@@ -9,15 +9,15 @@ from typing import Any
 import orjson
 import pytest
 
+from kvswitch.epp.contracts import EndpointPicker
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
-from kvswitch.epp.request import EndpointPicker
 from kvswitch.errors import InvalidRequest
 from kvswitch.limits import SamplingLimits
 from kvswitch.protocol import GENERATE_PATH
 from kvswitch.protocol import vllm_engine_pb2 as pb
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 from tests.support.extproc import NeverRouter, body, decoded, grpc_headers, http_headers
 
 LIMITS = SamplingLimits(max_n=8, max_logprobs=5, max_stop=4, max_stop_chars=16,

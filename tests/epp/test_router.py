@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvswitch.epp.config import build_endpoint_picker, static_pool
+from kvswitch.epp.contracts import RequestOutcome, RoutingDecision
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.metrics import EppMetrics
-from kvswitch.epp.request import RequestOutcome, RoutingDecision
 from kvswitch.epp.router import EppRouter
 from tests.support.router import ADDRS, config, make_router, prompt, request, set_load
 from tests.support.waiting import until

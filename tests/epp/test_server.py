@@ -11,8 +11,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvswitch.epp.contracts import EndpointPicker
 from kvswitch.epp.parsers import default_parsers
-from kvswitch.epp.request import EndpointPicker
 from kvswitch.epp.server import EXT_PROC_SERVICE, EppServer
 from tests.support.extproc import GENERATE, body, grpc_headers, response_headers, response_trailers
 from tests.support.router import FakeRouter

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvswitch.engine.base import EngineLoadSnapshot
 from kvswitch.engine.kv_events import load_record
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.kvindex import (
@@ -18,7 +19,6 @@ from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheS
 from kvswitch.epp.plugins.kv_cache_utilization_scorer import KvCacheUtilizationScorer
 from kvswitch.epp.plugins.prefix_index import PrefixMatch, uncached_tokens
 from kvswitch.epp.plugins.queue_scorer import QueueScorer
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 from kvswitch.protocol import common_pb2
 
 

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import strategies as st
 
 from kvswitch.epp.config import build_endpoint_picker, static_pool
+from kvswitch.epp.contracts import EndpointPicker, ParsedBody, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.framework import ConfigError
 from kvswitch.epp.kvindex.events import batch_from_proto
@@ -29,13 +30,12 @@ from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.openai import OpenAIParser
 from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
-from kvswitch.epp.request import EndpointPicker, ParsedBody, RoutingDecision
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
 from kvswitch.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from kvswitch.limits import SAMPLING_DEFAULTS, check_sampling
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2
 from kvswitch.protocol import vllm_engine_pb2 as pb
-from kvswitch.protocol.frames import FrameDecoder, decode_all
+from kvswitch.protocol.grpc_framing import FrameDecoder, decode_all
 from tests.fuzz.base import Target, mutated
 from tests.fuzz.h2core_targets import H2_FRAMES, HPACK_BLOCKS
 from tests.fuzz.transport_targets import H2_CLIENT, H2_SERVER, HTTP1

@@ -10,7 +10,7 @@ from kvswitch.epp.kvindex import PrefixIndex, batch_from_proto, block_hashes
 from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
 from kvswitch.errors import InvalidRequest
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 from kvswitch.protocol.packed import (
     EmbedRequestView,
     GenerateRequestView,

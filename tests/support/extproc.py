@@ -9,12 +9,12 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOpt
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf.struct_pb2 import Struct
 
+from kvswitch.epp.contracts import EndpointPicker, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.passthrough import PassthroughParser
-from kvswitch.epp.request import EndpointPicker, RoutingDecision
 from kvswitch.protocol import GENERATE_PATH, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 
 
 class NeverRouter:

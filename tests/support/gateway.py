@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvswitch.launcher import GatewaySpec, LaunchedGateway, launch_gateway
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from kvswitch.supervisor import Supervisor
-from kvswitch.up import GatewaySpec, LaunchedGateway, launch_gateway
 from tests.support.processes import free_port
 
 # The simulator's KV block size: prompts here are whole blocks so prefix matches are exact.

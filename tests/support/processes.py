@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # The ports and command lines kvswitch's own launcher uses.
-from kvswitch.up import free_port, kvswitch_argv
+from kvswitch.launcher import free_port, kvswitch_argv
 
 __all__ = ["REPO", "Process", "free_port", "kvswitch_argv", "running", "wait_for_port"]
 

@@ -8,14 +8,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvswitch.epp.config import build_endpoint_picker, static_pool
-from kvswitch.epp.datalayer import Metrics
-from kvswitch.epp.metrics import EppMetrics
-from kvswitch.epp.request import (
+from kvswitch.epp.contracts import (
     InferenceRequest,
     ParsedBody,
     RequestOutcome,
     RoutingDecision,
 )
+from kvswitch.epp.datalayer import Metrics
+from kvswitch.epp.metrics import EppMetrics
 from kvswitch.epp.router import EppRouter
 
 ADDRS = [f"127.0.0.1:{9000 + i}" for i in range(4)]

@@ -85,7 +85,7 @@ def make_router(name: str, seed: int = 0, kv_delay: float = 0.002) -> FleetRoute
     if name == "smg-cache-aware-tree-model":
         return SmgCacheAwareModel("tree")
     if name == "kvswitch":
-        from kvswitch.up import DEFAULT_EPP_CONFIG
+        from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
         return EppRouter(DEFAULT_EPP_CONFIG, name, kv_delay, seed)
     if kind == "epp" and argument:

@@ -32,12 +32,12 @@ from kvswitch.bench.fleet.routers import FleetContext
 from kvswitch.engine.base import KvEventBatchData
 from kvswitch.engine.kv_events import batch_events, load_record
 from kvswitch.epp.config import build_router, load_documents, parse_config, parse_pool, static_pool
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.kvindex.events import batch_from_proto
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
 from kvswitch.epp.metrics import EppMetrics
-from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.packed import KvEventBatchView
 

@@ -49,6 +49,7 @@ import operator
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import (
     ConfigError,
@@ -62,7 +63,6 @@ from kvswitch.epp.kvindex.events import LoadRecord
 from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriptions
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, uncached_tokens
-from kvswitch.epp.request import InferenceRequest
 from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 from kvswitch.tokenization.offload import encode_off_loop, needs_offload
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvswitch.epp.request import Parser
+from kvswitch.epp.contracts import Parser
 
 __all__ = ["default_parsers", "needs_body", "select_parser"]
 

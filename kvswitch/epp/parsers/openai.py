@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from kvswitch.epp.request import ParsedBody
+from kvswitch.epp.contracts import ParsedBody
 from kvswitch.errors import InvalidRequest
 from kvswitch.limits import json_sampling_counts
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvswitch.epp.request import ParsedBody
+from kvswitch.epp.contracts import ParsedBody
 
 __all__ = ["TYPE", "PassthroughParser", "create"]
 

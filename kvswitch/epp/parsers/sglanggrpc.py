@@ -18,8 +18,8 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from kvswitch.epp.contracts import ParsedBody
 from kvswitch.epp.parsers.vllmgrpc import DEFAULT_MAX_MESSAGE_BYTES, request_message
-from kvswitch.epp.request import ParsedBody
 from kvswitch.errors import InvalidRequest
 from kvswitch.protocol.packed import (
     PackedTokenIds,

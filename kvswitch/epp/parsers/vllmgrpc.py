@@ -1,6 +1,6 @@
 """`vllmgrpc-parser`: decodes vLLM gRPC engine requests (`VllmEngine/Generate` and `/Embed`).
 
-The body is gRPC-framed (`kvswitch.protocol.frames`); compressed frames are inflated per the
+The body is gRPC-framed (`kvswitch.protocol.grpc_framing`); compressed frames are inflated per the
 call's `grpc-encoding`. Both methods are unary-request, so the body must hold exactly one
 message. Tokenized input yields `prompt_token_ids` (exact prefix routing) as `PackedTokenIds`,
 read through a view that leaves the ids packed (`kvswitch.protocol.packed`) once the real parse
@@ -16,11 +16,11 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from kvswitch.epp.request import ParsedBody
+from kvswitch.epp.contracts import ParsedBody
 from kvswitch.errors import InvalidRequest
 from kvswitch.limits import proto_sampling_counts
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, vllm_engine_pb2
-from kvswitch.protocol.frames import decode_all, single_message
+from kvswitch.protocol.grpc_framing import decode_all, single_message
 from kvswitch.protocol.packed import EmbedRequestView, GenerateRequestView, PackedTokenIds
 
 __all__ = ["TYPE", "VllmGrpcParser", "create"]

@@ -46,10 +46,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, prompt_tokens
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "estimated-ttft-scorer"
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import CycleState, PluginHandle
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "kv-cache-utilization-scorer"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import CycleState, PluginHandle, param
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "low-queue-filter"
 

@@ -14,9 +14,9 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, max_endpoints_param, param
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "max-score-picker"
 

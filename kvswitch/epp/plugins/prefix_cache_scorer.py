@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
 from kvswitch.epp.plugins.prefix_index import SHARED_KEY, STATE_KEY, PrefixIndex, PrefixMatch
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "prefix-cache-scorer"
 

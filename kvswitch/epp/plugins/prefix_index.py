@@ -23,9 +23,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import CycleState, ProfileResult
-from kvswitch.epp.request import InferenceRequest
 
 STATE_KEY = "prefix-index"
 SHARED_KEY = "prefix-index"

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import CycleState, PluginHandle
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "queue-scorer"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import CycleState, PluginHandle, max_endpoints_param
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "round-robin-picker"
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import CycleState, PluginHandle
 from kvswitch.epp.plugins.queue_scorer import min_max_inverse
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "running-requests-size-scorer"
 

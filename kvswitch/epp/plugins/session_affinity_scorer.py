@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import CycleState, PluginHandle, ProfileResult, param
-from kvswitch.epp.request import InferenceRequest
 from kvswitch.protocol.headers import SESSION_TOKEN
 
 TYPE = "session-affinity-scorer"

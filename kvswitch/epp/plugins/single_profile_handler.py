@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.framework import (
     CycleState,
     PluginHandle,
     ProfileResult,
     SchedulerProfile,
 )
-from kvswitch.epp.request import InferenceRequest
 
 TYPE = "single-profile-handler"
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.kvindex import BlocksStored, StoredBlock
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import TYPE, create
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 from kvswitch.tokenization import load_tokenizer
 
 
@@ -140,7 +140,7 @@ async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None
     from kvswitch.epp.datalayer import Metrics
     from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
     from kvswitch.epp.router import EppRouter
-    from kvswitch.up import DEFAULT_EPP_CONFIG
+    from kvswitch.launcher import DEFAULT_EPP_CONFIG
     from tests.support.processes import free_port
 
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]  # nothing listens there

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import ConfigError, PluginHandle, ProfileResult
 from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, CacheCleared, PrefixIndex, StoredBlock
 from kvswitch.epp.kvindex.precise_prefix_cache_scorer import create
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 
 B = 4
 PROMPT = list(range(100, 120))  # 5 blocks of 4
@@ -182,7 +182,7 @@ def test_default_profile_keeps_a_prefix_together_before_any_kv_event() -> None:
     from kvswitch.epp.config import build_endpoint_picker, static_pool
     from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
     from kvswitch.epp.router import EppRouter
-    from kvswitch.up import DEFAULT_EPP_CONFIG
+    from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
     addresses = [f"127.0.0.1:{9001 + i}" for i in range(4)]
     router = build_endpoint_picker(DEFAULT_EPP_CONFIG, static_pool(addresses)).router

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+from kvswitch.epp.contracts import ParsedBody, Parser
 from kvswitch.epp.parsers import (
     default_parsers,
     needs_body,
@@ -16,10 +17,9 @@ from kvswitch.epp.parsers import (
     select_parser,
     vllmgrpc,
 )
-from kvswitch.epp.request import ParsedBody, Parser
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, method_path, vllm_engine_pb2
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 
 GRPC = "application/grpc"
 

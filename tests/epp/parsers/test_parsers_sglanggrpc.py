@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
+from kvswitch.epp.contracts import ParsedBody, Parser
 from kvswitch.epp.parsers import default_parsers, select_parser, sglanggrpc
-from kvswitch.epp.request import ParsedBody, Parser
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
 from kvswitch.protocol import GENERATE_PATH
-from kvswitch.protocol.frames import encode
+from kvswitch.protocol.grpc_framing import encode
 from kvswitch.protocol.sglang import SGLANG_EMBED_PATH, SGLANG_GENERATE_PATH, sglang_method_path
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
 

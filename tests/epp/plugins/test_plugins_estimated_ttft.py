@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle, SchedulerProfile
 from kvswitch.epp.plugins.estimated_ttft_scorer import TYPE, create
 from kvswitch.epp.plugins.max_score_picker import MaxScorePicker
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 
 PROMPT = 7200  # tokens: 450 blocks of 16
 BLOCKS = PROMPT // 16

@@ -7,13 +7,13 @@ from collections import Counter
 
 import pytest
 
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.plugins import low_queue_filter, max_score_picker, round_robin_picker
 from kvswitch.epp.plugins.max_score_picker import MaxScorePicker
 from kvswitch.epp.plugins.random_picker import RandomPicker
 from kvswitch.epp.plugins.weighted_random_picker import WeightedRandomPicker
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 
 REQ = InferenceRequest("r", "grpc", "/p", ParsedBody())
 HANDLE = PluginHandle(Datalayer())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle, ProfileResult
 from kvswitch.epp.plugins import (
@@ -12,7 +13,6 @@ from kvswitch.epp.plugins import (
     session_affinity_scorer,
 )
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixIndex, block_hashes
-from kvswitch.epp.request import InferenceRequest, ParsedBody
 
 
 def ep(i: int, **metrics: float) -> Endpoint:

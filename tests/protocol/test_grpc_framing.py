@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
-from kvswitch.protocol.frames import FrameDecoder, decode_all, encode, single_message
+from kvswitch.protocol.grpc_framing import FrameDecoder, decode_all, encode, single_message
 
 
 def test_encode_writes_flag_and_big_endian_length() -> None:

@@ -24,7 +24,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from kvswitch.limits import SAMPLING_DEFAULTS, SamplingCounts, SamplingLimits
 
-Protocol_ = Literal["grpc", "http"]
+RequestProtocol = Literal["grpc", "http"]
 
 
 @dataclass(slots=True, unsafe_hash=True)  # read-only; not frozen: see the module docstring
@@ -65,7 +65,7 @@ class InferenceRequest:
     """One request as the scheduling side sees it."""
 
     request_id: str
-    protocol: Protocol_
+    protocol: RequestProtocol
     path: str
     body: ParsedBody
     objective: str | None = None

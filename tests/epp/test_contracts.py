@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvswitch.epp.request import InferenceRequest, ParsedBody, RequestOutcome
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome
 
 
 def test_request_types_compare_and_hash_by_value() -> None:
