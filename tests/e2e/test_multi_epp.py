@@ -87,7 +87,9 @@ def test_every_epp_routes_and_ends_the_requests_it_routed(three_epps: Gateway) -
 
 def test_a_prefix_group_stays_on_one_engine_whichever_epp_routes(three_epps: Gateway) -> None:
     gw = three_epps
-    shared = prompt(300, blocks=4)
+    # A prefix long enough that its cache hit outweighs the few requests each EPP has just sent
+    # there and no load report shows yet (they are load until one does).
+    shared = prompt(300, blocks=16)
     first = generate(gw.stub, [*shared, *prompt(301, blocks=1)])
     assert first.cached_tokens == 0
     (holder,) = cached_on(gw.engines, shared)
