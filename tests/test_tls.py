@@ -117,7 +117,7 @@ def test_envoy_calls_the_epp_over_mtls(certs: Certs, tmp_path: Path) -> None:
                         "--metrics-port", str(metrics_port), "--tls-cert", str(certs.server_cert),
                         "--tls-key", str(certs.server_key), "--tls-client-ca", str(certs.ca))
     options = GatewayOptions(pool=PoolTarget((f"127.0.0.1:{engine_port}",)),
-                             epp=f"127.0.0.1:{epp_port}", port=port, admin_port=admin,
+                             epps=(f"127.0.0.1:{epp_port}",), port=port, admin_port=admin,
                              epp_tls=UpstreamTls(certs.ca, certs.client_cert, certs.client_key))
     path = tmp_path / "envoy.yaml"
     path.write_text(render(build_bootstrap(options)))

@@ -21,7 +21,7 @@ from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheS
 from kvswitch.epp.router import EppRouter
 from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
-CONFIGS = Path(__file__).parents[2] / "kvswitch" / "bench" / "configs"
+CONFIGS = Path(__file__).parents[3] / "kvswitch" / "bench" / "configs"
 REPLICAS = 8
 HOLDERS = 5
 BURST = 20
