@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TlsFiles", "UpstreamTls", "add_tls_flags", "client_ssl_context",
-           "envoy_downstream_tls", "envoy_upstream_tls", "grpc_channel_credentials",
-           "grpc_server_credentials", "server_ssl_context", "tls_from_args"]
+__all__ = ["TlsFiles", "UpstreamTls", "add_tls_flags", "add_upstream_tls_flags",
+           "client_ssl_context", "envoy_downstream_tls", "envoy_upstream_tls",
+           "grpc_channel_credentials", "grpc_server_credentials", "server_ssl_context",
+           "tls_from_args", "upstream_tls_from_args"]
 
 _DOWNSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
                    "DownstreamTlsContext")
@@ -134,3 +135,26 @@ def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
     if cert is None or key is None:
         raise ValueError("--tls-cert and --tls-key go together")
     return TlsFiles(cert, key, ca)
+
+
+def add_upstream_tls_flags(parser: argparse.ArgumentParser, prefix: str, peer: str) -> None:
+    """`--{prefix}-tls-ca/-cert/-key/-sni`: call `peer` over TLS (mTLS with a certificate)."""
+    group = parser.add_argument_group(f"TLS to the {peer} (unset: h2c)")
+    group.add_argument(f"--{prefix}-tls-ca", type=Path, default=None, metavar="PEM",
+                       help=f"call the {peer} over TLS, verifying its certificate against this CA")
+    group.add_argument(f"--{prefix}-tls-cert", type=Path, default=None, metavar="PEM",
+                       help=f"client certificate to present to the {peer} (mTLS)")
+    group.add_argument(f"--{prefix}-tls-key", type=Path, default=None, metavar="PEM",
+                       help="the client certificate's key")
+    group.add_argument(f"--{prefix}-tls-sni", default="localhost",
+                       help=f"the name the {peer}'s certificate must carry")
+
+
+def upstream_tls_from_args(args: argparse.Namespace, prefix: str) -> UpstreamTls | None:
+    """What `add_upstream_tls_flags(parser, prefix, ...)` parsed; None without a CA."""
+    values = vars(args)
+    ca = values[f"{prefix}_tls_ca"]
+    if ca is None:
+        return None
+    return UpstreamTls(ca, values[f"{prefix}_tls_cert"], values[f"{prefix}_tls_key"],
+                       values[f"{prefix}_tls_sni"])

@@ -11,7 +11,12 @@ from typing import Any
 import yaml
 
 from kvswitch.envoy.bootstrap import EPP_HEADERS, H2C, GatewayOptions, PoolTarget, build_bootstrap
-from kvswitch.tls import UpstreamTls, add_tls_flags, tls_from_args
+from kvswitch.tls import (
+    add_tls_flags,
+    add_upstream_tls_flags,
+    tls_from_args,
+    upstream_tls_from_args,
+)
 
 __all__ = ["add_arguments", "read_pool", "render", "run", "session_headers"]
 
@@ -59,15 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to every pool response")
     parser.add_argument("-o", "--output", help="file to write (.yaml or .json); default stdout")
     add_tls_flags(parser)
-    epp = parser.add_argument_group("TLS to the EPP (unset: h2c)")
-    epp.add_argument("--epp-tls-ca", type=Path, default=None, metavar="PEM",
-                     help="call the EPP over TLS, verifying its certificate against this CA")
-    epp.add_argument("--epp-tls-cert", type=Path, default=None, metavar="PEM",
-                     help="client certificate to present to the EPP (mTLS)")
-    epp.add_argument("--epp-tls-key", type=Path, default=None, metavar="PEM",
-                     help="the client certificate's key")
-    epp.add_argument("--epp-tls-sni", default="localhost",
-                     help="the name the EPP's certificate must carry")
+    add_upstream_tls_flags(parser, "epp", "EPP")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
             *EPP_HEADERS, *args.epp_header,
             *(session_headers(Path(args.epp_config)) if args.epp_config else ())),
         tls=tls_from_args(args),
-        epp_tls=UpstreamTls(args.epp_tls_ca, args.epp_tls_cert, args.epp_tls_key,
-                            args.epp_tls_sni) if args.epp_tls_ca else None,
+        epp_tls=upstream_tls_from_args(args, "epp"),
     )
     text = render(build_bootstrap(options), json_format=bool(args.output and
                                                              args.output.endswith(".json")))

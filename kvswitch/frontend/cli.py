@@ -13,13 +13,12 @@ import multiprocessing
 import signal
 import socket
 import sys
-from pathlib import Path
 from types import FrameType
 
 from kvswitch.frontend.app import DEFAULT_MAX_BODY_BYTES, FrontendSettings
 from kvswitch.frontend.parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
 from kvswitch.limits import HttpLimits, add_http_flags, http_from_args
-from kvswitch.tls import UpstreamTls
+from kvswitch.tls import add_upstream_tls_flags, upstream_tls_from_args
 
 __all__ = ["add_arguments", "run"]
 
@@ -53,15 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reasoning format of the model's output: " +
                         ", ".join(sorted(REASONING_PARSERS)) + "; auto (from the chat "
                         "template) or none")
-    tls = parser.add_argument_group("TLS to the target (unset: h2c)")
-    tls.add_argument("--target-tls-ca", type=Path, default=None, metavar="PEM",
-                     help="call the target over TLS, verifying it against this CA")
-    tls.add_argument("--target-tls-cert", type=Path, default=None, metavar="PEM",
-                     help="client certificate to present (mTLS)")
-    tls.add_argument("--target-tls-key", type=Path, default=None, metavar="PEM",
-                     help="the client certificate's key")
-    tls.add_argument("--target-tls-sni", default="localhost",
-                     help="the name the target's certificate must carry")
+    add_upstream_tls_flags(parser, "target", "target")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
 
@@ -74,9 +65,7 @@ def _settings(args: argparse.Namespace) -> FrontendSettings:
                             max_body_bytes=args.max_body_bytes,
                             tool_call_parser=args.tool_call_parser,
                             reasoning_parser=args.reasoning_parser, api=args.api,
-                            target_tls=UpstreamTls(args.target_tls_ca, args.target_tls_cert,
-                                                   args.target_tls_key, args.target_tls_sni)
-                            if args.target_tls_ca else None)
+                            target_tls=upstream_tls_from_args(args, "target"))
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
