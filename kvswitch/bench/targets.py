@@ -39,7 +39,7 @@ from kvswitch.envoy import (
     render,
     session_headers,
 )
-from kvswitch.epp.kvindex import KvEventSubscriptions, PrefixIndex
+from kvswitch.epp.kvindex import KvEventSubscriptions, KvBlockIndex
 from kvswitch.launcher import envoy_spec, epp_spec, free_port, write_pool_file
 from kvswitch.supervisor import Child, Supervisor
 
@@ -157,7 +157,7 @@ class OracleTarget:
         import asyncio
 
         profile = get_profile(ctx.pool.profile)
-        index = PrefixIndex(profile.block_size)
+        index = KvBlockIndex(profile.block_size)
         api = ctx.pool.api
         self._subscriptions = KvEventSubscriptions(index, api_of=lambda address: api)
         await self._subscriptions.set_endpoints(ctx.pool.addresses)

@@ -50,7 +50,7 @@ from kvswitch.epp.framework import (
     Scorer,
     load_factory,
 )
-from kvswitch.epp.kvindex import PrefixIndex
+from kvswitch.epp.kvindex import KvBlockIndex
 from kvswitch.epp.metrics import EppMetrics, default_metrics
 from kvswitch.epp.router import EppRouter
 
@@ -266,7 +266,7 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
     objectives = {o.name: o.priority for o in (*pool.objectives, *spec.objectives)}
     metrics = metrics if metrics is not None else default_metrics()
     for plugin in plugins:
-        if isinstance(index := getattr(plugin, "index", None), PrefixIndex):
+        if isinstance(index := getattr(plugin, "index", None), KvBlockIndex):
             metrics.indexed_blocks.watch(index)
     router = EppRouter(scheduler, datalayer, gate, refresher, objectives, metrics)
     if isinstance(discovery, SuppliesObjectives):

@@ -272,7 +272,7 @@ REGISTRY: dict[str, str] = {
     "openai-parser": "kvswitch.epp.parsers.openai",
     "passthrough-parser": "kvswitch.epp.parsers.passthrough",
     "prefix-cache-scorer": "kvswitch.epp.plugins.prefix_cache_scorer",
-    "precise-prefix-cache-scorer": "kvswitch.epp.kvindex.precise_prefix_cache_scorer",
+    "precise-prefix-cache-scorer": "kvswitch.epp.plugins.precise_prefix_cache_scorer",
     "queue-scorer": "kvswitch.epp.plugins.queue_scorer",
     "estimated-ttft-scorer": "kvswitch.epp.plugins.estimated_ttft_scorer",
     "kv-cache-utilization-scorer": "kvswitch.epp.plugins.kv_cache_utilization_scorer",

@@ -23,7 +23,7 @@ from kvswitch.frontend.parsing import (
     forced_tool_schema,
 )
 from kvswitch.frontend.parsing.base import ToolCallParser
-from kvswitch.frontend.protocol import ChatCompletionRequest
+from kvswitch.frontend.openai_models import ChatCompletionRequest
 
 __all__ = ["AUTO", "OFF", "ChatOutputPlan", "ParserSettings", "plan_chat_output"]
 

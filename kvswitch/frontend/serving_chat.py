@@ -25,7 +25,7 @@ from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
 from kvswitch.frontend.metrics import FrontendMetrics
 from kvswitch.frontend.parsing import ChoiceOutput, ParsedDelta
-from kvswitch.frontend.protocol import ChatCompletionRequest, ChatMessage, Tool, parse_request
+from kvswitch.frontend.openai_models import ChatCompletionRequest, ChatMessage, Tool, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
 from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start

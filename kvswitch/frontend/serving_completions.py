@@ -15,7 +15,7 @@ from kvswitch.frontend.context import RequestContext, new_request_context
 from kvswitch.frontend.engine_client import EngineClient
 from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
 from kvswitch.frontend.metrics import FrontendMetrics
-from kvswitch.frontend.protocol import CompletionRequest, parse_request
+from kvswitch.frontend.openai_models import CompletionRequest, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, check_token_ids, max_tokens_for
 from kvswitch.frontend.serving_chat import token_bytes
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from kvswitch.errors import InvalidRequest
-from kvswitch.frontend.protocol import ChatMessage, RequestBody, Tool, parse_request
+from kvswitch.frontend.openai_models import ChatMessage, RequestBody, Tool, parse_request
 from kvswitch.frontend.serving_chat import render_chat_prompt, token_bytes
 from kvswitch.frontend.serving_models import ModelRegistry
 from kvswitch.tokenization.offload import encode_off_loop

@@ -15,7 +15,7 @@ from kvswitch.frontend.parsing import (
     RequiredToolCallParser,
     default_parser_names,
 )
-from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
+from kvswitch.frontend.openai_models import ChatCompletionRequest, parse_request
 from kvswitch.tokenization import load_tokenizer
 
 

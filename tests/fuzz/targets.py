@@ -26,12 +26,12 @@ from kvswitch.epp.contracts import EndpointPicker, ParsedBody, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.framework import ConfigError
 from kvswitch.epp.kvindex.events import batch_from_proto
-from kvswitch.epp.kvindex.index import PrefixIndex
+from kvswitch.epp.kvindex.index import KvBlockIndex
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.openai import OpenAIParser
 from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
-from kvswitch.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvswitch.frontend.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
 from kvswitch.limits import SAMPLING_DEFAULTS, check_sampling
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2
 from kvswitch.protocol import vllm_engine_pb2 as pb
@@ -233,7 +233,7 @@ _batch = st.builds(lambda seq, events: common_pb2.KvEventBatch(
 
 
 def check_kv_events(batches: list[bytes]) -> None:
-    index = PrefixIndex(block_size=16)
+    index = KvBlockIndex(block_size=16)
     index.add_endpoint("e")
     for raw in batches:
         try:

@@ -36,8 +36,8 @@ from typing import Any, Protocol
 from kvswitch.bench.oracle import OracleRouter
 from kvswitch.engine.base import KvEventBatchData
 from kvswitch.engine.sim.profiles import SimProfile
-from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, PrefixIndex, StoredBlock
-from kvswitch.epp.kvindex.index import block_hashes
+from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, KvBlockIndex, StoredBlock
+from kvswitch.epp.kvindex.index import chained_block_hashes
 
 
 class FleetContext(Protocol):
@@ -138,7 +138,7 @@ class Oracle(_Base):
     def setup(self, ctx: FleetContext) -> None:
         super().setup(ctx)
         self.addresses = [r.address for r in ctx.replicas]
-        self.index = PrefixIndex(ctx.profile.block_size, clock=ctx.now)
+        self.index = KvBlockIndex(ctx.profile.block_size, clock=ctx.now)
         for a in self.addresses:
             self.index.add_endpoint(a)
         self.oracle = OracleRouter(self.addresses, ctx.profile, self.index, clock=ctx.now,
@@ -266,7 +266,7 @@ class SmgCacheAwareModel(_Base):
         self.block_size = ctx.profile.block_size
         # events: the engines' caches from their KV events; tree: "routed there" entries that
         # never expire (the approximate tree).
-        self.index = PrefixIndex(self.block_size, clock=ctx.now)
+        self.index = KvBlockIndex(self.block_size, clock=ctx.now)
         for a in self.addresses:
             self.index.add_endpoint(a)
         self.load = [0] * self.n
@@ -284,7 +284,7 @@ class SmgCacheAwareModel(_Base):
     def route(self, request: Any, now: float) -> int:
         load = self.load
         low, high = min(load), max(load)
-        hashes = block_hashes(request.prompt_ids, self.block_size)
+        hashes = chained_block_hashes(request.prompt_ids, self.block_size)
         matched = self.index.match(hashes, self.addresses) if hashes else {}
         best = max(matched.values(), default=0)
         if high - low > self.balance_abs and high > self.balance_rel * low:

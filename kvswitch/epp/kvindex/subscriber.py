@@ -1,4 +1,4 @@
-"""Thin asyncio loops that feed a `PrefixIndex` from the engines' `SubscribeKvEvents` streams.
+"""Thin asyncio loops that feed a `KvBlockIndex` from the engines' `SubscribeKvEvents` streams.
 
 The calls go over `kvswitch.protocol.h2client` (not grpc.aio: no poller thread, no future per
 message). Each batch is decoded and applied straight from the connection's `data_received`
@@ -34,7 +34,7 @@ from kvswitch.epp.kvindex.events import (
     LoadRecord,
     batch_from_proto,
 )
-from kvswitch.epp.kvindex.index import PrefixIndex
+from kvswitch.epp.kvindex.index import KvBlockIndex
 from kvswitch.epp.kvindex.pages import PageRegrouper
 from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
 from kvswitch.protocol import common_pb2
@@ -57,7 +57,7 @@ KEEPALIVE = 5.0
 class KvEventSubscriber:
     """Follows one endpoint's KV-event stream into `index` until `stop()`."""
 
-    def __init__(self, address: str, index: PrefixIndex, *, on_load: LoadCallback | None = None,
+    def __init__(self, address: str, index: KvBlockIndex, *, on_load: LoadCallback | None = None,
                  retry_delay: float = 0.1, max_retry_delay: float = 2.0,
                  rpc_timeout: float = 2.0, keepalive: float | None = KEEPALIVE,
                  api: str = "vllm") -> None:
@@ -201,7 +201,7 @@ class KvEventSubscriber:
 class KvEventSubscriptions:
     """One `KvEventSubscriber` per endpoint of a set that changes (discovery)."""
 
-    def __init__(self, index: PrefixIndex, *, on_load: LoadCallback | None = None,
+    def __init__(self, index: KvBlockIndex, *, on_load: LoadCallback | None = None,
                  api_of: Callable[[str], str] | None = None,
                  **subscriber_options: float) -> None:
         self.index = index

@@ -6,7 +6,7 @@ from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.kvindex import BlocksStored, StoredBlock
-from kvswitch.epp.kvindex.precise_prefix_cache_scorer import TYPE, create
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import TYPE, create
 from kvswitch.tokenization import load_tokenizer
 
 
@@ -100,7 +100,7 @@ def long_text(words: int) -> str:
 async def test_a_long_text_is_tokenized_off_the_event_loop_with_the_same_ids() -> None:
     import asyncio
 
-    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import TOKENS_KEY
+    from kvswitch.epp.plugins.precise_prefix_cache_scorer import TOKENS_KEY
     from kvswitch.tokenization.offload import OFFLOAD_TEXT_CHARS
 
     scorer = create("p", {"blockSize": 16}, PluginHandle(Datalayer()))
@@ -138,7 +138,7 @@ async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None
 
     from kvswitch.epp.config import build_endpoint_picker, static_pool
     from kvswitch.epp.datalayer import Metrics
-    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+    from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
     from kvswitch.epp.router import EppRouter
     from kvswitch.launcher import DEFAULT_EPP_CONFIG
     from tests.support.processes import free_port
