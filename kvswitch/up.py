@@ -82,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="endpoint pickers behind Envoy, active-active: any of them routes "
                              "any request, and Envoy moves new requests off one that died "
                              "(default: %(default)s)")
+    parser.add_argument("--load-push-ms", type=float, default=None, metavar="MS",
+                        help="with several EPPs, each engine sends them its load MS ms after "
+                             "a request arrives (kvswitch engine --load-push-ms; default: the "
+                             "engine's, 5; 0: never)")
     parser.add_argument("--no-frontend", action="store_true",
                         help="gRPC only, no OpenAI HTTP API")
     parser.add_argument("--frontend-workers", type=int, default=1,
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         frontend_workers=args.frontend_workers if with_frontend else 0,
         envoy_concurrency=args.envoy_concurrency, routing=args.routing, restart_engines=True,
         restart_epp=True, restart_proxies=True, api=args.api,
-        engine_args=("--page-size", str(args.page_size)) if args.page_size else (),
+        engine_args=engine_args(args),
     )
     stop_requested: list[int] = []
 
@@ -134,6 +138,16 @@ def run(args: argparse.Namespace) -> int:
         supervisor.stop_all()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The `kvswitch engine` flags `kvswitch up` passes through when set."""
+    out: tuple[str, ...] = ()
+    if args.page_size:
+        out += ("--page-size", str(args.page_size))
+    if args.load_push_ms is not None:
+        out += ("--load-push-ms", f"{args.load_push_ms:g}")
+    return out
 
 
 def _supervise(supervisor: Supervisor, stop_requested: list[int]) -> int:

@@ -101,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engines' gRPC API (every target speaks it; docs/sglang.md)")
     parser.add_argument("--page-size", type=int, default=None,
                         help="--api sglang: the engines' radix-cache page size (default 1)")
+    parser.add_argument("--load-push-ms", type=float, default=None, metavar="MS",
+                        help="engines send their load to several EPPs MS ms after an arrival "
+                             "(kvswitch engine --load-push-ms; default: the engine's, 5; 0: "
+                             "never)")
     parser.add_argument("--mode", default="random", choices=["random", "echo"],
                         help="engine output tokens")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
@@ -172,9 +176,11 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvswitch-bench-") as tmp:
         state = Path(tmp)
         with Supervisor(state / "logs") as supervisor:
-            page = ("--page-size", str(args.page_size)) if args.page_size else ()
+            extra = ("--page-size", str(args.page_size)) if args.page_size else ()
+            if args.load_push_ms is not None:
+                extra += ("--load-push-ms", f"{args.load_push_ms:g}")
             pool = EnginePool(supervisor, args.replicas, args.profile, args.time_scale,
-                              args.mode, extra_args=page, request_log_dir=state / "requests",
+                              args.mode, extra_args=extra, request_log_dir=state / "requests",
                               api=args.api)
             await asyncio.to_thread(pool.start)
             ctx = RunContext(supervisor, pool, state)

@@ -174,6 +174,9 @@ class KvEventBatchData:
     removed: tuple[int, ...] = ()
     cleared: bool = False
     load: EngineLoadSnapshot | None = None
+    load_only: bool = False
+    """No events, not in the history: a push of the engine's load as it is now (the stream
+    sends it as a load-only record repeating the last sequence number)."""
 
 
 @dataclass(frozen=True, slots=True)

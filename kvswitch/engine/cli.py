@@ -34,6 +34,7 @@ _SIM_FIELDS = {
     "mode": "mode",
     "seed": "seed",
     "kv_events_coalesce": "kv_events_coalesce_seconds",
+    "load_push": "kv_load_push_seconds",
     "max_model_len": "max_model_len",
     "block_size": "block_size",
     "num_gpu_blocks": "num_gpu_blocks",
@@ -108,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="publish KV events (SubscribeKvEvents) at most once per MS wall "
                             "milliseconds, merging steps in order (default 50; 0: every step); "
                             "a cache clear goes out at once")
+    sched.add_argument("--load-push-ms", type=lambda ms: float(ms) / 1000, dest="load_push",
+                       default=None, metavar="MS",
+                       help="with two or more KV-event subscribers (several EPPs), send them "
+                            "the engine's load MS wall milliseconds after a request arrives, "
+                            "at most one push pending (default 5; 0: never)")
     add_sampling_flags(parser)
     add_message_flags(parser)
     add_tls_flags(parser)

@@ -3,7 +3,8 @@
 Each batch carries an `EngineLoad` record (push-based load telemetry). While the engine is quiet
 the stream sends `load_only` heartbeats repeating the last sequence number sent, and with
 `load_records_before_first_batch` it starts with a load-only batch numbered 0, as
-`common.proto` specifies. Stored blocks are grouped into one `KvBlocksStored` event per chain
+`common.proto` specifies. A load push from the engine (`load_only` data: a request arrived and
+several EPPs follow) goes out the same way, with the load of that moment. Stored blocks are grouped into one `KvBlocksStored` event per chain
 (each block's parent is the previous block), vLLM's BlockStored shape.
 """
 
@@ -116,7 +117,10 @@ class KvEventStream:
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, KvEventBatchData)
-                yield self._batch(item)
+                if not item.load_only:
+                    yield self._batch(item)
+                elif self._last_sequence is not None:  # nothing to repeat before a batch
+                    yield self._load_only(full=False)
         finally:
             for task in (pump, stopper):
                 task.cancel()
@@ -152,8 +156,8 @@ class KvEventStream:
             sequence_number=data.sequence_number, timestamp=data.timestamp, events=events,
             dp_rank=0, load=load_record(load, self._sample, load_only=False, full=first_record))
 
-    def _load_only(self) -> common_pb2.KvEventBatch:
+    def _load_only(self, *, full: bool = True) -> common_pb2.KvEventBatch:
         self._sample += 1
         return common_pb2.KvEventBatch(
             sequence_number=self._last_sequence or 0, timestamp=time.time(), dp_rank=0,
-            load=load_record(self.engine.load(), self._sample, load_only=True, full=True))
+            load=load_record(self.engine.load(), self._sample, load_only=True, full=full))

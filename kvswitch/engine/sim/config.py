@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvswitch.engine.sim.events import COALESCE_SECONDS, MAX_EVENTS
+from kvswitch.engine.sim.events import COALESCE_SECONDS, LOAD_PUSH_SECONDS, MAX_EVENTS
 from kvswitch.engine.sim.profiles import SimProfile, get_profile
 
 __all__ = ["FAILURE_KINDS", "MODES", "SimConfig"]
@@ -52,6 +52,8 @@ class SimConfig:
     """...holding at most this many block events between them (the newest batch always)."""
     kv_events_coalesce_seconds: float = COALESCE_SECONDS
     """Wall seconds over which scheduler steps merge into one KV event batch (0: none)."""
+    kv_load_push_seconds: float = LOAD_PUSH_SECONDS
+    """Wall seconds after an arrival to push the load to two or more subscribers (0: never)."""
     max_logprobs: int = 20
     """vLLM's max_logprobs: larger logprobs / prompt_logprobs requests are rejected."""
 
@@ -94,4 +96,6 @@ class SimConfig:
             raise ValueError("time_scale must be > 0")
         if self.kv_events_coalesce_seconds < 0:
             raise ValueError("kv_events_coalesce_seconds must be >= 0")
+        if self.kv_load_push_seconds < 0:
+            raise ValueError("kv_load_push_seconds must be >= 0")
         return p

@@ -98,7 +98,8 @@ class SimEngine:
         self.clock = SimClock(cfg.time_scale)
         self._events = KvEventLog(cfg.kv_event_history,
                                   coalesce_seconds=cfg.kv_events_coalesce_seconds,
-                                  max_events=cfg.kv_event_history_events)
+                                  max_events=cfg.kv_event_history_events,
+                                  load_push_seconds=cfg.kv_load_push_seconds)
         self._requests: dict[str, _Request] = {}
         self._failures = random.Random(cfg.seed)
         self._finished: dict[str, int] = {}
@@ -238,6 +239,7 @@ class SimEngine:
             self.scheduler.add(seq)
         self._requests[request.request_id] = req
         self._wake()
+        self._events.arrived()
         return req
 
     def _set_stops(self, seq: SimSequence, s: SamplingOptions) -> None:

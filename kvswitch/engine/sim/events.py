@@ -18,6 +18,13 @@ the window ends, with the latest load. A clear is published at once (dropping th
 events it supersedes). A merged batch takes one number, so each subscriber gets at most one
 batch per window from each engine and the load it sees is at most one window old
 (docs/benchmarks/epp-cpu.md has the measurements behind the window).
+
+Load push (`load_push_seconds`, default 5 ms; 0 disables): `arrived()` says a request reached
+the engine. With two or more followers (several EPPs, each seeing only its own sends), the log
+yields every follower a load-only item (`LOAD_PUSH`) that long after the arrival, so each EPP
+learns of the others' sends within a few ms rather than within a window; arrivals while a push
+is pending ride on it, so there is at most one push per `load_push_seconds`. The delay lets the
+sending EPP count the push as covering its send (its transit allowance is as long).
 """
 
 from __future__ import annotations
@@ -29,9 +36,13 @@ from collections.abc import AsyncIterator, Sequence
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvBlockStored, KvEventBatchData
 
-__all__ = ["COALESCE_SECONDS", "MAX_EVENTS", "KvEventLog", "net_events"]
+__all__ = ["COALESCE_SECONDS", "LOAD_PUSH", "LOAD_PUSH_SECONDS", "MAX_EVENTS", "KvEventLog",
+           "net_events"]
 
 COALESCE_SECONDS = 0.05
+LOAD_PUSH_SECONDS = 0.005
+LOAD_PUSH = KvEventBatchData(-1, 0.0, load_only=True)
+"""What `follow` yields for a load push: the stream sends the engine's current load."""
 
 
 def net_events(
@@ -57,7 +68,8 @@ MAX_EVENTS = 65_536
 
 class KvEventLog:
     def __init__(self, capacity: int = 4096, coalesce_seconds: float = COALESCE_SECONDS,
-                 max_events: int = MAX_EVENTS) -> None:
+                 max_events: int = MAX_EVENTS,
+                 load_push_seconds: float = LOAD_PUSH_SECONDS) -> None:
         self.history: deque[KvEventBatchData] = deque(maxlen=max(1, capacity))
         self.max_events = max_events
         self.held_events = 0
@@ -73,6 +85,11 @@ class KvEventLog:
         self._load: EngineLoadSnapshot | None = None
         self._timestamp = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self.load_push_seconds = load_push_seconds
+        self.followers = 0
+        self.load_pushes = 0
+        """Load pushes made so far (a follower yields LOAD_PUSH when this moved)."""
+        self._push_timer: asyncio.TimerHandle | None = None
 
     def publish(
         self,
@@ -101,6 +118,23 @@ class KvEventLog:
                 return self._flush(timestamp)  # no loop to flush later: publish now
             self._timer = loop.call_later(due - timestamp, self._flush_window, due)
         return None
+
+    def arrived(self) -> None:
+        """A request reached the engine: push the load soon, if several follow and no push
+        is pending (see the module docstring)."""
+        if (self.load_push_seconds <= 0 or self.followers < 2 or self._push_timer is not None
+                or self._closed):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # nobody can be following without a loop
+        self._push_timer = loop.call_later(self.load_push_seconds, self._push_load)
+
+    def _push_load(self) -> None:
+        self._push_timer = None
+        self.load_pushes += 1
+        self._wake()
 
     def _flush_window(self, due: float) -> None:
         self._timer = None
@@ -142,27 +176,41 @@ class KvEventLog:
         """Publish what is pending, then end every follower (engine stop)."""
         if self._timer is not None:
             self._flush(self._timestamp)
+        if self._push_timer is not None:
+            self._push_timer.cancel()
+            self._push_timer = None
         self._closed = True
         self._wake()
 
     async def follow(self, start_sequence_number: int = 0) -> AsyncIterator[KvEventBatchData]:
+        """Batches from `start_sequence_number`, then live ones, with LOAD_PUSH for each load
+        push made while following (pushes made together are yielded once)."""
         nxt = start_sequence_number
-        while True:
-            history = self.history
-            if history:
-                oldest = history[0].sequence_number
-                nxt = max(nxt, oldest)
-                while nxt < self.next_sequence_number:
-                    # Recomputed each time: the deque may have moved while we were suspended.
+        pushes = self.load_pushes
+        self.followers += 1
+        try:
+            while True:
+                history = self.history
+                if history:
                     oldest = history[0].sequence_number
                     nxt = max(nxt, oldest)
-                    yield history[nxt - oldest]
-                    nxt += 1
-            if self._closed:
-                return
-            if self._waiter is None:
-                self._waiter = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._waiter)
+                    while nxt < self.next_sequence_number:
+                        # Recomputed each time: the deque may have moved while suspended.
+                        oldest = history[0].sequence_number
+                        nxt = max(nxt, oldest)
+                        yield history[nxt - oldest]
+                        nxt += 1
+                if self._closed:
+                    return
+                if pushes != self.load_pushes:
+                    pushes = self.load_pushes
+                    yield LOAD_PUSH
+                    continue
+                if self._waiter is None:
+                    self._waiter = asyncio.get_running_loop().create_future()
+                await asyncio.shield(self._waiter)
+        finally:
+            self.followers -= 1
 
 
 def _size(batch: KvEventBatchData) -> int:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 from kvswitch.engine.sim import SimEngine
-from kvswitch.engine.sim.events import KvEventLog, net_events
+from kvswitch.engine.sim.events import LOAD_PUSH, KvEventLog, net_events
 from kvswitch.engine.sim.kv_cache import KvBlockStored
 
 from .conftest import collect, make_engine, request
@@ -186,3 +187,59 @@ def test_the_engine_flag_sets_the_coalescing_window() -> None:
                          (["--kv-events-coalesce-ms", "20"], 0.02)):
         engine = SimEngine(SimConfig(**sim_config_kwargs(parser.parse_args(argv))))
         assert engine._events.coalesce_seconds == pytest.approx(window)
+
+
+async def next_item(follower: AsyncIterator[KvEventBatchData]) -> KvEventBatchData:
+    return await asyncio.wait_for(follower.__anext__(), 5.0)
+
+
+async def test_an_arrival_pushes_the_load_to_every_follower_once_per_push_window() -> None:
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005)
+    log.publish(100.0, load=snapshot(1, 0))  # opens a window that outlasts the test
+    a, b = log.follow(0), log.follow(0)
+    assert (await next_item(a)).sequence_number == (await next_item(b)).sequence_number == 0
+    assert log.followers == 2
+    for _ in range(3):  # a burst: one push carries it
+        log.arrived()
+    assert await next_item(a) is LOAD_PUSH and await next_item(b) is LOAD_PUSH
+    assert log.load_pushes == 1
+    log.arrived()  # the next arrival after the push gets a push of its own
+    assert await next_item(a) is LOAD_PUSH and await next_item(b) is LOAD_PUSH
+    assert log.load_pushes == 2 and len(log.history) == 1  # pushes are not in the history
+    log.close()
+    assert [x async for x in a] == [] and [x async for x in b] == []
+    assert log.followers == 0
+
+
+async def test_no_push_with_one_follower_or_with_pushes_off() -> None:
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005)
+    log.publish(100.0)
+    one = log.follow(0)
+    await next_item(one)
+    log.arrived()  # one EPP counts its own sends: nothing to push
+    assert log._push_timer is None
+    off = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.0)
+    off.publish(100.0)
+    followers = [off.follow(0), off.follow(0)]
+    for follower in followers:
+        await next_item(follower)
+    off.arrived()
+    assert off._push_timer is None
+    for follower in (one, *followers):
+        await follower.aclose()  # type: ignore[attr-defined]
+
+
+def test_the_engine_flag_sets_the_load_push_delay() -> None:
+    import argparse
+
+    import pytest
+
+    from kvswitch.engine.cli import add_arguments, sim_config_kwargs
+    from kvswitch.engine.sim import SimConfig, SimEngine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, delay in (([], 0.005), (["--load-push-ms", "0"], 0.0),
+                        (["--load-push-ms", "2"], 0.002)):
+        engine = SimEngine(SimConfig(**sim_config_kwargs(parser.parse_args(argv))))
+        assert engine._events.load_push_seconds == pytest.approx(delay)

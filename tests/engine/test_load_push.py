@@ -1,0 +1,73 @@
+"""The load push: with two KV-event subscribers, an arrival reaches both as a load-only record
+within a few ms, long before the coalescing window or a heartbeat would bring it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvswitch.engine import kv_events
+from kvswitch.engine.server import EngineServer, ServerOptions
+from kvswitch.engine.sim import SimConfig, SimEngine
+from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
+from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.tokenization import load_tokenizer
+
+
+async def first_push(call: grpc.aio.UnaryStreamCall) -> common_pb2.KvEventBatch:
+    """The first load-only record after the opening one that shows a request."""
+    while True:
+        batch = await call.read()
+        assert batch is not grpc.aio.EOF
+        if batch.load.load_only and batch.load.running_requests + batch.load.waiting_requests:
+            return batch
+
+
+async def both_follow(engine: SimEngine) -> None:
+    while engine._events.followers < 2:  # each stream's pump starts following the log
+        await asyncio.sleep(0.01)
+
+
+async def test_two_subscribers_learn_of_an_arrival_from_a_push(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_events, "HEARTBEAT_SECONDS", 600.0)  # no heartbeat in the way
+    # A window far longer than the test: only a push can bring the arrival's load.
+    engine = SimEngine(SimConfig(profile="tiny", time_scale=0.1, mode="echo",
+                                 kv_events_coalesce_seconds=600.0))
+    server = EngineServer(engine, load_tokenizer(None), ServerOptions(port=0, grace_period=1.0))
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    try:
+        calls = [stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+            load_records_before_first_batch=True)) for _ in range(2)]
+        for call in calls:
+            opening = await asyncio.wait_for(call.read(), 10.0)
+            assert opening.load.load_only and opening.load.running_requests == 0
+        await asyncio.wait_for(both_follow(engine), 10.0)
+        generate = stub.Generate(pb.GenerateRequest(
+            request_id="long", tokenized=pb.TokenizedInput(input_ids=list(range(1, 40))),
+            sampling_params=pb.SamplingParams(max_tokens=900, ignore_eos=True)))
+        pushes = await asyncio.wait_for(asyncio.gather(*map(first_push, calls)), 10.0)
+        for push in pushes:
+            assert push.sequence_number == 0 and not push.load.HasField("cache_hit_rate")
+        assert engine._events.load_pushes == 1
+        generate.cancel()
+        for call in calls:
+            call.cancel()
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def test_kvswitch_up_passes_the_delay_to_its_engines() -> None:
+    import argparse
+
+    from kvswitch.up import add_arguments, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert engine_args(parser.parse_args([])) == ()
+    assert engine_args(parser.parse_args(["--load-push-ms", "0"])) == ("--load-push-ms", "0")
