@@ -244,3 +244,58 @@ def test_several_epps_share_the_requests_and_each_ends_its_own(shared_prefix: An
     assert all(e.in_flight == 0 for epp in router.epps for e in epp.router.datalayer.all())
     # Both subscribe to every engine's KV events: prefix groups stay together about as well.
     assert two.overall["cache_hit_rate"] >= one.overall["cache_hit_rate"] - 0.02
+
+
+def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
+        shared_prefix: Any) -> None:
+    from kvswitch.epp.kvindex.events import batch_from_proto
+    from kvswitch.protocol.packed import KvEventBatchView
+
+    router = make_router("kvswitch@2")
+    assert isinstance(router, MultiEppRouter)
+    pushes: list[tuple[int, float]] = []
+    push = router.load_push
+
+    def spy(replica: int, load: Any, now: float) -> None:
+        pushes.append((replica, now))
+        push(replica, load, now)
+
+    router.load_push = spy  # type: ignore[method-assign]
+    loads: list[tuple[float, Any]] = []
+    epp = router.epps[1]
+    deliver = epp._deliver
+
+    def seen(replica: int, data: bytes) -> None:
+        batch = batch_from_proto(KvEventBatchView.FromString(data))
+        if batch.load_only:
+            loads.append((epp.ctx.now(), batch.load))
+        deliver(replica, data)
+
+    epp._deliver = seen  # type: ignore[method-assign]
+    result = run_fleet(shared_prefix, router, PROFILE, 4, load_push_seconds=0.005)
+    arrivals: dict[int, set[float]] = {}
+    for record in result.records:
+        arrivals.setdefault(result.replica_of[record.request_id], set()).add(record.arrival)
+    assert 0 < len(pushes) <= len(result.records)
+    for replica, at in pushes:  # each push follows an arrival by the delay ...
+        assert any(abs(at - 0.005 - t) < 1e-9 for t in arrivals[replica])
+    for replica in range(4):  # ... and at most one is pending per replica
+        times = sorted(at for r, at in pushes if r == replica)
+        assert all(b - a >= 0.005 - 1e-9 for a, b in itertools.pairwise(times))
+    # The other EPP gets each as a load-only record kv_delay later, showing the arrival.
+    assert len(loads) == len(pushes)
+    assert all(load.running + load.waiting >= 1 for _, load in loads)
+    assert sorted(t for t, _ in loads) == pytest.approx(sorted(t + 0.002 for _, t in pushes))
+
+
+def test_one_epp_or_a_zero_delay_gets_no_load_push(shared_prefix: Any) -> None:
+    for name, delay in (("kvswitch", 0.005), ("kvswitch@2", 0.0)):
+        router = make_router(name)
+        pushed: list[int] = []
+
+        def spy(replica: int, load: Any, now: float, pushed: list[int] = pushed) -> None:
+            pushed.append(replica)
+
+        router.load_push = spy  # type: ignore[method-assign]
+        run_fleet(shared_prefix, router, PROFILE, 4, load_push_seconds=delay)
+        assert pushed == [], name

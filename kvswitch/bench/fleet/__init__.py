@@ -9,7 +9,8 @@ per the engine's window (50 ms) and handed to the router with its own delivery d
 - an EPP config (`epp:PATH`, `epp:NAME` for a bundled `kvswitch/bench/configs/NAME.yaml`, or
   `kvswitch` for `kvswitch up`'s DEFAULT_EPP_CONFIG): the real plugins and router code
   (`fleet.epp`); with `@N` appended (`kvswitch@3`), N such EPPs side by side, each routing
-  every N-th request (`fleet.multi_epp`);
+  every N-th request, and the replicas push their load to all N after each arrival
+  (`fleet.multi_epp`, `run_fleet(load_push_seconds=...)`);
 - `round-robin`, `random`, `oracle` (the bench's greedy oracle), `oracle-conserve`,
   `oracle-lookahead` (variants), `smg-cache-aware-model` and `smg-cache-aware-tree-model`
   (models of SMG's policy with and without KV events) (`fleet.routers`).

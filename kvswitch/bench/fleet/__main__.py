@@ -11,6 +11,7 @@ from pathlib import Path
 from kvswitch.bench.fleet import make_router, run_fleet
 from kvswitch.bench.trace import ideal_prefix_hit_ratio, load_trace
 from kvswitch.bench.workloads import ARRIVALS, PRESETS, Arrivals, build_workload
+from kvswitch.engine.sim.events import LOAD_PUSH_SECONDS
 from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.tokenization import load_tokenizer
 
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: qwen3-32b-2xh100, or its 128k variant for a trace")
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--kv-delay", type=float, default=0.002)
+    parser.add_argument("--load-push-ms", type=float, default=LOAD_PUSH_SECONDS * 1000,
+                        help="replicas push their load this long after an arrival to a router "
+                             "with several KV-event streams each (kvswitch@N); 0: never")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in (n.strip() for n in args.routers.split(",") if n.strip()):
         result = run_fleet(workload, make_router(name, args.seed, args.kv_delay), profile,
-                           args.replicas, seed=args.seed)
+                           args.replicas, seed=args.seed,
+                           load_push_seconds=args.load_push_ms / 1000)
         results.append(result.to_json())
         for step in result.steps:
             print(f"{name:24} qps {step['qps']:6.3g}  TTFT p50 {step['ttft_p50'] or 0:7.3f} "

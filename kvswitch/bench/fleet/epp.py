@@ -12,13 +12,14 @@ without I/O:
   (`kvswitch.engine.kv_events`: protobuf `KvEventBatch` with its `EngineLoad` record), is
   decoded as the EPP decodes it (`KvEventBatchView`, `batch_from_proto`) and handed, `kv_delay`
   seconds after publication, to a `KvEventSubscriber.handle` of every KV-event plugin's index,
-  whose load callback is the plugin's own (`Datalayer.push`);
+  whose load callback is the plugin's own (`Datalayer.push`); a load push (`load_push`, several
+  EPPs) goes the same way as the stream's load-only record;
 - polling: per endpoint, what `Refresher` does with a gRPC collector: GetLoads (running,
   waiting, KV usage, capacity, uncached waiting tokens) every refresh interval, or every second
   while pushed load records keep the endpoint live.
 The data layer, gate and prefix index read the fleet's virtual clock. Not modelled: the
-transport (Envoy, ext_proc, HTTP/2), load-only heartbeats (polls keep endpoints ready), engine
-restarts and resyncs.
+transport (Envoy, ext_proc, HTTP/2), load-only heartbeats (polls keep endpoints ready; load
+pushes are modelled), engine restarts and resyncs.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from kvswitch.bench.fleet.routers import FleetContext
-from kvswitch.engine.base import KvEventBatchData
+from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 from kvswitch.engine.kv_events import batch_events, load_record
 from kvswitch.epp.config import build_router, load_documents, parse_config, parse_pool, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.kvindex.events import batch_from_proto
-from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
 from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.packed import KvEventBatchView
 
@@ -64,6 +65,9 @@ class _Stream:
         self.next_event_id = 1
         self.sample = 0
         self.first = True
+        self.last_sequence = 0
+        """What a load-only record repeats (0 before any batch: the EPP asks for load records
+        before the first batch)."""
 
     def encode(self, batch: KvEventBatchData, block_size: int) -> bytes:
         events = batch_events(batch, block_size, self.next_event_id)
@@ -76,11 +80,22 @@ class _Stream:
             message.load.CopyFrom(load_record(batch.load, self.sample, load_only=False,
                                               full=self.first))
         self.first = False
+        self.last_sequence = batch.sequence_number
+        return message.SerializeToString()
+
+    def encode_load_only(self, load: EngineLoadSnapshot, timestamp: float) -> bytes:
+        """`KvEventStream`'s load push."""
+        self.sample += 1
+        message = common_pb2.KvEventBatch(sequence_number=self.last_sequence,
+                                          timestamp=timestamp, dp_rank=0)
+        message.load.CopyFrom(load_record(load, self.sample, load_only=True, full=False))
         return message.SerializeToString()
 
 
 class EppRouter:
     """An EndpointPickerConfig (path, YAML text, or mapping; None: all defaults) as a router."""
+
+    kv_subscribers = 1
 
     def __init__(self, config: Path | str | Mapping[str, Any] | None, name: str = "epp",
                  kv_delay: float = 0.002, seed: int = 0) -> None:
@@ -157,6 +172,12 @@ class EppRouter:
         if not self.subscribers:
             return
         data = self._streams[replica].encode(batch, self.ctx.profile.block_size)
+        self.ctx.call_at(now + self.kv_delay, lambda: self._deliver(replica, data))
+
+    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None:
+        if not self.subscribers:
+            return
+        data = self._streams[replica].encode_load_only(load, now)
         self.ctx.call_at(now + self.kv_delay, lambda: self._deliver(replica, data))
 
     def _deliver(self, replica: int, data: bytes) -> None:

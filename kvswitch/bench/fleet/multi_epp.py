@@ -4,8 +4,9 @@
 own data layer, prefix index, speculative entries and in-flight counts, and each subscribed to
 every engine's KV events. Envoy hands each request to one of them in turn (its least-request
 balancing over ext_proc streams that last a few milliseconds is round robin in effect), and the
-request's end goes back to the replica that routed it, as the access-log signature does. What
-the replicas do not share (speculative entries, in-flight counts) is what this measures.
+request's end goes back to the replica that routed it, as the access-log signature does. The
+engines' load pushes after each arrival reach every replica (`kv_subscribers` = N). What the
+replicas do not share (speculative entries, in-flight counts) is what this measures.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from kvswitch.bench.fleet.epp import EppRouter
 from kvswitch.bench.fleet.routers import FleetContext
-from kvswitch.engine.base import KvEventBatchData
+from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 
 __all__ = ["MultiEppRouter"]
 
@@ -31,6 +32,7 @@ class MultiEppRouter:
                      for i in range(replicas)]
         self._next = 0
         self._routed_by: dict[int, EppRouter] = {}
+        self.kv_subscribers = replicas
 
     def setup(self, ctx: FleetContext) -> None:
         for epp in self.epps:
@@ -51,3 +53,7 @@ class MultiEppRouter:
     def kv_batch(self, replica: int, batch: KvEventBatchData, now: float) -> None:
         for epp in self.epps:
             epp.kv_batch(replica, batch, now)
+
+    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None:
+        for epp in self.epps:
+            epp.load_push(replica, load, now)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvswitch.bench.oracle import OracleRouter
-from kvswitch.engine.base import KvEventBatchData
+from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 from kvswitch.engine.sim.profiles import SimProfile
 from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, KvBlockIndex, StoredBlock
 from kvswitch.epp.kvindex.index import chained_block_hashes
@@ -60,6 +60,9 @@ class FleetContext(Protocol):
 
 class FleetRouter(Protocol):
     name: str
+    kv_subscribers: int
+    """KV-event streams it holds per replica (several EPPs: one each); with two or more the
+    replicas push their load after each arrival (`load_push`)."""
 
     def setup(self, ctx: FleetContext) -> None: ...
 
@@ -71,9 +74,12 @@ class FleetRouter(Protocol):
 
     def kv_batch(self, replica: int, batch: KvEventBatchData, now: float) -> None: ...
 
+    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None: ...
+
 
 class _Base:
     name = "base"
+    kv_subscribers = 0
 
     def setup(self, ctx: FleetContext) -> None:
         self.ctx = ctx
@@ -86,6 +92,9 @@ class _Base:
         pass
 
     def kv_batch(self, replica: int, batch: KvEventBatchData, now: float) -> None:
+        pass
+
+    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None:
         pass
 
 

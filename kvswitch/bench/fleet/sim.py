@@ -5,8 +5,11 @@ scheduled, so every arrival already due runs before a replica's step at that ins
 lands in one step's waiting queue, as on a real engine that wakes after the arrivals). A
 replica's step runs `Scheduler.step()` when it starts and delivers its tokens when it ends
 (start + its `duration`), then publishes its KV events (`Replica.publish_step`); a pending
-coalesced batch gets a flush at its window's end. The run ends when every request has finished
-or was rejected, or at `limit` virtual seconds (the rest are reported unfinished).
+coalesced batch gets a flush at its window's end. With a router holding two or more KV-event
+streams per replica (several EPPs), an arrival makes its replica push its load
+`load_push_seconds` later, as `kvswitch.engine.sim.events` does (arrivals while a push is
+pending ride on it). The run ends when every request has finished or was rejected, or at
+`limit` virtual seconds (the rest are reported unfinished).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from kvswitch.bench.engine_report import step_summary
 from kvswitch.bench.fleet.replica import Flight, Replica
 from kvswitch.bench.fleet.routers import FleetRouter
 from kvswitch.engine.request_log import RequestRecord
-from kvswitch.engine.sim.events import COALESCE_SECONDS
+from kvswitch.engine.sim.events import COALESCE_SECONDS, LOAD_PUSH_SECONDS
 from kvswitch.engine.sim.profiles import SimProfile
 
 
@@ -53,7 +56,8 @@ class _Fleet:
     """The `FleetContext` routers see, and the loop."""
 
     def __init__(self, requests: Sequence[Any], profile: SimProfile, replicas: int,
-                 router: FleetRouter, seed: int, coalesce_seconds: float) -> None:
+                 router: FleetRouter, seed: int, coalesce_seconds: float,
+                 load_push_seconds: float = LOAD_PUSH_SECONDS) -> None:
         self.requests = requests
         self.profile = profile
         self.replicas = [Replica(i, profile, seed, coalesce_seconds) for i in range(replicas)]
@@ -63,6 +67,8 @@ class _Fleet:
         self._now = 0.0
         self._woken = [False] * replicas
         self._flush_at: list[float | None] = [None] * replicas
+        self.load_push_seconds = load_push_seconds
+        self._push_pending = [False] * replicas
         self.flights: dict[int, Flight] = {}
         self.records: list[RequestRecord] = []
         self.replica_of: dict[str, int] = {}
@@ -82,6 +88,10 @@ class _Fleet:
         if rep.current is None and not self._woken[replica]:
             self._woken[replica] = True
             self.call_at(self._now, lambda: self._step(replica))
+        if (self.load_push_seconds > 0 and self.router.kv_subscribers >= 2
+                and not self._push_pending[replica]):
+            self._push_pending[replica] = True
+            self.call_at(self._now + self.load_push_seconds, lambda: self._push(replica))
 
     def reject(self, request: Any, reason: str) -> None:
         self.rejected.append((request.index, reason))
@@ -127,6 +137,10 @@ class _Fleet:
             due = self._flush_at[i] = rep.flush_due
             self.call_at(due, lambda: self._flush(i, due))
 
+    def _push(self, i: int) -> None:
+        self._push_pending[i] = False
+        self.router.load_push(i, self.replicas[i].load(self._now), self._now)
+
     def _flush(self, i: int, due: float) -> None:
         batch = self.replicas[i].flush_window(due)
         if batch is not None:
@@ -155,13 +169,14 @@ async def _run_in_loop(fleet: _Fleet, limit: float,
 
 def run_fleet(workload: Any, router: FleetRouter, profile: SimProfile, replicas: int = 8, *,
               seed: int = 0, coalesce_seconds: float = COALESCE_SECONDS,
-              drain_limit: float = 600.0,
+              load_push_seconds: float = LOAD_PUSH_SECONDS, drain_limit: float = 600.0,
               progress: Callable[[int], None] | None = None) -> FleetResult:
     """Replay `workload.requests` (send_at, prompt_ids, max_tokens, stage, qps) through `router`
     onto `replicas` simulated engines of `profile`; deterministic for a seed. The run stops
     `drain_limit` virtual seconds after the last arrival at the latest."""
     requests = list(workload.requests)
-    fleet = _Fleet(requests, profile, replicas, router, seed, coalesce_seconds)
+    fleet = _Fleet(requests, profile, replicas, router, seed, coalesce_seconds,
+                   load_push_seconds)
     last = max((r.send_at for r in requests), default=0.0)
     started = time.perf_counter()
     try:
