@@ -15,7 +15,8 @@ Three shapes, all from `GatewayOptions`:
   a second, and a stream that fails to start is retried on another host); each EPP signs the
   requests it routes (`envoy.lb` metadata `x-kvswitch-epp-replica`, its `--replica-name`, which
   must be its address as listed here) and gets its own access logger, filtered on that
-  signature, so each EPP receives the log entries of its own requests and no others.
+  signature, so each EPP receives the log entries of its own requests and no others. An EPP
+  named by DNS (a StatefulSet pod in Kubernetes) is re-resolved every second (STRICT_DNS).
 * **with a frontend**: HTTP OpenAI paths (`/v1/*`, `/health`) go to a STATIC cluster of frontend
   processes with ext_proc disabled on that route; the frontend calls back into this same listener
   over gRPC with tokenized input, and that call goes through the EPP.
@@ -39,6 +40,7 @@ How the pool cluster honours the EPP's pick (`routing`), as measured on Envoy 1.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -251,10 +253,22 @@ def _epp_clusters(epps: Sequence[str], failure_mode: FailureMode,
         }
         clusters += [_static_cluster(_epp_log_cluster(i), [epp], http2=True)
                      for i, epp in enumerate(epps)]
+    if not all(_is_ip(_split(epp)[0]) for epp in epps):
+        for each in clusters:  # a restarted pod comes back under its name with a new IP
+            each.update(type="STRICT_DNS", dns_refresh_rate="1s",
+                        dns_lookup_family="V4_PREFERRED")
     if tls is not None:
         for each in clusters:
             each["transport_socket"] = envoy_upstream_tls(tls)
     return clusters
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _epp_log_cluster(index: int) -> str:

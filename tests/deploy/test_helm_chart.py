@@ -54,6 +54,8 @@ MODES: dict[str, dict[str, Any]] = {
                            "httpRoute": {"create": True, "inferenceGatewayNamespace": "gw"},
                            "modelServers": {"enabled": True, "kind": "vllm"}},
     "gateway-existing-pool": {"mode": "gateway", "router": {"inferencePool": {"create": False}}},
+    "standalone-3-epps": {"router": {"epp": {"replicas": 3}, "frontend": {"enabled": True}}},
+    "gateway-2-epps": {"mode": "gateway", "router": {"epp": {"replicas": 2}}},
 }
 
 
@@ -135,7 +137,7 @@ def test_the_documented_helm_installs_render_valid_objects() -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_containers_run_kvswitch_commands_that_parse(mode: str, tmp_path: Path) -> None:
     docs = render(MODES[mode])
-    for deployment in by_kind(docs, "Deployment"):
+    for deployment in [*by_kind(docs, "Deployment"), *by_kind(docs, "StatefulSet")]:
         pod = deployment["spec"]["template"]["spec"]
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
             args = container.get("args", [])
@@ -244,6 +246,7 @@ def test_gateway_modes() -> None:
     ({"router": {"modelServers": {"matchLabels": None}}}, "matchLabels"),
     ({"mode": "gateway", "router": {"frontend": {"enabled": True}}}, "standalone mode only"),
     ({"provider": {"name": "aws"}}, "provider.name"),
+    ({"router": {"epp": {"replicas": 0}}}, "router.epp.replicas: expected at least 1"),
 ])
 def test_bad_values_fail_naming_the_value(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmError, match=message):
@@ -261,3 +264,55 @@ def test_default_image_is_what_the_dockerfile_builds() -> None:
     # Non-root, and `kvswitch` is the entrypoint the chart's args follow.
     assert "\nUSER 10001:10001\n" in dockerfile
     assert 'ENTRYPOINT ["kvswitch"]' in dockerfile
+
+
+def _flag(args: list[str], name: str) -> list[str]:
+    return [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+
+
+def test_several_epps_are_a_statefulset_each_signing_with_the_name_envoy_lists(
+        tmp_path: Path) -> None:
+    docs = render(MODES["standalone-3-epps"])
+    assert all(d["metadata"]["name"] != "qwen3-epp" for d in by_kind(docs, "Deployment"))
+    (epps,) = by_kind(docs, "StatefulSet")
+    assert epps["metadata"]["name"] == "qwen3-epp" and epps["spec"]["replicas"] == 3
+    # The headless Service that gives each pod its stable name, ready or not (Envoy checks).
+    peers = next(d for d in by_kind(docs, "Service")
+                 if d["metadata"]["name"] == epps["spec"]["serviceName"])
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"]
+    pod = epps["spec"]["template"]
+    assert peers["spec"]["selector"] == pod["metadata"]["labels"]
+    init = pod["spec"]["initContainers"][0]["args"]
+    listed = _flag(init, "epp")
+    assert listed == [f"qwen3-epp-{i}.qwen3-epp-peers.llm.svc:9002" for i in range(3)]
+    epp = next(c for c in pod["spec"]["containers"] if c["name"] == "epp")
+    (signature,) = _flag(epp["args"], "replica-name")
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in epp["env"]}
+    assert env["POD_NAME"] == "metadata.name"
+    # Pod i of the StatefulSet is named qwen3-epp-i: its signature is the i-th address listed.
+    assert [signature.replace("$(POD_NAME)", f"qwen3-epp-{i}") for i in range(3)] == listed
+    # The bootstrap every pod's Envoy runs: all three EPPs by DNS, one access log per EPP
+    # filtered on its signature, and Envoy accepts it.
+    out, config = tmp_path / "envoy.yaml", tmp_path / "epp.yaml"
+    config.write_text("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n")
+    argv = [a for a in init if not a.startswith(("--output=", "--epp-config="))]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert kvswitch_main([*argv, f"--epp-config={config}", f"--output={out}"]) == 0
+    bootstrap = yaml.safe_load(out.read_text())
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    ext_proc = clusters["kvswitch_epp"]
+    assert ext_proc["type"] == "STRICT_DNS" and ext_proc["lb_policy"] == "LEAST_REQUEST"
+    hosts = [e["endpoint"]["address"]["socket_address"]["address"]
+             for e in ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert hosts == [a.rsplit(":", 1)[0] for a in listed]
+    text = out.read_text()
+    assert all(text.count(f"exact: {address}") == 1 for address in listed)
+    checked = validate_config(out)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_several_epps_behind_another_gateway_stay_a_deployment() -> None:
+    (epps,) = by_kind(render(MODES["gateway-2-epps"]), "Deployment")
+    assert epps["spec"]["replicas"] == 2
+    (epp,) = epps["spec"]["template"]["spec"]["containers"]
+    assert not _flag(epp["args"], "replica-name")  # that gateway's Envoy sends no access log

@@ -3,6 +3,22 @@
 {{- printf "%s-epp" .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* Several EPPs behind the chart's own Envoys (standalone, replicas > 1): a StatefulSet whose
+pods' stable DNS names are the EPP addresses Envoy lists and each EPP's --replica-name. */}}
+{{- define "kvswitch.severalEpps" -}}
+{{- if and (eq .Values.mode "standalone") (gt (int .Values.router.epp.replicas) 1) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The headless Service naming each EPP pod of the StatefulSet. */}}
+{{- define "kvswitch.peersName" -}}
+{{- printf "%s-peers" (include "kvswitch.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The DNS suffix of an EPP pod's address: `POD.<this>:PORT`. */}}
+{{- define "kvswitch.eppDomain" -}}
+{{- printf "%s.%s.svc" (include "kvswitch.peersName" .) .Release.Namespace -}}
+{{- end -}}
+
 {{- define "kvswitch.poolName" -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -67,6 +83,9 @@ app.kubernetes.io/component: epp
 {{- end -}}
 {{- if and .Values.router.frontend.enabled (ne .Values.router.modelServers.protocol "grpc") -}}
 {{- fail "router.frontend.enabled: the frontend needs a grpc pool" -}}
+{{- end -}}
+{{- if lt (int .Values.router.epp.replicas) 1 -}}
+{{- fail (printf "router.epp.replicas: expected at least 1, got %v" .Values.router.epp.replicas) -}}
 {{- end -}}
 {{- if and .Values.modelServers.enabled (not (has .Values.modelServers.kind (list "simulated" "vllm"))) -}}
 {{- fail (printf "modelServers.kind: expected simulated or vllm, got %q" .Values.modelServers.kind) -}}
