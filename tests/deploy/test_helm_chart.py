@@ -115,15 +115,17 @@ def _merge(into: dict[str, Any], values: Mapping[str, Any]) -> None:
 
 
 def _documented_installs() -> list[list[str]]:
-    """The `helm install` commands of docs/kubernetes.md, continuation lines joined."""
-    text = (REPO / "docs" / "kubernetes.md").read_text().replace("\\\n", " ")
+    """The `helm install` commands of docs/kubernetes.md and docs/multi-epp.md, continuation
+    lines joined."""
+    text = "\n".join((REPO / "docs" / doc).read_text().replace("\\\n", " ")
+                      for doc in ("kubernetes.md", "multi-epp.md"))
     return [shlex.split(line.split("#")[0]) for line in text.splitlines()
             if line.startswith("helm install ")]
 
 
 def test_the_documented_helm_installs_render_valid_objects() -> None:
     installs = _documented_installs()
-    assert len(installs) >= 4
+    assert len(installs) >= 5
     for argv in installs:
         assert argv[3] == "deploy/helm/kvswitch", argv
         values: dict[str, Any] = {}
