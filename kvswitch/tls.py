@@ -171,15 +171,17 @@ def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
 
 def add_upstream_tls_flags(parser: argparse.ArgumentParser, prefix: str, peer: str) -> None:
     """`--{prefix}-tls-ca/-cert/-key/-sni`: call `peer` over TLS (mTLS with a certificate)."""
-    group = parser.add_argument_group(f"TLS to the {peer} (unset: h2c)")
+    group = parser.add_argument_group(f"TLS to the {peer} (unset: plaintext)")
     group.add_argument(f"--{prefix}-tls-ca", type=Path, default=None, metavar="PEM",
-                       help=f"call the {peer} over TLS, verifying its certificate against this CA")
+                       help=f"call the {peer} over TLS, verifying the certificate against "
+                            "this CA")
     group.add_argument(f"--{prefix}-tls-cert", type=Path, default=None, metavar="PEM",
                        help=f"client certificate to present to the {peer} (mTLS)")
     group.add_argument(f"--{prefix}-tls-key", type=Path, default=None, metavar="PEM",
                        help="the client certificate's key")
-    group.add_argument(f"--{prefix}-tls-sni", default="localhost",
-                       help=f"the name the {peer}'s certificate must carry")
+    group.add_argument(f"--{prefix}-tls-sni", default="localhost", metavar="NAME",
+                       help="the name the server certificate must carry (SNI; default "
+                            "localhost)")
 
 
 def upstream_tls_from_args(args: argparse.Namespace, prefix: str) -> UpstreamTls | None:
