@@ -4,7 +4,8 @@
 every kvswitch server and Envoy's listener present; its names must include `sni`) and
 `client.crt` / `client.key` (what Envoy, the EPP and the frontend present to the servers they
 call, which require it: mTLS). `server(...)` and `client()` are those files as `TlsFiles` and
-`UpstreamTls`. `write_self_signed(path)` makes such a directory: a fresh CA (one day valid,
+`UpstreamTls`, and `server_flags(...)` / `client_flags(prefix)` the same as command-line flags of
+kvswitch's processes. `write_self_signed(path)` makes such a directory: a fresh CA (one day valid,
 P-256), a server certificate for `localhost` and 127.0.0.1, and a client certificate
 (`kvswitch up --tls-self-signed`).
 """
@@ -29,6 +30,8 @@ class TlsDir:
     path: Path
     sni: str = SNI
     """The name callers verify the servers' certificate against."""
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    """Seconds every server gives a client to finish its TLS handshake."""
 
     @property
     def ca(self) -> Path:
@@ -37,15 +40,28 @@ class TlsDir:
     def missing(self) -> list[str]:
         return [name for name in FILES if not (self.path / name).is_file()]
 
-    def server(self, *, client_certificates: bool = True,
-               handshake_timeout: float = HANDSHAKE_TIMEOUT) -> TlsFiles:
+    def server(self, *, client_certificates: bool = True) -> TlsFiles:
         """What a server presents; with `client_certificates`, it requires the client's."""
         return TlsFiles(self.path / "server.crt", self.path / "server.key",
-                        self.ca if client_certificates else None, handshake_timeout)
+                        self.ca if client_certificates else None, self.handshake_timeout)
 
     def client(self) -> UpstreamTls:
         """How a client calls the servers: verify them against `ca.crt`, present its own."""
         return UpstreamTls(self.ca, self.path / "client.crt", self.path / "client.key", self.sni)
+
+    def server_flags(self) -> list[str]:
+        """`kvswitch engine/epp/frontend` flags to serve mTLS with these files."""
+        tls = self.server()
+        return ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
+                "--tls-client-ca", str(tls.client_ca),
+                "--tls-handshake-timeout", f"{tls.handshake_timeout:g}"]
+
+    def client_flags(self, prefix: str) -> list[str]:
+        """The `--{prefix}-tls-*` flags (`kvswitch.tls.add_upstream_tls_flags`) to call a
+        server with these files."""
+        tls = self.client()
+        return [f"--{prefix}-tls-ca", str(tls.ca), f"--{prefix}-tls-cert", str(tls.cert),
+                f"--{prefix}-tls-key", str(tls.key), f"--{prefix}-tls-sni", tls.sni]
 
 
 def write_self_signed(path: Path) -> TlsDir:
