@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "examples:\n"
         "  kvswitch up                                  # 4 engines, port 8000\n"
         "  kvswitch up --replicas 8 --profile qwen3-32b-2xh100 --time-scale 10\n"
-        "  kvswitch up --mode echo --epp-config my-epp.yaml --log-dir ./logs")
+        "  kvswitch up --mode echo --epp-config my-epp.yaml --log-dir ./logs\n"
+        "  kvswitch up --tls-self-signed                # every hop on TLS")
     parser.add_argument("--port", type=int, default=8000,
                         help="public port for gRPC and HTTP (default: %(default)s)")
     parser.add_argument("--admin-port", type=int, default=None,

@@ -9,6 +9,8 @@ FULL_DUPLEX_STREAMED (or BUFFERED), response_body NONE, and route on the
 request ended comes from the response headers and trailers (SEND), or, as kvswitch's bootstrap
 does it, from Envoy's gRPC access log streamed to this same port (for requests whose forwarded
 `kvswitch` filter metadata says `access_logged: true`; kvswitch.epp.access_log).
+`--tls-cert` serves ext_proc over TLS; `--engine-tls-ca` calls the engines (load polls, KV
+events) over TLS.
 """
 
 from __future__ import annotations
