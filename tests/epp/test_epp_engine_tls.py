@@ -1,9 +1,10 @@
 """The EPP calls its engines over mTLS: the load collector (GetLoads) and the KV-event
 subscription against a real `kvswitch engine` that serves only mTLS, and neither gets through
-without the client certificate."""
+without the client certificate; an HTTP pool's /metrics over HTTPS."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import grpc
@@ -15,6 +16,7 @@ from kvswitch.epp.datalayer import (
     Datalayer,
     EndpointSpec,
     GrpcCollector,
+    PrometheusCollector,
     Refresher,
     StaticDiscovery,
     default_collector,
@@ -22,7 +24,7 @@ from kvswitch.epp.datalayer import (
 from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc
-from kvswitch.tls import UpstreamTls
+from kvswitch.tls import TlsFiles, UpstreamTls, server_ssl_context
 from tests.support.certs import Certs, make_certs
 from tests.support.processes import free_port, kvswitch_argv, running
 from tests.support.waiting import until
@@ -112,3 +114,24 @@ def test_kvswitch_epp_takes_the_engine_tls_flags(certs: Certs) -> None:
                               "--engine-tls-sni", "engine.local"])
     assert upstream_tls_from_args(args, "engine") == UpstreamTls(
         certs.ca, certs.client_cert, certs.client_key, "engine.local")
+
+
+async def test_an_http_pool_is_scraped_over_https(certs: Certs) -> None:
+    body = b"vllm:num_requests_running 3.0\nvllm:num_requests_waiting 2.0\n"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        writer.close()
+
+    context = server_ssl_context(TlsFiles(certs.server_cert, certs.server_key, certs.ca),
+                                 alpn="http/1.1")
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        metrics = await PrometheusCollector(address, tls=client_tls(certs)).collect(1.0)
+        assert (metrics.running, metrics.waiting) == (3, 2)
+        with pytest.raises(CollectorError):  # the server wants a client certificate
+            await PrometheusCollector(address, tls=UpstreamTls(certs.ca)).collect(1.0)
+    finally:
+        server.close()
