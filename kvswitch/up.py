@@ -224,7 +224,9 @@ class _Caller:
     channel: str
     """A Python expression making the grpc channel."""
     url: str
-    """The OpenAI API's base URL, after curl's TLS flag if any."""
+    """The OpenAI API's base URL."""
+    curl: str = ""
+    """curl's TLS flag, with its trailing space (none for plaintext)."""
     ssl: ssl.SSLContext | None = None
 
 
@@ -237,14 +239,14 @@ def _caller(port: int, tls: TlsDir | None) -> _Caller:
     return _Caller(address, f"-cacert {ca}",
                    f"grpc.secure_channel('{address}', "
                    f"grpc.ssl_channel_credentials(open('{ca}', 'rb').read()))",
-                   f"--cacert {ca} https://{address}", ssl.create_default_context(cafile=ca))
+                   f"https://{address}", f"--cacert {ca} ", ssl.create_default_context(cafile=ca))
 
 
 def served_model(caller: _Caller) -> str:
     """The first model id the frontend lists (what the printed curl line must name)."""
-    url = f"{caller.url.rpartition(' ')[2]}/v1/models"
     try:
-        with urllib.request.urlopen(url, timeout=5.0, context=caller.ssl) as response:
+        with urllib.request.urlopen(f"{caller.url}/v1/models", timeout=5.0,
+                                    context=caller.ssl) as response:
             return str(json.loads(response.read())["data"][0]["id"])
     except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError):
         return "default"
@@ -317,7 +319,8 @@ def startup_message(ports: Ports, with_frontend: bool, state_dir: Path,
         lines += [
             "",
             "OpenAI HTTP:",
-            (f"  curl -s {caller.url}/v1/chat/completions -H 'content-type: application/json' "
+            (f"  curl -s {caller.curl}{caller.url}/v1/chat/completions "
+             "-H 'content-type: application/json' "
              f"-d '{body}'"),
         ]
     lines += ["", "Ctrl-C stops everything.", ""]
