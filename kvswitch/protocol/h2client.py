@@ -336,8 +336,10 @@ def timeout_header(seconds: float) -> str:
 class _Connection(asyncio.Protocol):
     def __init__(self, authority: str, user_agent: str = "kvswitch-frontend",
                  on_lost: Callable[[], None] | None = None,
-                 keepalive: float | None = None) -> None:
+                 keepalive: float | None = None, scheme: str = "http") -> None:
         self.loop = asyncio.get_running_loop()
+        self.scheme = scheme
+        """The calls' `:scheme`: "https" over TLS, "http" over h2c."""
         self.keepalive = keepalive
         """Seconds between keepalive PINGs; a PING not answered by the next one ends the
         connection (a half-open TCP connection to a silent peer). None: no PINGs."""
@@ -420,7 +422,7 @@ class _Connection(asyncio.Protocol):
         stream_id, self._next_id = self._next_id, self._next_id + 2
         fixed = self._fixed_headers.get((path, timeout))
         if fixed is None:
-            headers = [(":method", "POST"), (":scheme", "http"), (":path", path),
+            headers = [(":method", "POST"), (":scheme", self.scheme), (":path", path),
                        (":authority", self.authority), ("content-type", "application/grpc"),
                        ("te", "trailers"), ("user-agent", self.user_agent)]
             if timeout is not None:
@@ -656,7 +658,7 @@ class H2Channel:
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(
             lambda: _Connection(_authority(host, port), self._user_agent, self._on_lost,
-                                self._keepalive),
+                                self._keepalive, "https" if self._ssl is not None else "http"),
             host, port, ssl=self._ssl,
             server_hostname=(self._server_hostname or host) if self._ssl is not None else None)
         self._connections[index] = conn
