@@ -185,12 +185,6 @@ class VllmEngineServicer(ServicerBase, vllm_engine_pb2_grpc.VllmEngineServicer):
             response.loads.append(pb.SchedulerLoad(**scheduler_load_fields(self.engine.load())))
         return response
 
-    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
-                           context: grpc.aio.ServicerContext
-                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        async for chunk in self._tokenizer_chunks():
-            yield chunk
-
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:

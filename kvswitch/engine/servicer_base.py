@@ -2,7 +2,7 @@
 
 `ServicerBase` holds the serving state (active requests, last arrival, draining) and runs the
 parts both APIs serve alike over the `Engine`: a Generate's update stream with its pacing,
-metrics, request log and usage trailer; Embed; the tokenizer archive; the KV-event stream;
+metrics, request log and usage trailer; Embed; GetTokenizer; the KV-event stream;
 waiting for the engine to idle before FlushCache. Each servicer converts its own protobufs.
 
 Pacing: grpc.aio accepts a new RPC once per two event-loop iterations, so hundreds of streams
@@ -147,8 +147,11 @@ class ServicerBase:
         context.set_trailing_metadata(((USAGE_TRAILER, usage),))
         return token_ids, embedding
 
-    async def _tokenizer_chunks(self) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        """GetTokenizer's stream: the archive in chunks, the last one carrying its sha256."""
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        """The tokenizer archive in chunks, the last one carrying its sha256 (both APIs serve
+        common.proto's GetTokenizer)."""
         async with self._archive_lock:
             if self._archive is None:
                 # Deflating ~11 MB takes a moment: keep it off the event loop.

@@ -205,12 +205,6 @@ class SglangSchedulerServicer(ServicerBase, sglang_scheduler_pb2_grpc.SglangSche
                 avg_utilization=round(load.utilization, 4)))
         return response
 
-    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
-                           context: grpc.aio.ServicerContext
-                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        async for chunk in self._tokenizer_chunks():
-            yield chunk
-
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
