@@ -35,9 +35,9 @@ from kvswitch.epp.config import build_router, load_documents, parse_config, pars
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.kvindex.events import batch_from_proto
-from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
 from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.packed import KvEventBatchView
 
