@@ -183,7 +183,7 @@ def make_target(spec: str) -> Target:
     name, _, argument = spec.partition(":")
     if name in ("kvswitch", "kvswitch-text"):
         default = "kvswitch.yaml" if precise_plugin_available() else "kvswitch-approximate.yaml"
-        config = _config_path(argument) if argument else bundled_config(default)
+        config = config_path(argument) if argument else bundled_config(default)
         return GatewayTarget(spec, config, text_prompts=name == "kvswitch-text")
     if name in ("kvswitch-estimated-ttft", "kvswitch-approximate"):
         return GatewayTarget(spec, bundled_config(f"{name}.yaml"))
@@ -198,7 +198,9 @@ def make_target(spec: str) -> Target:
     raise ValueError(f"unknown target {spec!r}; known: {', '.join(TARGET_NAMES)}")
 
 
-def _config_path(argument: str) -> Path:
+def config_path(argument: str) -> Path:
+    """An EPP config file: `argument` itself when it is a file, else the bundled config of that
+    name (`configs/NAME` or `configs/NAME.yaml`); ValueError when neither exists."""
     path = Path(argument).expanduser()
     if path.is_file():
         return path
