@@ -15,7 +15,6 @@ engine without a clock is timed in wall seconds.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -23,8 +22,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvswitch.engine.base import Engine
-
-logger = logging.getLogger(__name__)
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read ours unchanged.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
