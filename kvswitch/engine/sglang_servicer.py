@@ -1,9 +1,8 @@
 """`sglang.grpc.scheduler.SglangScheduler` over an `Engine` backend, with SGLang's semantics.
 
 The SGLang twin of `kvswitch.engine.servicer` (the same `servicer_base`: engine, pacing, metrics
-and request log);
-request and response shapes live in `sglang_conversion`. Where SGLang's gRPC server differs
-from vLLM's, this one answers as SGLang's does:
+and request log); request and response shapes live in `sglang_conversion`. Where SGLang's gRPC
+server differs from vLLM's, this one answers as SGLang's does:
 - errors are gRPC statuses: a request SGLang refuses is INVALID_ARGUMENT with its wording; a
   request aborted by the Abort RPC ends INTERNAL "Request aborted" (SGLang's request manager
   turns the scheduler's abort notice into that error); an abort the engine decides itself
