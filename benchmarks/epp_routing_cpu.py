@@ -41,9 +41,9 @@ from kvswitch.engine.kv_events import load_record, to_int64
 from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.datalayer import Metrics
-from kvswitch.epp.kvindex import BlocksStored, KvEventBatchView, KvBlockIndex, batch_from_proto
-from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from kvswitch.epp.kvindex import BlocksStored, KvBlockIndex, KvEventBatchView, batch_from_proto
 from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.router import EppRouter
 from kvswitch.launcher import DEFAULT_EPP_CONFIG
 from kvswitch.protocol import common_pb2

@@ -159,12 +159,11 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
                        tls=tls_from_args(args))
     metrics = None
     if args.metrics_port:
-        # Served on this loop by the engine's hardened /metrics server (a head deadline, a
-        # bounded head): prometheus_client's own server spends a thread per connection with no
-        # timeout, so slow clients could pile threads up.
+        # prometheus_client's own server spends a thread per connection with no head deadline,
+        # so slow clients could pile threads up: serve on this loop instead.
         import prometheus_client
 
-        from kvswitch.engine.metrics import MetricsHttpServer
+        from kvswitch.metrics_http import MetricsHttpServer
 
         metrics = MetricsHttpServer(lambda: prometheus_client.generate_latest(), lambda: True)
         await metrics.start(args.host, args.metrics_port)

@@ -128,14 +128,7 @@ class EppRouter:
                 continue
             seen.add(id(plugin.index))
             plugin.index.clock = ctx.now
-            # The subscriptions are the fleet's: the plugin must not start its own streams.
-            plugin._following = frozenset(self.addresses)
-            plugin._checked_version = dl.version
-            subs = {}
-            for a in self.addresses:
-                plugin.index.add_endpoint(a)
-                subs[a] = KvEventSubscriber(a, plugin.index, on_load=plugin._pushed_load)
-            self.subscribers.append(subs)
+            self.subscribers.append(plugin.feed_externally(self.addresses))
         self._streams = [_Stream() for _ in self.addresses]
         self._last_poll = [float("-inf")] * len(self.addresses)
         self._requests: dict[int, InferenceRequest] = {}

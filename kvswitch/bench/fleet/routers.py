@@ -43,8 +43,11 @@ from kvswitch.epp.kvindex.index import chained_block_hashes
 class FleetContext(Protocol):
     """What the fleet offers a router."""
 
-    replicas: Sequence[Any]
-    """`Replica` objects (index, address, profile)."""
+    @property
+    def replicas(self) -> Sequence[Any]:
+        """`Replica` objects (index, address, profile)."""
+        ...
+
     requests: Sequence[Any]
     """The workload's requests, in arrival order (only references may look ahead)."""
     profile: SimProfile
@@ -198,7 +201,7 @@ class LookaheadOracle(Oracle):
     def route(self, request: Any, now: float) -> int:
         requests = self.ctx.requests
         i = self._position[request.index] + 1
-        ahead = []
+        ahead: list[Any] = []
         while (i < len(requests) and len(ahead) < self.depth
                and requests[i].send_at <= request.send_at + self.horizon):
             ahead.append(requests[i])
@@ -324,4 +327,8 @@ class SmgCacheAwareModel(_Base):
         if self.mode == "events":
             events = stored_events(batch, self.block_size)
             address = self.addresses[replica]
-            self.ctx.call_at(now + self.kv_delay, lambda: self.index.apply(address, events))
+
+            def apply() -> None:
+                self.index.apply(address, events)
+
+            self.ctx.call_at(now + self.kv_delay, apply)

@@ -61,7 +61,7 @@ from kvswitch.epp.framework import (
 )
 from kvswitch.epp.kvindex.events import LoadRecord
 from kvswitch.epp.kvindex.index import KvBlockIndex
-from kvswitch.epp.kvindex.subscriber import KvEventSubscriptions
+from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscriptions
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, uncached_tokens
 from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 from kvswitch.tokenization.offload import encode_off_loop, needs_offload
@@ -145,6 +145,20 @@ class PrecisePrefixCacheScorer:
         datalayer.push(
             address, running=load.running, waiting=load.waiting, kv_usage=load.token_usage,
             waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl, age=age)
+
+    def feed_externally(self, addresses: Sequence[str]) -> dict[str, KvEventSubscriber]:
+        """Per address, a subscriber the caller hands decoded batches to itself (a harness
+        without I/O, such as the fleet simulator): the plugin then opens no stream for these
+        endpoints, and their load records reach the datalayer as a stream's would."""
+        self._following = frozenset(addresses)
+        if self._handle is not None:
+            self._checked_version = self._handle.datalayer.version
+        subscribers = {}
+        for address in addresses:
+            self.index.add_endpoint(address)
+            subscribers[address] = KvEventSubscriber(address, self.index,
+                                                     on_load=self._pushed_load)
+        return subscribers
 
     async def start(self) -> None:
         self._following = self._pool()

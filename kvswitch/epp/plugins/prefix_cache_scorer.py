@@ -19,7 +19,7 @@ from typing import Any
 from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
-from kvswitch.epp.plugins.prefix_index import SHARED_KEY, STATE_KEY, RoutedPrefixIndex, PrefixMatch
+from kvswitch.epp.plugins.prefix_index import SHARED_KEY, STATE_KEY, PrefixMatch, RoutedPrefixIndex
 
 TYPE = "prefix-cache-scorer"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvswitch.epp.datalayer import H2C, Datalayer, EndpointSpec, Refresher, StaticDiscovery
-from kvswitch.epp.kvindex import KvEventSubscriber, LoadRecord, KvBlockIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber, LoadRecord
 from tests.support.processes import Process, free_port, kvswitch_argv, wait_for_port
 from tests.support.waiting import until
 

@@ -9,14 +9,14 @@ from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.kvindex import (
     BlocksStored,
+    KvBlockIndex,
     KvEventBatchView,
     LoadRecord,
-    KvBlockIndex,
     StoredBlock,
     batch_from_proto,
 )
-from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.plugins.kv_cache_utilization_scorer import KvCacheUtilizationScorer
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.plugins.prefix_index import PrefixMatch, uncached_tokens
 from kvswitch.epp.plugins.queue_scorer import QueueScorer
 from kvswitch.protocol import common_pb2

@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvswitch.epp.kvindex import KvEventSubscriber, KvBlockIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from tests.support.processes import free_port, kvswitch_argv, running
 from tests.support.waiting import until

@@ -5,7 +5,13 @@ from __future__ import annotations
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import ConfigError, PluginHandle, ProfileResult
-from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, CacheCleared, KvBlockIndex, StoredBlock
+from kvswitch.epp.kvindex import (
+    BlocksRemoved,
+    BlocksStored,
+    CacheCleared,
+    KvBlockIndex,
+    StoredBlock,
+)
 from kvswitch.epp.plugins.precise_prefix_cache_scorer import create
 
 B = 4

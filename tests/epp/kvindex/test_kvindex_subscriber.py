@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc.aio
 import pytest
 
-from kvswitch.epp.kvindex import KvEventSubscriber, LoadRecord, KvBlockIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber, LoadRecord
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from tests.support.waiting import until
 

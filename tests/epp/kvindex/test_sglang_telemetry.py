@@ -13,7 +13,7 @@ from kvswitch.epp.config import load_documents, parse_pool
 from kvswitch.epp.datalayer import GrpcCollector
 from kvswitch.epp.datalayer.endpoint import H2C, EndpointSpec
 from kvswitch.epp.framework import ConfigError
-from kvswitch.epp.kvindex import KvEventSubscriber, KvBlockIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as rpc
