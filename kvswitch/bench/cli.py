@@ -177,7 +177,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvswitch-bench-") as tmp:
         state = Path(tmp)
         with Supervisor(state / "logs") as supervisor:
-            extra = ("--page-size", str(args.page_size)) if args.page_size else ()
+            extra: tuple[str, ...] = (
+                ("--page-size", str(args.page_size)) if args.page_size else ())
             if args.load_push_ms is not None:
                 extra += ("--load-push-ms", f"{args.load_push_ms:g}")
             pool = EnginePool(supervisor, args.replicas, args.profile, args.time_scale,
