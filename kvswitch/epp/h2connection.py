@@ -23,9 +23,15 @@ from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass
-from typing import TypeAlias
 
+from kvswitch.epp.h2events import (
+    ConnectionEnded,
+    Event,
+    InputEnded,
+    MessageReceived,
+    StreamOpened,
+    StreamReset,
+)
 from kvswitch.errors import PayloadTooLarge
 from kvswitch.protocol.grpc_framing import (
     INTERNAL,
@@ -49,7 +55,6 @@ from kvswitch.protocol.http2 import (
     HEADERS,
     INTERNAL_ERROR,
     LAST_POSSIBLE_STREAM,
-    MAX_FRAME,
     MAX_IDLE_FRAMES,
     NO_ERROR,
     PING,
@@ -58,11 +63,6 @@ from kvswitch.protocol.http2 import (
     RST_STREAM,
     SETTINGS,
     SETTINGS_ACK,
-    SETTINGS_ENABLE_PUSH,
-    SETTINGS_INITIAL_WINDOW_SIZE,
-    SETTINGS_MAX_CONCURRENT_STREAMS,
-    SETTINGS_MAX_FRAME_SIZE,
-    SETTINGS_MAX_HEADER_LIST_SIZE,
     STREAM_CLOSED,
     U32,
     WINDOW_UPDATE,
@@ -103,52 +103,6 @@ _RESPONSE_HEADERS = b"\x88" + hpack_literal("content-type", "application/grpc")
 _DRAIN_PING = b"kvsdrain"  # the opaque data of the PING that follows a draining GOAWAY
 
 
-# -- events (made per frame, read once by the driver: not frozen, which costs per field) -----
-
-
-@dataclass(slots=True)
-class StreamOpened:
-    """A request's headers arrived on a new stream."""
-
-    stream_id: int
-    path: str
-    """`:path`, e.g. /envoy.service.ext_proc.v3.ExternalProcessor/Process."""
-    headers: dict[str, str]
-    """Every header field, pseudo-headers included, lowercase names."""
-
-
-@dataclass(slots=True)
-class MessageReceived:
-    """One whole gRPC message (without its 5-byte prefix) on an open stream."""
-
-    stream_id: int
-    message: bytes
-
-
-@dataclass(slots=True)
-class InputEnded:
-    """The client half-closed the stream: no more messages will come on it."""
-
-    stream_id: int
-
-
-@dataclass(slots=True)
-class StreamReset:
-    """The stream ended abnormally (RST_STREAM from the peer, or a stream error here)."""
-
-    stream_id: int
-    error_code: int
-
-
-@dataclass(slots=True)
-class ConnectionEnded:
-    """A connection error: GOAWAY sent, every open stream is gone, nothing more is read."""
-
-    error_code: int
-    reason: str
-
-
-Event: TypeAlias = StreamOpened | MessageReceived | InputEnded | StreamReset | ConnectionEnded
 _NO_EVENTS: list[Event] = []  # never appended to: frames are handled only inside `receive()`
 
 
@@ -201,10 +155,9 @@ class H2GrpcConnection:
     def initiate(self) -> None:
         """Queue our SETTINGS (no push, the stream limit, big stream window and frames) and open
         the connection window."""
-        self._out.append(self._connection.initiate({
-            SETTINGS_ENABLE_PUSH: 0, SETTINGS_MAX_CONCURRENT_STREAMS: self.max_concurrent_streams,
-            SETTINGS_INITIAL_WINDOW_SIZE: self.stream_window, SETTINGS_MAX_FRAME_SIZE: MAX_FRAME,
-            SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST}))
+        self._out.append(self._connection.initiate(
+            initial_window=self.stream_window, max_header_list=MAX_HEADER_LIST,
+            max_concurrent_streams=self.max_concurrent_streams))
 
     def data_to_send(self) -> bytes:
         out, self._out = self._out, []

@@ -40,7 +40,6 @@ from kvswitch.protocol.http2 import (
     GOAWAY,
     HEADERS,
     INTERNAL_ERROR,
-    MAX_FRAME,
     MAX_WINDOW,
     PING,
     PREFACE,
@@ -49,10 +48,6 @@ from kvswitch.protocol.http2 import (
     RST_STREAM,
     SETTINGS,
     SETTINGS_ACK,
-    SETTINGS_ENABLE_PUSH,
-    SETTINGS_INITIAL_WINDOW_SIZE,
-    SETTINGS_MAX_FRAME_SIZE,
-    SETTINGS_MAX_HEADER_LIST_SIZE,
     U32,
     WINDOW_UPDATE,
     FrameReader,
@@ -166,9 +161,8 @@ class H2ClientConnection:
     def initiate(self) -> None:
         """Queue the preface, our SETTINGS (no push, big windows and frames, the header list
         cap) and the connection window opened."""
-        self._out.append(PREFACE + self._connection.initiate({
-            SETTINGS_ENABLE_PUSH: 0, SETTINGS_INITIAL_WINDOW_SIZE: MAX_WINDOW,
-            SETTINGS_MAX_FRAME_SIZE: MAX_FRAME, SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_BLOCK}))
+        self._out.append(PREFACE + self._connection.initiate(
+            initial_window=MAX_WINDOW, max_header_list=MAX_HEADER_BLOCK))
 
     def data_to_send(self) -> bytes:
         out, self._out = self._out, []

@@ -16,12 +16,15 @@ from kvswitch.protocol.http2 import (
     DEFAULT_MAX_FRAME,
     DEFAULT_WINDOW,
     FLOW_CONTROL_ERROR,
+    MAX_FRAME,
     MAX_WINDOW,
     PROTOCOL_ERROR,
     SETTINGS,
+    SETTINGS_ENABLE_PUSH,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_CONCURRENT_STREAMS,
     SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
     U32,
     WINDOW_UPDATE,
     H2ProtocolError,
@@ -52,9 +55,18 @@ class ConnectionState:
         self.recv_window = DEFAULT_WINDOW
         self.recv_unacked = 0
 
-    def initiate(self, settings: dict[int, int]) -> bytes:
-        """Our SETTINGS, and the connection window opened to 2^31-1."""
+    def initiate(self, *, initial_window: int, max_header_list: int,
+                 max_concurrent_streams: int | None = None) -> bytes:
+        """Our SETTINGS (push disabled, frames up to `MAX_FRAME`, the stream window, the header
+        list cap and, from a server, the stream limit), and the connection window opened to
+        2^31-1."""
         self.recv_window = MAX_WINDOW
+        settings = {SETTINGS_ENABLE_PUSH: 0}
+        if max_concurrent_streams is not None:
+            settings[SETTINGS_MAX_CONCURRENT_STREAMS] = max_concurrent_streams
+        settings[SETTINGS_INITIAL_WINDOW_SIZE] = initial_window
+        settings[SETTINGS_MAX_FRAME_SIZE] = MAX_FRAME
+        settings[SETTINGS_MAX_HEADER_LIST_SIZE] = max_header_list
         return (frame(SETTINGS, 0, 0, settings_payload(settings))
                 + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
 
