@@ -173,26 +173,28 @@ def _decode(data: bytes, encoding: str | None, max_message_bytes: int, messages:
     they used. The prefix of the next, incomplete message is checked too."""
     offset = 0
     end = len(data)
-    while end - offset >= PREFIX_SIZE:
+    unpack, append = _PREFIX.unpack_from, messages.append
+    while end - offset >= 5:
         if max_messages is not None and len(messages) == max_messages:
             raise InvalidRequest(f"the body holds more than {max_messages} gRPC message(s)")
-        flag, length = _PREFIX.unpack_from(data, offset)
-        if flag > 1:
-            raise InvalidRequest(f"bad gRPC frame flag {flag:#04x} (expected 0 or 1)")
-        if flag and encoding is None:
-            raise _compress_flag_error(encoding)
+        flag, length = unpack(data, offset)
+        if flag:
+            if flag > 1:
+                raise InvalidRequest(f"bad gRPC frame flag {flag:#04x} (expected 0 or 1)")
+            if encoding is None:
+                raise _compress_flag_error(encoding)
         if length > max_message_bytes:
             raise PayloadTooLarge(
                 f"gRPC message of {length} bytes exceeds the {max_message_bytes}-byte limit"
             )
-        start = offset + PREFIX_SIZE
+        start = offset + 5
         if end - start < length:
             break
-        payload = data[start : start + length]
-        if flag:
-            payload = _decompress(payload, encoding, max_message_bytes)
-        messages.append(payload)
         offset = start + length
+        if flag:
+            append(_decompress(data[start:offset], encoding, max_message_bytes))
+        else:
+            append(data[start:offset])
     return offset
 
 

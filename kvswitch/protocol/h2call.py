@@ -109,11 +109,10 @@ class StreamCall:
     # --- fed by the connection -------------------------------------------------------------
 
     def _receive(self, messages: list[bytes]) -> None:
-        parse, out = self._parse, self._messages
+        out = self._messages
         error: StreamError | None = None
         try:
-            for message in messages:
-                out.append(parse(message))
+            out.extend(map(self._parse, messages))  # those before a bad message stay in `out`
         except Exception as exc:  # noqa: BLE001 - a bad message fails its call, not the others
             error = StreamError(grpc.StatusCode.INTERNAL, f"bad response message: {exc}")
         if self._on_message is not None and out:

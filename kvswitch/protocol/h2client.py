@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as ssl_module
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -160,21 +160,31 @@ class _Connection(asyncio.Protocol):
     def _flush(self) -> None:
         self._flush_due = False
         data = self.core.data_to_send()
-        transport = self.transport
-        if data and transport is not None and not transport.is_closing():
-            transport.write(data)
+        if data:
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                transport.write(data)
 
     def data_received(self, data: bytes) -> None:
         self._last_received = self.loop.time()
-        events = self.core.receive(data)
-        if events:
-            self._handle(events)
-        self._flush()
-        if self.core.failed and not self.closed:
+        core = self.core
+        for event in core.receive(data):
+            if type(event) is MessagesReceived:  # most events: handled without a call
+                call = self.calls.get(event.stream_id)
+                if call is not None:
+                    call._receive(event.messages)
+            else:
+                self._handle((event,))
+        data = core.data_to_send()
+        if data:
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                transport.write(data)
+        if core.failed and not self.closed:
             self._closing()
             self.close()
 
-    def _handle(self, events: list[ClientEvent]) -> None:
+    def _handle(self, events: Iterable[ClientEvent]) -> None:
         calls = self.calls
         for event in events:
             kind = type(event)

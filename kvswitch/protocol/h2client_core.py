@@ -124,6 +124,9 @@ def timeout_header(seconds: float) -> str:
     return f"{millis}m" if millis < 10**8 else f"{min(math.ceil(seconds), 10**8 - 1)}S"
 
 
+_NO_EVENTS: list[ClientEvent] = []  # never appended to: frames are handled only in `receive()`
+
+
 class _Call(StreamFlow):
     __slots__ = ("decoder", "headers_seen")
 
@@ -149,7 +152,7 @@ class H2ClientConnection:
         self.failed = False  # a connection error: nothing more is read
         self._next_id = 1
         self._out: list[bytes] = []
-        self._events: list[ClientEvent] = []
+        self._events: list[ClientEvent] = _NO_EVENTS  # what the `receive()` under way returns
         self._reader = FrameReader(self._on_data, self._on_frame,
                                    max_header_block=MAX_HEADER_BLOCK)
         # Plain DATA frames gathered per stream, cut into messages once per read.
@@ -165,7 +168,10 @@ class H2ClientConnection:
             initial_window=MAX_WINDOW, max_header_list=MAX_HEADER_BLOCK))
 
     def data_to_send(self) -> bytes:
-        out, self._out = self._out, []
+        out = self._out
+        if not out:
+            return b""
+        self._out = []
         return b"".join(out) if len(out) != 1 else out[0]
 
     # -- output ------------------------------------------------------------------------------
@@ -238,11 +244,10 @@ class H2ClientConnection:
             self._fail(exc.code, exc.reason, events)
         except Exception as exc:  # noqa: BLE001 - a parsing bug must cost this connection only
             self._fail(INTERNAL_ERROR, f"internal error: {exc}", events)
-        self._events = []
-        if not self.failed:
-            refill = self._connection.refill()
-            if refill:
-                self._out.append(refill)
+        self._events = _NO_EVENTS
+        connection = self._connection
+        if connection.recv_unacked >= connection.refill_at and not self.failed:
+            self._out.append(connection.refill())
         return events
 
     def _fail(self, code: int, reason: str, events: list[ClientEvent]) -> None:
@@ -268,10 +273,10 @@ class H2ClientConnection:
                 self._call_data(call, data, len(data))
 
     def _call_data(self, call: _Call, data: bytes, length: int) -> None:
-        if not call.received(length):
+        update = call.arrived(length)
+        if update is None:
             self._end(call, INTERNAL, "response over the stream's window", FLOW_CONTROL_ERROR)
             return
-        update = call.consumed(length)
         if update:
             self._out.append(update)
         if not data:
@@ -304,7 +309,8 @@ class H2ClientConnection:
         if not flags:
             parts = self._gathered.get(stream_id)
             if parts is None:
-                self._check_opened(stream_id, "DATA")
+                if stream_id >= self._next_id or not stream_id & 1:
+                    self._check_opened(stream_id, "DATA")
                 self._gathered[stream_id] = [payload]
             else:
                 parts.append(payload)

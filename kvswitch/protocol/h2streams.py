@@ -4,7 +4,7 @@ client; no I/O.
 `StreamFlow` is one stream's windows both ways; each side's stream class extends it. Inbound:
 `received(length)` counts a DATA frame against the window (False: the peer overran it, a
 FLOW_CONTROL_ERROR for the stream); `consumed(length)` returns the WINDOW_UPDATE that gives the
-bytes back once `refill_at` of them have been consumed. Outbound: `window_update()` grows the
+bytes back once `refill_at` of them have been consumed; `arrived(length)` is both at once. Outbound: `window_update()` grows the
 window; `pending` holds DATA (bytes) and, last, the trailers (a 1-tuple of a header block) that
 wait for window, and `write_pending()` writes as much as the stream's and the connection's windows
 and the peer's frame size allow.
@@ -55,6 +55,20 @@ class StreamFlow:
             return b""
         self.recv_window += unacked
         self.recv_unacked = 0
+        return frame(WINDOW_UPDATE, 0, self.id, U32.pack(unacked))
+
+    def arrived(self, length: int) -> bytes | None:
+        """`received()` then `consumed()`, for a side that consumes DATA as it arrives: None if
+        the peer overran the window, else the WINDOW_UPDATE due (or b"")."""
+        window = self.recv_window - length
+        if window < 0:
+            self.recv_window = window
+            return None
+        unacked = self.recv_unacked + length
+        if unacked < self.refill_at:
+            self.recv_window, self.recv_unacked = window, unacked
+            return b""
+        self.recv_window, self.recv_unacked = window + unacked, 0
         return frame(WINDOW_UPDATE, 0, self.id, U32.pack(unacked))
 
     def window_update(self, increment: int) -> int:
