@@ -174,9 +174,11 @@ def _decode(data: bytes, encoding: str | None, max_message_bytes: int, messages:
     offset = 0
     end = len(data)
     unpack, append = _PREFIX.unpack_from, messages.append
+    left = -1 if max_messages is None else max_messages  # messages still allowed (-1: any)
     while end - offset >= 5:
-        if max_messages is not None and len(messages) == max_messages:
+        if not left:
             raise InvalidRequest(f"the body holds more than {max_messages} gRPC message(s)")
+        left -= 1
         flag, length = unpack(data, offset)
         if flag:
             if flag > 1:

@@ -119,8 +119,10 @@ class StreamCall:
             self._dispatch()  # those before a bad message still count
         if error is not None:
             self._fail(error)
-        else:
-            self._wake()
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _dispatch(self) -> None:
         """Hand the messages received to `on_message`, in order, until it says stop."""

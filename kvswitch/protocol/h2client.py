@@ -4,7 +4,8 @@ Used for the frontend's Generate hot path and the EPP's engine telemetry (Subscr
 GetLoads, HealthCheck, GetServerInfo). Why not grpc.aio: its per-message cost exceeds the whole
 of the frontend's transcoding (docs/benchmarks/transports.md). The protocol is the sans-IO
 `kvswitch.protocol.h2client_core.H2ClientConnection`; here a connection is an `asyncio.Protocol`
-that feeds it what arrives and writes what it queues. Every message already received for a call
+that feeds it what arrives and writes what it queues, and a call is a
+`kvswitch.protocol.h2call.StreamCall`. Every message already received for a call
 is handed over in one `read_batch()`, so a slow reader gets several at once. A call started with
 `on_message` instead hands each message to that callback straight from `data_received` (no
 future, no task wake-up per read: what a long-lived telemetry stream wants) and its owner
@@ -166,7 +167,8 @@ class _Connection(asyncio.Protocol):
                 transport.write(data)
 
     def data_received(self, data: bytes) -> None:
-        self._last_received = self.loop.time()
+        if self.keepalive is not None:
+            self._last_received = self.loop.time()
         core = self.core
         for event in core.receive(data):
             if type(event) is MessagesReceived:  # most events: handled without a call

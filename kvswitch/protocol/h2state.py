@@ -1,13 +1,13 @@
 """The connection-level HTTP/2 state both of kvswitch's transports keep (RFC 9113 §6.5, §6.9);
 no I/O. Used by the EPP's server (`kvswitch.epp.h2connection`) and the gRPC client
-(`kvswitch.protocol.h2client`).
+(`kvswitch.protocol.h2client_core`).
 
 `ConnectionState` holds what the peer's SETTINGS said (initial stream window, frame size,
 stream limit) and the connection's flow-control windows both ways. Inbound, the window is
 opened to 2^31-1 at once and topped up once `refill_at` bytes were used; DATA beyond it is a
 FLOW_CONTROL_ERROR. Outbound, the window grows with the peer's WINDOW_UPDATEs (0 is a
 PROTOCOL_ERROR, past 2^31-1 a FLOW_CONTROL_ERROR). Methods return the frames to write; errors
-raise `H2ProtocolError`. Per-stream windows stay with each transport's streams.
+raise `H2ProtocolError`. Per-stream windows are `kvswitch.protocol.h2streams.StreamFlow`.
 """
 
 from __future__ import annotations
