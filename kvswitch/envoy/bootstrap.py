@@ -22,6 +22,10 @@ Three shapes, all from `GatewayOptions`:
 * **round robin** (`round_robin=True`): no ext_proc; a STATIC ROUND_ROBIN cluster of the engines.
   The benchmarks' "Envoy round robin" baseline.
 
+TLS, each hop on its own: `tls` on the listener (a client must finish its handshake within
+`tls.handshake_timeout`), `epp_tls` to the EPPs, `engine_tls` to the pool (ALPN h2, or
+http/1.1 for an HTTP pool) and `frontend_tls` to the frontends (http/1.1).
+
 How the pool cluster honours the EPP's pick (`routing`), as measured on Envoy 1.40:
 
 * `override-host` (default): a STATIC cluster of the pool's endpoints with the
@@ -159,6 +163,10 @@ class GatewayOptions:
     """TLS on the listener (mTLS with a client CA); None: plaintext."""
     epp_tls: UpstreamTls | None = None
     """Call the EPP over TLS (mTLS with a client certificate); None: h2c."""
+    engine_tls: UpstreamTls | None = None
+    """Call the pool's engines over TLS (mTLS with a client certificate); None: plaintext."""
+    frontend_tls: UpstreamTls | None = None
+    """Call the frontends over TLS (HTTPS); None: HTTP."""
     request_timeout_s: float = 120.0
     """Envoy's request_timeout: the whole request must be received (routing, and so the EPP's
     flow-control wait, included) within it; a response already started disarms it."""
@@ -174,7 +182,11 @@ def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
             raise ValueError(f"EPP addresses repeat: {', '.join(options.epps)}")
         clusters += _epp_clusters(options.epps, options.epp_failure_mode, options.epp_tls)
     if options.frontends:
-        clusters.append(_static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False))
+        frontends = _static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False)
+        if options.frontend_tls is not None:
+            frontends["transport_socket"] = envoy_upstream_tls(options.frontend_tls,
+                                                               alpn="http/1.1")
+        clusters.append(frontends)
     return {
         "admin": {"address": _socket("127.0.0.1", options.admin_port)},
         "static_resources": {"listeners": [_listener(options)], "clusters": clusters},
@@ -229,6 +241,7 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
     if options.tls is not None:
         chain["transport_socket"] = envoy_downstream_tls(options.tls)
+        chain["transport_socket_connect_timeout"] = f"{options.tls.handshake_timeout:g}s"
     return {"name": "kvswitch", "address": _socket(options.host, options.port),
             "filter_chains": [chain]}
 
@@ -487,6 +500,14 @@ def _replicas_cluster(pool: PoolTarget) -> dict[str, Any]:
 
 
 def _pool_cluster(options: GatewayOptions) -> dict[str, Any]:
+    cluster = _pool_cluster_without_tls(options)
+    if options.engine_tls is not None:
+        alpn = "h2" if options.pool.app_protocol == H2C else "http/1.1"
+        cluster["transport_socket"] = envoy_upstream_tls(options.engine_tls, alpn=alpn)
+    return cluster
+
+
+def _pool_cluster_without_tls(options: GatewayOptions) -> dict[str, Any]:
     http2 = options.pool.app_protocol == H2C
     if options.round_robin:
         return _replicas_cluster(options.pool)

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from kvswitch.epp.config_fields import ConfigError, duration  # noqa: F401
 from kvswitch.epp.contracts import InferenceRequest, RequestOutcome
 from kvswitch.epp.datalayer import Datalayer, Endpoint
+from kvswitch.tls import UpstreamTls
 
 ENTRY_POINT_GROUP = "kvswitch.epp.plugins"
 
@@ -233,10 +234,12 @@ T = TypeVar("T")
 
 
 class PluginHandle:
-    """What plugin factories get: the datalayer, plugins built so far, and shared objects."""
+    """What plugin factories get: the datalayer, plugins built so far, shared objects, and how
+    to call the engines (`engine_tls`: over TLS, else h2c)."""
 
-    def __init__(self, datalayer: Datalayer) -> None:
+    def __init__(self, datalayer: Datalayer, engine_tls: UpstreamTls | None = None) -> None:
         self.datalayer = datalayer
+        self.engine_tls = engine_tls
         self._plugins: dict[str, object] = {}
         self._shared: dict[str, object] = {}
 

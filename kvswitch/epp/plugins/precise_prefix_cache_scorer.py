@@ -84,8 +84,9 @@ class PrecisePrefixCacheScorer:
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
-        self.subscriptions = KvEventSubscriptions(index, on_load=self._pushed_load,
-                                                  api_of=self._api_of)
+        self.subscriptions = KvEventSubscriptions(
+            index, on_load=self._pushed_load, api_of=self._api_of,
+            tls=handle.engine_tls if handle is not None else None)
         self._handle = handle
         self._following: frozenset[str] = frozenset()
         # The datalayer version `_following` was last checked against (-1: never).
