@@ -40,6 +40,7 @@ from kvswitch.protocol.grpc_framing import (
     RESOURCE_EXHAUSTED,
     UNIMPLEMENTED,
     FrameDecoder,
+    encode,
     trailers_block,
 )
 from kvswitch.protocol.h2state import ConnectionState
@@ -365,7 +366,7 @@ class H2GrpcConnection:
             self._out.append(_DATA_MESSAGE.pack(size >> 8, size & 0xFF, DATA, 0, stream_id, 0,
                                                 size - 5) + message)
         else:
-            stream.pending.append(b"\x00" + U32.pack(size - 5) + message)
+            stream.pending.append(encode(message))
             self._flush(stream)
         return True
 

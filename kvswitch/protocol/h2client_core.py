@@ -27,6 +27,7 @@ from kvswitch.protocol.grpc_framing import (
     UNAVAILABLE,
     FrameDecoder,
     call_status,
+    encode,
     http_status_code,
 )
 from kvswitch.protocol.h2state import REFILL_AT, ConnectionState
@@ -202,7 +203,7 @@ class H2ClientConnection:
         self.calls[stream_id] = _Call(stream_id, connection.peer_initial_window - size,
                                       self.max_response_message)
         connection.send_window -= size
-        message = b"\x00" + U32.pack(len(body)) + body
+        message = encode(body)
         step = connection.peer_max_frame
         out = self._out
         out.extend(header_frames(stream_id, block, False, step))
