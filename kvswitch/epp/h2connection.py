@@ -79,7 +79,7 @@ from kvswitch.protocol.http2 import (
 
 __all__ = [
     "INTERNAL", "MAX_CONCURRENT_STREAMS", "MAX_IDLE_FRAMES", "NOT_FOUND", "OK",
-    "RESOURCE_EXHAUSTED", "UNIMPLEMENTED", "ConnectionEnded", "Event", "H2ConnectionError",
+    "RESOURCE_EXHAUSTED", "UNIMPLEMENTED", "ConnectionEnded", "Event",
     "H2GrpcConnection", "InputEnded", "MessageReceived", "StreamOpened", "StreamReset",
 ]
 
@@ -105,9 +105,6 @@ _DRAIN_PING = b"kvsdrain"  # the opaque data of the PING that follows a draining
 
 
 _NO_EVENTS: list[Event] = []  # never appended to: frames are handled only inside `receive()`
-
-
-H2ConnectionError = H2ProtocolError
 
 
 class _Stream(StreamFlow):
@@ -174,7 +171,7 @@ class H2GrpcConnection:
         self._events = events
         try:
             self._reader.feed(data)
-        except H2ConnectionError as exc:
+        except H2ProtocolError as exc:
             self._fail(exc.code, exc.reason, events)
         except Exception as exc:  # a parsing bug must cost this connection, not the server
             logger.exception("HTTP/2 connection failed")
@@ -197,7 +194,7 @@ class H2GrpcConnection:
         events = self._events
         if kind == HEADERS:
             if not stream_id & 1:
-                raise H2ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+                raise H2ProtocolError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
             self._header_block_done(stream_id, flags, payload, events)
         elif kind == WINDOW_UPDATE:
             self._on_window_update(stream_id, payload, events)
@@ -218,7 +215,7 @@ class H2GrpcConnection:
 
     def _check_not_idle(self, stream_id: int, what: str) -> None:
         if not stream_id or stream_id > self.highest_stream_id:
-            raise H2ConnectionError(PROTOCOL_ERROR, f"{what} on idle stream {stream_id}")
+            raise H2ProtocolError(PROTOCOL_ERROR, f"{what} on idle stream {stream_id}")
 
     def _on_settings(self, flags: int, payload: bytes) -> None:
         if flags & ACK:
