@@ -10,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from kvswitch.envoy.bootstrap import EPP_HEADERS, H2C, GatewayOptions, PoolTarget, build_bootstrap
+from kvswitch.envoy.bootstrap import EPP_HEADERS, GatewayOptions, build_bootstrap
+from kvswitch.envoy.clusters import H2C, PoolTarget
 from kvswitch.tls import (
     add_tls_flags,
     add_upstream_tls_flags,

@@ -37,6 +37,7 @@ from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.grpc_framing import FrameDecoder, decode_all
 from tests.fuzz.base import Target, mutated
+from tests.fuzz.h2client_core_targets import H2_CLIENT_CORE
 from tests.fuzz.h2core_targets import H2_FRAMES, HPACK_BLOCKS
 from tests.fuzz.transport_targets import H2_CLIENT, H2_SERVER, HTTP1
 
@@ -318,4 +319,4 @@ EXT_PROC = Target("ext-proc-stream", st.lists(_ext_proc_message, max_size=6), ch
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     GRPC_FRAMES, VLLMGRPC, OPENAI, CONFIG, KV_EVENTS, EXT_PROC, H2_FRAMES, HPACK_BLOCKS,
-    H2_SERVER, H2_CLIENT, HTTP1)}
+    H2_SERVER, H2_CLIENT, HTTP1, H2_CLIENT_CORE)}
