@@ -411,8 +411,12 @@ def main() -> int:
                              "(the linear model's do not depend on the efficiencies)")
     parser.add_argument("--fit", action="store_true",
                         help="grid the fitted efficiencies over the ML.ENERGY runs")
+    parser.add_argument("--prompt-tokens", default="{lm-arena-chat},{gpqa}".format(**PROMPT_TOKENS),
+                        help="assumed prompt tokens of the ML.ENERGY runs, chat,GPQA")
     parser.add_argument("--out", default="benchmarks/results/sim_calibration.json")
     args = parser.parse_args()
+    chat, gpqa = (int(x) for x in args.prompt_tokens.split(","))
+    PROMPT_TOKENS.update({"lm-arena-chat": chat, "gpqa": gpqa})
     started = time.time()
     out = Path(args.out)
     previous = json.loads(out.read_text()) if out.exists() else {}
