@@ -9,7 +9,9 @@ duration):
 - the same trace slice at the recorded rate with its requests spread evenly in time (the same
   prompts, no bursts);
 - a bursty synthetic shape: the 150x5 shared-prefix prompts arriving in bursts of 10-50 at once
-  (`--arrivals bursts`), two steps of 20 s.
+  (`--arrivals bursts`), two steps of 20 s;
+- the 150x5 6,000-token shared-prefix preset on its own full-length ladder (6 to 30 QPS, 60 s
+  per step, about 5,400 requests): the slowest member, `--members` leaves it out.
 Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (per member and
 step, the best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
 oracle, its cache-conserving variant and its look-ahead variant), smg-cache-aware-model (a
@@ -108,6 +110,12 @@ MEMBERS = (
     Member("bursts-6000-1200", _preset("shared-prefix-150x5-6000-1200-1000", (10, 20), 20.0,
                                        "bursts"),
            PRESET_PROFILE, "150 x 5 shared prefix in bursts of 10-50 at once, QPS 10/20"),
+    Member("sp-6000-1200-ladder", _preset("shared-prefix-150x5-6000-1200-1000",
+                                          PRESETS["shared-prefix-150x5-6000-1200-1000"].qps,
+                                          PRESETS["shared-prefix-150x5-6000-1200-1000"]
+                                          .stage_duration),
+           PRESET_PROFILE, "the preset's own ladder: QPS 6/12/18/24/30, 60 s each (queues at "
+                           "the saturation edge have time to build)"),
 )
 
 
@@ -299,9 +307,23 @@ def _best_json(variants: dict[str, Any]) -> dict[str, Any]:
             "overall": {**best["overall"], "from": best["router"]}}
 
 
-def render(source: Path, out: Path, tolerance: float) -> int:
-    saved = json.loads(source.read_text())
-    meta, panel = saved["meta"], saved["members"]
+def merge_saved(sources: list[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One panel from saved runs over disjoint member groups (run in parallel with the same
+    routers): members in panel order, each run's command and wall time kept."""
+    runs = [json.loads(source.read_text()) for source in sources]
+    meta = dict(runs[0]["meta"])
+    by_name = {m["member"]: m for run in runs for m in run["members"]}
+    order = [m.name for m in MEMBERS if m.name in by_name]
+    panel = [by_name[name] for name in order + sorted(set(by_name) - set(order))]
+    if len(runs) > 1:
+        meta["command"] = " ; ".join(run["meta"]["command"] for run in runs)
+        meta["wall_seconds"] = max(run["meta"].get("wall_seconds", 0.0) for run in runs)
+        meta["epp"] = {k: v for run in runs for k, v in run["meta"].get("epp", {}).items()}
+    return meta, panel
+
+
+def render(sources: list[Path], out: Path, tolerance: float) -> int:
+    meta, panel = merge_saved(sources)
     for m in panel:
         if "oracle-best" in m["routers"] and m.get("variants"):
             m["routers"]["oracle-best"] = _best_json(m["variants"])
@@ -314,7 +336,7 @@ def render(source: Path, out: Path, tolerance: float) -> int:
     (out / "panel.json").write_text(json.dumps({"meta": meta, "members": panel}, indent=1))
     (out / "panel.md").write_text(markdown(panel, labels, epp, meta))
     plots(panel, labels, out)
-    print(f"rendered {source} into {out}")
+    print(f"rendered {', '.join(map(str, sources))} into {out}")
     return 0
 
 
@@ -345,9 +367,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the code version to record (default: git describe of this "
                              "script's repository)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--render", type=Path, default=None, metavar="PANEL_JSON",
+    parser.add_argument("--render", type=Path, nargs="+", default=None, metavar="PANEL_JSON",
                         help="run nothing: rewrite panel.md and the plots from a saved "
-                             "panel.json (oracle-best recomputed from its variants) into --out")
+                             "panel.json (oracle-best recomputed from its variants) into --out; "
+                             "several (runs over disjoint --members groups, same routers) are "
+                             "merged into one panel")
     args = parser.parse_args(argv)
     if args.render is not None:
         return render(args.render, args.out, args.tolerance)
