@@ -159,6 +159,18 @@ def run_member(member: Member, routers: list[tuple[str, str]], tokenizer: Tokeni
             "routers": {k: v.to_json() for k, v in results.items()}}
 
 
+def _steps(member: dict[str, Any], labels: list[str]) -> list[dict[str, Any]]:
+    """The member's QPS steps, from the first router that ran it."""
+    return next(member["routers"][label]["steps"] for label in labels
+                if label in member["routers"])
+
+
+def _step(member: dict[str, Any], label: str, i: int) -> dict[str, Any]:
+    """Router `label`'s step `i` on the member; {} when that router did not run it."""
+    router = member["routers"].get(label)
+    return router["steps"][i] if router is not None else {}
+
+
 def _fmt(value: Any, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}" if isinstance(value, float) else str(
         value)
@@ -175,7 +187,7 @@ def check_targets(panel: list[dict[str, Any]], epp: list[str],
         rows = 0
         for m in panel:
             routers = m["routers"]
-            for i, step in enumerate(routers[name]["steps"]):
+            for i, step in enumerate(routers.get(name, {}).get("steps", [])):
                 mine = step["ttft_p90"]
                 rows += 1
                 for key, ref, factor in (("oracle-best x1.2", "oracle-best", TARGET_RATIO),
@@ -202,12 +214,12 @@ def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
              "|---|---|---|" + "---|" * len(labels)]
     for m in panel:
         routers = m["routers"]
-        for i, step in enumerate(routers[labels[0]]["steps"]):
+        for i, step in enumerate(_steps(m, labels)):
             best = routers["oracle-best"]["steps"][i]["ttft_p90"] if "oracle-best" in routers \
                 else None
             cells = []
             for label in labels:
-                value = routers[label]["steps"][i]["ttft_p90"]
+                value = _step(m, label, i).get("ttft_p90")
                 cell = _fmt(value)
                 if label in epp and value is not None and best:
                     cell += f" ({value / best:.2f}x)"
@@ -217,15 +229,14 @@ def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
     lines += ["", "oracle-best = the best of " + ", ".join(ORACLE_VARIANTS)
               + " per member and step (by TTFT p90): "
               + "; ".join(f"{m['member']}: " + ", ".join(
-                  str(s.get("from")) for s in m["routers"]["oracle-best"]["steps"])
+                  str(s.get("from")) for s in m["routers"]["oracle-best"].get("steps", []))
                           for m in panel if "oracle-best" in m["routers"]), ""]
     lines += ["## Cache hit ratio per member and step", "",
               "| member | QPS | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
     for m in panel:
-        routers = m["routers"]
-        for i, step in enumerate(routers[labels[0]]["steps"]):
+        for i, step in enumerate(_steps(m, labels)):
             lines.append(f"| {m['member']} | {step['qps']:.3g} | " + " | ".join(
-                _fmt(routers[label]["steps"][i]["cache_hit_rate"], 2) for label in labels) + " |")
+                _fmt(_step(m, label, i).get("cache_hit_rate"), 2) for label in labels) + " |")
     targets = meta.get("targets", {})
     if targets:
         lines += ["", "## Issue 24's targets (TTFT p90 per member and step)", ""]
@@ -245,7 +256,9 @@ def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
                    "tok/s | hit | per replica | rejected / unfinished |"),
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for label in labels:
-            r = m["routers"][label]
+            r = m["routers"].get(label)
+            if r is None:
+                continue
             for step in r["steps"]:
                 lines.append("| " + " | ".join([
                     label, f"{step['qps']:.3g}",
@@ -270,11 +283,11 @@ def plots(panel: list[dict[str, Any]], labels: list[str], out: Path) -> None:
         rows = (len(panel) + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
         for ax, m in zip(axes.flat, panel, strict=False):
-            steps = m["routers"][labels[0]]["steps"]
+            steps = _steps(m, labels)
             xs = list(range(len(steps)))
             width = 0.8 / len(labels)
             for j, label in enumerate(labels):
-                ys = [s[key] or 0.0 for s in m["routers"][label]["steps"]]
+                ys = [_step(m, label, i).get(key) or 0.0 for i in xs]
                 ax.bar([x + j * width for x in xs], ys, width, label=label)
             ax.set_xticks([x + 0.4 - width / 2 for x in xs],
                           [f"{s['qps']:.3g}" for s in steps])
@@ -308,16 +321,29 @@ def _best_json(variants: dict[str, Any]) -> dict[str, Any]:
 
 
 def merge_saved(sources: list[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One panel from saved runs over disjoint member groups (run in parallel with the same
-    routers): members in panel order, each run's command and wall time kept."""
+    """One panel from saved runs (over member groups, or routers of the same members, run in
+    parallel or one after another): members in panel order, routers in the order first seen;
+    the oracle variants, run as routers of their own, become `oracle-best`'s variants."""
     runs = [json.loads(source.read_text()) for source in sources]
     meta = dict(runs[0]["meta"])
-    by_name = {m["member"]: m for run in runs for m in run["members"]}
+    by_name: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for m in run["members"]:
+            merged = by_name.setdefault(m["member"], {**m, "routers": {}, "variants": {}})
+            merged["routers"].update(m["routers"])
+            merged["variants"].update(m.get("variants", {}))
+    for m in by_name.values():
+        found = {v: m["routers"][v] for v in ORACLE_VARIANTS if v in m["routers"]}
+        m["variants"] = {**found, **m["variants"]}
+        for v in ORACLE_VARIANTS[1:]:
+            m["routers"].pop(v, None)
+        if len(m["variants"]) == len(ORACLE_VARIANTS):
+            m["routers"]["oracle-best"] = {}  # recomputed from the variants by `render`
     order = [m.name for m in MEMBERS if m.name in by_name]
     panel = [by_name[name] for name in order + sorted(set(by_name) - set(order))]
     if len(runs) > 1:
         meta["command"] = " ; ".join(run["meta"]["command"] for run in runs)
-        meta["wall_seconds"] = max(run["meta"].get("wall_seconds", 0.0) for run in runs)
+        meta["wall_seconds"] = sum(run["meta"].get("wall_seconds", 0.0) for run in runs)
         meta["epp"] = {k: v for run in runs for k, v in run["meta"].get("epp", {}).items()}
     return meta, panel
 
@@ -327,8 +353,10 @@ def render(sources: list[Path], out: Path, tolerance: float) -> int:
     for m in panel:
         if "oracle-best" in m["routers"] and m.get("variants"):
             m["routers"]["oracle-best"] = _best_json(m["variants"])
-    labels = list(panel[0]["routers"])
-    epp = list(meta.get("epp", {}))
+    # Routers any member has (a missing run shows as "-"): baselines, then the EPP configs.
+    have = set().union(*(set(m["routers"]) for m in panel))
+    epp = [name for name in meta.get("epp", {}) if name in have]
+    labels = [b for b in BASELINES + OPTIONAL if b in have] + epp
     meta["tolerance"] = tolerance
     if {"oracle-best", "round-robin", "smg-cache-aware-model"} <= set(labels):
         meta["targets"] = check_targets(panel, epp, tolerance)
