@@ -54,11 +54,11 @@ GPUS: dict[str, GpuSpec] = {
 
 EFFICIENCY = Efficiency(
     gemm=0.65,
-    weights=0.80,
+    weights=0.75,
     attention=0.60,
     kv=0.90,
     link=0.80,
     allreduce_latency_us=8.0,
     step_overhead_us=1000.0,
-    decode_seq_layer_us=1.0,
+    decode_seq_layer_us=1.25,
 )
