@@ -344,7 +344,9 @@ def merge_saved(sources: list[Path]) -> tuple[dict[str, Any], list[dict[str, Any
     order = [m.name for m in MEMBERS if m.name in by_name]
     panel = [by_name[name] for name in order + sorted(set(by_name) - set(order))]
     if len(runs) > 1:
-        meta["command"] = " ; ".join(run["meta"]["command"] for run in runs)
+        meta["commands"] = [run["meta"]["command"] for run in runs]
+        meta["command"] = (f"{len(runs)} runs merged with --render (each command in "
+                           f"panel.json), e.g. {runs[0]['meta']['command']}")
         meta["wall_seconds"] = sum(run["meta"].get("wall_seconds", 0.0) for run in runs)
         meta["epp"] = {k: v for run in runs for k, v in run["meta"].get("epp", {}).items()}
     return meta, panel
