@@ -9,7 +9,9 @@ duration):
 - the same trace slice at the recorded rate with its requests spread evenly in time (the same
   prompts, no bursts);
 - a bursty synthetic shape: the 150x5 shared-prefix prompts arriving in bursts of 10-50 at once
-  (`--arrivals bursts`), two steps of 20 s.
+  (`--arrivals bursts`), two steps of 20 s;
+- the 150x5 6,000-token shared-prefix preset on its own full-length ladder (6 to 30 QPS, 60 s
+  per step, about 5,400 requests): the slowest member, `--members` leaves it out.
 Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (per member and
 step, the best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
 oracle, its cache-conserving variant and its look-ahead variant), smg-cache-aware-model (a
@@ -108,6 +110,12 @@ MEMBERS = (
     Member("bursts-6000-1200", _preset("shared-prefix-150x5-6000-1200-1000", (10, 20), 20.0,
                                        "bursts"),
            PRESET_PROFILE, "150 x 5 shared prefix in bursts of 10-50 at once, QPS 10/20"),
+    Member("sp-6000-1200-ladder", _preset("shared-prefix-150x5-6000-1200-1000",
+                                          PRESETS["shared-prefix-150x5-6000-1200-1000"].qps,
+                                          PRESETS["shared-prefix-150x5-6000-1200-1000"]
+                                          .stage_duration),
+           PRESET_PROFILE, "the preset's own ladder: QPS 6/12/18/24/30, 60 s each (queues at "
+                           "the saturation edge have time to build)"),
 )
 
 
@@ -151,6 +159,18 @@ def run_member(member: Member, routers: list[tuple[str, str]], tokenizer: Tokeni
             "routers": {k: v.to_json() for k, v in results.items()}}
 
 
+def _steps(member: dict[str, Any], labels: list[str]) -> list[dict[str, Any]]:
+    """The member's QPS steps, from the first router that ran it."""
+    return next(member["routers"][label]["steps"] for label in labels
+                if label in member["routers"])
+
+
+def _step(member: dict[str, Any], label: str, i: int) -> dict[str, Any]:
+    """Router `label`'s step `i` on the member; {} when that router did not run it."""
+    router = member["routers"].get(label)
+    return router["steps"][i] if router is not None else {}
+
+
 def _fmt(value: Any, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}" if isinstance(value, float) else str(
         value)
@@ -167,7 +187,7 @@ def check_targets(panel: list[dict[str, Any]], epp: list[str],
         rows = 0
         for m in panel:
             routers = m["routers"]
-            for i, step in enumerate(routers[name]["steps"]):
+            for i, step in enumerate(routers.get(name, {}).get("steps", [])):
                 mine = step["ttft_p90"]
                 rows += 1
                 for key, ref, factor in (("oracle-best x1.2", "oracle-best", TARGET_RATIO),
@@ -194,12 +214,12 @@ def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
              "|---|---|---|" + "---|" * len(labels)]
     for m in panel:
         routers = m["routers"]
-        for i, step in enumerate(routers[labels[0]]["steps"]):
+        for i, step in enumerate(_steps(m, labels)):
             best = routers["oracle-best"]["steps"][i]["ttft_p90"] if "oracle-best" in routers \
                 else None
             cells = []
             for label in labels:
-                value = routers[label]["steps"][i]["ttft_p90"]
+                value = _step(m, label, i).get("ttft_p90")
                 cell = _fmt(value)
                 if label in epp and value is not None and best:
                     cell += f" ({value / best:.2f}x)"
@@ -209,15 +229,16 @@ def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
     lines += ["", "oracle-best = the best of " + ", ".join(ORACLE_VARIANTS)
               + " per member and step (by TTFT p90): "
               + "; ".join(f"{m['member']}: " + ", ".join(
-                  str(s.get("from")) for s in m["routers"]["oracle-best"]["steps"])
+                  str(s.get("from")) for s in m["routers"]["oracle-best"].get("steps", []))
+                  + "".join(f" (without {v})" for v in ORACLE_VARIANTS
+                            if m.get("variants") and v not in m["variants"])
                           for m in panel if "oracle-best" in m["routers"]), ""]
     lines += ["## Cache hit ratio per member and step", "",
               "| member | QPS | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
     for m in panel:
-        routers = m["routers"]
-        for i, step in enumerate(routers[labels[0]]["steps"]):
+        for i, step in enumerate(_steps(m, labels)):
             lines.append(f"| {m['member']} | {step['qps']:.3g} | " + " | ".join(
-                _fmt(routers[label]["steps"][i]["cache_hit_rate"], 2) for label in labels) + " |")
+                _fmt(_step(m, label, i).get("cache_hit_rate"), 2) for label in labels) + " |")
     targets = meta.get("targets", {})
     if targets:
         lines += ["", "## Issue 24's targets (TTFT p90 per member and step)", ""]
@@ -237,7 +258,9 @@ def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
                    "tok/s | hit | per replica | rejected / unfinished |"),
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for label in labels:
-            r = m["routers"][label]
+            r = m["routers"].get(label)
+            if r is None:
+                continue
             for step in r["steps"]:
                 lines.append("| " + " | ".join([
                     label, f"{step['qps']:.3g}",
@@ -262,11 +285,11 @@ def plots(panel: list[dict[str, Any]], labels: list[str], out: Path) -> None:
         rows = (len(panel) + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
         for ax, m in zip(axes.flat, panel, strict=False):
-            steps = m["routers"][labels[0]]["steps"]
+            steps = _steps(m, labels)
             xs = list(range(len(steps)))
             width = 0.8 / len(labels)
             for j, label in enumerate(labels):
-                ys = [s[key] or 0.0 for s in m["routers"][label]["steps"]]
+                ys = [_step(m, label, i).get(key) or 0.0 for i in xs]
                 ax.bar([x + j * width for x in xs], ys, width, label=label)
             ax.set_xticks([x + 0.4 - width / 2 for x in xs],
                           [f"{s['qps']:.3g}" for s in steps])
@@ -299,14 +322,45 @@ def _best_json(variants: dict[str, Any]) -> dict[str, Any]:
             "overall": {**best["overall"], "from": best["router"]}}
 
 
-def render(source: Path, out: Path, tolerance: float) -> int:
-    saved = json.loads(source.read_text())
-    meta, panel = saved["meta"], saved["members"]
+def merge_saved(sources: list[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One panel from saved runs (over member groups, or routers of the same members, run in
+    parallel or one after another): members in panel order, routers in the order first seen;
+    the oracle variants, run as routers of their own, become `oracle-best`'s variants."""
+    runs = [json.loads(source.read_text()) for source in sources]
+    meta = dict(runs[0]["meta"])
+    by_name: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for m in run["members"]:
+            merged = by_name.setdefault(m["member"], {**m, "routers": {}, "variants": {}})
+            merged["routers"].update(m["routers"])
+            merged["variants"].update(m.get("variants", {}))
+    for m in by_name.values():
+        found = {v: m["routers"][v] for v in ORACLE_VARIANTS if v in m["routers"]}
+        m["variants"] = {**found, **m["variants"]}
+        for v in ORACLE_VARIANTS[1:]:
+            m["routers"].pop(v, None)
+        if len(m["variants"]) >= 2:  # the panel says which variants it is the best of
+            m["routers"]["oracle-best"] = {}  # recomputed from the variants by `render`
+    order = [m.name for m in MEMBERS if m.name in by_name]
+    panel = [by_name[name] for name in order + sorted(set(by_name) - set(order))]
+    if len(runs) > 1:
+        meta["commands"] = [run["meta"]["command"] for run in runs]
+        meta["command"] = (f"{len(runs)} runs merged with --render (each command in "
+                           f"panel.json), e.g. {runs[0]['meta']['command']}")
+        meta["wall_seconds"] = sum(run["meta"].get("wall_seconds", 0.0) for run in runs)
+        meta["epp"] = {k: v for run in runs for k, v in run["meta"].get("epp", {}).items()}
+    return meta, panel
+
+
+def render(sources: list[Path], out: Path, tolerance: float) -> int:
+    meta, panel = merge_saved(sources)
     for m in panel:
         if "oracle-best" in m["routers"] and m.get("variants"):
             m["routers"]["oracle-best"] = _best_json(m["variants"])
-    labels = list(panel[0]["routers"])
-    epp = list(meta.get("epp", {}))
+    # Routers any member has (a missing run shows as "-"): baselines, then the EPP configs.
+    have = set().union(*(set(m["routers"]) for m in panel))
+    epp = [name for name in meta.get("epp", {}) if name in have]
+    labels = [b for b in BASELINES + OPTIONAL if b in have] + epp
     meta["tolerance"] = tolerance
     if {"oracle-best", "round-robin", "smg-cache-aware-model"} <= set(labels):
         meta["targets"] = check_targets(panel, epp, tolerance)
@@ -314,7 +368,7 @@ def render(source: Path, out: Path, tolerance: float) -> int:
     (out / "panel.json").write_text(json.dumps({"meta": meta, "members": panel}, indent=1))
     (out / "panel.md").write_text(markdown(panel, labels, epp, meta))
     plots(panel, labels, out)
-    print(f"rendered {source} into {out}")
+    print(f"rendered {', '.join(map(str, sources))} into {out}")
     return 0
 
 
@@ -345,9 +399,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the code version to record (default: git describe of this "
                              "script's repository)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--render", type=Path, default=None, metavar="PANEL_JSON",
+    parser.add_argument("--render", type=Path, nargs="+", default=None, metavar="PANEL_JSON",
                         help="run nothing: rewrite panel.md and the plots from a saved "
-                             "panel.json (oracle-best recomputed from its variants) into --out")
+                             "panel.json (oracle-best recomputed from its variants) into --out; "
+                             "several (runs over disjoint --members groups, same routers) are "
+                             "merged into one panel")
     args = parser.parse_args(argv)
     if args.render is not None:
         return render(args.render, args.out, args.tolerance)

@@ -14,8 +14,11 @@ replica and cancels out):
     Wp(e)    = uncached prompt tokens the EPP routed to e whose prefill has not ended, by the
                KV events (`PrefixMatch.pending_prefill`; 0 without the precise index): unlike
                Wq it counts requests the engine admitted that are still prefilling
+    R(e)     = max(0, running(e) - unreported_requests(e)): a request just sent is in Ws(e)
+               until a report covers it, and may already show in running(e) (a report
+               sampled within the proxy's hop of the send does not settle it); counted once
     est(e)   = max(Wq(e) + Ws(e), Wp(e)) + uncachedWeight x (1 - m(e)) x P
-               + runningRequestTokens x running(e)
+               + runningRequestTokens x R(e)
     score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
                                                        +1 keeps an idle all-cached pool finite)
 
@@ -31,7 +34,7 @@ equals the extra queue, measured in the same unit, instead of fixed ratios (0.5,
 The ratio normalisation keeps scale: twice the work scores 0.5, whatever the prompt length.
 Inputs: `state["prefix-index"]` (written by precise-prefix-cache-scorer or prefix-cache-scorer,
 either must be configured), `Metrics.waiting_tokens/waiting/running`,
-`Endpoint.unreported_tokens`, `PrefixMatch.pending_prefill`.
+`Endpoint.unreported_tokens/unreported_requests`, `PrefixMatch.pending_prefill`.
 Parameters: runningRequestTokens (float >= 0, default 16): prefill-token equivalent of one
 running request (decode steps interleave with prefill; 6 us per decode token vs 17 us per
 prefill token in the step model, over a few steps of a queued prefill). uncachedWeight
@@ -81,8 +84,9 @@ class EstimatedTtftScorer:
                 if in_progress > queued:  # noqa: PLR1730 (no max() call per endpoint)
                     queued = in_progress
             held = matched.get(e.address, 0) if matched else 0
+            running = m.running - e.unreported_requests
             work.append(queued + (1.0 - held / blocks if held else 1.0) * own
-                        + running_tokens * m.running)
+                        + (running_tokens * running if running > 0 else 0.0))
         least = min(work) + 1.0
         return [least / (w + 1.0) for w in work]
 

@@ -1,8 +1,11 @@
 """max-score-picker: the endpoint with the highest total score (the default picker).
 
 Rule: the endpoints whose total lies within `tieTolerance` of the best are tied; among them the
-one with the fewest requests in flight from this EPP wins, at random among equals (a burst of
-equally scored requests then spreads instead of landing where the random draw happens to repeat).
+one holding the most leading blocks of this request's prompt wins (the prefix producer's
+`PrefixMatch` in the cycle state; a tie the scorers left stays where the cache already is instead
+of copying the prefix elsewhere), then the one with the fewest requests in flight from this EPP,
+then one at random (a burst of equally scored requests then spreads instead of landing where the
+random draw happens to repeat).
 Fallbacks follow in score order (equal scores in random order), up to `maxNumOfEndpoints` in all.
 Parameters: maxNumOfEndpoints (int >= 1, default 1, as upstream); tieTolerance (float >= 0,
 default 0: only equal totals tie).
@@ -17,6 +20,7 @@ from typing import Any
 from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, max_endpoints_param, param
+from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
 
 TYPE = "max-score-picker"
 
@@ -29,8 +33,18 @@ class MaxScorePicker:
         self.tie_tolerance = tie_tolerance
         self._rng = rng or random.Random()
 
-    def _tied_pick(self, endpoints: Sequence[Endpoint], ties: list[int]) -> int:
-        """The tied position with the fewest in flight, at random among equals."""
+    def _tied_pick(self, endpoints: Sequence[Endpoint], ties: list[int],
+                   state: CycleState) -> int:
+        """The tied position holding the most leading blocks of the prompt, then with the
+        fewest in flight, at random among equals."""
+        match: PrefixMatch | None = state.get(STATE_KEY)
+        if match is not None and match.matched:
+            held = match.matched
+            most = max([held.get(endpoints[i].address, 0) for i in ties])
+            if most:
+                ties = [i for i in ties if held.get(endpoints[i].address, 0) == most]
+                if len(ties) == 1:
+                    return ties[0]
         least = min([endpoints[i].in_flight for i in ties])
         fewest = [i for i in ties if endpoints[i].in_flight == least]
         return fewest[0] if len(fewest) == 1 else self._rng.choice(fewest)
@@ -43,7 +57,9 @@ class MaxScorePicker:
         if n == 1 and not self.tie_tolerance:
             best = max(scores)
             ties = [i for i, s in enumerate(scores) if s == best]
-            return (endpoints[ties[0] if len(ties) == 1 else self._tied_pick(endpoints, ties)],)
+            if len(ties) == 1:
+                return (endpoints[ties[0]],)
+            return (endpoints[self._tied_pick(endpoints, ties, state)],)
         # Sorting the floats themselves and finding each winner by value costs ~1 us less
         # than sorting positions by key. With the top n + 1 distinct and no near tie at the
         # top, each of the top n occurs once, so `index` finds the one endpoint holding it.
@@ -54,7 +70,7 @@ class MaxScorePicker:
             return tuple([endpoints[index(s)] for s in top[:n]])
         floor = top[0] - self.tie_tolerance
         ties = [i for i, s in enumerate(scores) if s >= floor]
-        first = ties[0] if len(ties) == 1 else self._tied_pick(endpoints, ties)
+        first = ties[0] if len(ties) == 1 else self._tied_pick(endpoints, ties, state)
         if n == 1:
             return (endpoints[first],)
         # Fallbacks in score order, equal scores in random order.

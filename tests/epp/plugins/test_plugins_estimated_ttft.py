@@ -102,3 +102,22 @@ def test_uncached_weight_keeps_a_group_on_its_holder_longer() -> None:
     state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {"e0:1": 375})}
     # Counting the miss's prefill twice: 8,000 + 2,400 < 14,400.
     assert profile.run(request, state, eps).endpoints[0].address == "e0:1"
+
+
+def test_a_sent_request_the_report_shows_running_counts_once() -> None:
+    eps = endpoints(2)
+    # e0: the EPP just sent it 4 requests (1,200 uncached tokens each) and a report sampled
+    # within the proxy's hop already shows them running, without settling them.
+    sent(eps[0], 4, 1200)
+    load(eps[0], running=4)
+    # e1: the same prefill queued, reported, and 2 requests of its own running.
+    load(eps[1], waiting=4, waiting_tokens=4 * 1200, running=2)
+    scorer = create("t", {"runningRequestTokens": 160}, PluginHandle(Datalayer()))
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {})}
+    scores = scorer.score(request, state, eps)
+    assert scores[0] == 1.0 and scores[1] < 1.0  # 4,800 + 7,200 against 4,800 + 320 + 7,200
+    # Not reported as running yet: the unreported account never takes the running term
+    # below 0, and e1's 2 running requests still weigh.
+    load(eps[0], running=0)
+    assert scorer.score(request, state, eps) == scores

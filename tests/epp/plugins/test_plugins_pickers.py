@@ -12,6 +12,7 @@ from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.plugins import low_queue_filter, max_score_picker, round_robin_picker
 from kvswitch.epp.plugins.max_score_picker import MaxScorePicker
+from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
 from kvswitch.epp.plugins.random_picker import RandomPicker
 from kvswitch.epp.plugins.weighted_random_picker import WeightedRandomPicker
 
@@ -58,6 +59,32 @@ def test_max_score_with_fallbacks_breaks_ties_at_random() -> None:
     assert min(fallbacks.values()) > 100
     # No tie: the order is the scores' order.
     assert picker.pick(REQ, {}, EPS, [0.5, 0.9, 0.5, 0.7]) == (EPS[1], EPS[3])
+
+
+def test_max_score_gives_a_tie_to_the_longest_prefix_then_the_fewest_in_flight() -> None:
+    eps = [Endpoint(EndpointSpec(f"10.0.1.{i}:8000")) for i in range(4)]
+    eps[1].in_flight = 5
+    eps[3].in_flight = 1
+    # Tied on 1.0: 1 and 3 hold 8 leading blocks, 0 holds 2; 2 is not tied.
+    state = {STATE_KEY: PrefixMatch(tuple(range(10)), {eps[0].address: 2, eps[1].address: 8,
+                                                       eps[2].address: 9, eps[3].address: 8})}
+    scores = [1.0, 1.0, 0.5, 1.0]
+    for n in (1, 2):
+        picker = MaxScorePicker("m", n, rng=random.Random(7))
+        # Between the two holders of 8 blocks, the one with fewer in flight.
+        assert {picker.pick(REQ, state, eps, scores)[0] for _ in range(50)} == {eps[3]}
+    eps[3].in_flight = 9
+    assert MaxScorePicker("m").pick(REQ, state, eps, scores) == (eps[1],)
+    # The most blocks wins even against fewer in flight.
+    eps[0].in_flight = 0
+    state[STATE_KEY].matched[eps[1].address] = 1
+    assert MaxScorePicker("m").pick(REQ, state, eps, scores) == (eps[3],)
+    # Within tieTolerance too.
+    picker = MaxScorePicker("m", tie_tolerance=0.05)
+    assert picker.pick(REQ, state, eps, [0.97, 1.0, 0.5, 0.96]) == (eps[3],)
+    # No tied endpoint holds any block: fewest in flight.
+    state[STATE_KEY] = PrefixMatch(tuple(range(10)), {eps[2].address: 9})
+    assert MaxScorePicker("m").pick(REQ, state, eps, scores) == (eps[0],)
 
 
 def test_weighted_random_follows_scores() -> None:
