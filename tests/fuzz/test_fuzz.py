@@ -1,9 +1,15 @@
-"""Every fuzz target, briefly (`KVSWITCH_FUZZ_EXAMPLES`, default 150 inputs each), plus the
-inputs that once broke a target, kept as regression cases."""
+"""Every fuzz target, briefly, under both engines: hypothesis (`KVSWITCH_FUZZ_EXAMPLES`, default
+150 inputs each) and atheris (`KVSWITCH_ATHERIS_RUNS`, default 2,000 inputs each, from the kept
+corpus, in a process of its own); then every kept input (tests/fuzz/corpus/<target>/: seeds,
+coverage the long runs found, and each crash once found) replayed as a regression case."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from tests.fuzz.targets import CONFIG, TARGETS, Target
 
 EXAMPLES = int(os.environ.get("KVSWITCH_FUZZ_EXAMPLES", "150"))
+ATHERIS_RUNS = int(os.environ.get("KVSWITCH_ATHERIS_RUNS", "2000"))
+CORPUS = Path(__file__).parent / "corpus"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("target", TARGETS.values(), ids=TARGETS.keys())
@@ -22,6 +31,36 @@ def test_fuzz(target: Target) -> None:
         target.check(value)
 
     run()
+
+
+@pytest.fixture(scope="module")
+def atheris_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str]]:
+    """Every target under atheris once: name -> (exit code, that child's output)."""
+    if importlib.util.find_spec("atheris") is None:
+        pytest.skip("atheris is not installed (no wheel for this Python or platform)")
+    work = tmp_path_factory.mktemp("atheris")
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz.atheris_main", "--each", str(ATHERIS_RUNS), str(work)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    codes = dict(line.split(" exit ") for line in run.stdout.splitlines() if " exit " in line)
+    return {name: (int(code), (work / name / "log").read_text(errors="replace")[-4000:])
+            for name, code in codes.items()}
+
+
+@pytest.mark.parametrize("name", TARGETS.keys())
+def test_atheris(name: str, atheris_runs: dict[str, tuple[int, str]]) -> None:
+    code, log = atheris_runs[name]
+    assert code == 0, log
+
+
+@pytest.mark.parametrize("name", TARGETS.keys())
+def test_corpus_replays(name: str) -> None:
+    target = TARGETS[name]
+    files = sorted((CORPUS / name).iterdir())
+    assert files, f"no corpus for {name}"
+    for path in files:
+        target.check(target.codec.decode(path.read_bytes()))
 
 
 def test_a_yaml_escape_past_unicode_is_a_config_error() -> None:
