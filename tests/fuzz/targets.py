@@ -28,7 +28,7 @@ from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.contracts import EndpointPicker, ParsedBody, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.framework import ConfigError
-from kvswitch.epp.kvindex.events import batch_from_proto
+from kvswitch.epp.kvindex.events import KvEventBatchView, batch_from_proto
 from kvswitch.epp.kvindex.index import PrefixIndex
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.openai import OpenAIParser
@@ -278,8 +278,8 @@ def check_kv_events(batches: list[bytes]) -> None:
     index = PrefixIndex(block_size=16)
     index.add_endpoint("e")
     for raw in batches:
-        try:
-            message = common_pb2.KvEventBatch.FromString(raw)
+        try:  # as the EPP's subscriber reads a batch off the wire
+            message = KvEventBatchView.FromString(raw)
         except DecodeError:
             continue
         batch = batch_from_proto(message)

@@ -66,3 +66,8 @@ def test_corpus_replays(name: str) -> None:
 def test_a_yaml_escape_past_unicode_is_a_config_error() -> None:
     # Found by the epp-config target: pyyaml raised a bare ValueError for it.
     CONFIG.check('apiVersion: x\nkind: Other\nschedulingProfiles:\n- "\\U10010000": null\n')
+
+
+def test_a_yaml_escape_past_a_c_int_is_a_config_error() -> None:
+    # Found by atheris on the epp-config target: pyyaml raised a bare OverflowError for it.
+    CONFIG.check('apiVersion: x\nkind: Other\nschedulingProfiles:\n- "\\UFFFFFFFF": null\n')
