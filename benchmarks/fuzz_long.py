@@ -99,9 +99,12 @@ def run_atheris(name: str, args: argparse.Namespace) -> dict[str, object]:
     found = sorted(p.name for p in artifacts.iterdir())
     crash = None
     if child.returncode != 0:
-        tail = [line for line in child.stderr.splitlines() if "Instrumenting" not in line]
+        lines = child.stderr.splitlines()
+        # The Python traceback atheris prints, else libFuzzer's own report (hang, OOM).
+        start = next((i for i, line in enumerate(lines) if "Uncaught Python exception" in line),
+                     max(0, len(lines) - 25))
         crash = "\n".join([f"exit {child.returncode}; saved: {', '.join(found) or 'none'}",
-                           *tail[-40:]])
+                           *lines[start:start + 30]])
     if args.merge and child.returncode == 0:
         subprocess.run([sys.executable, "-m", "tests.fuzz.atheris_main", name, "-merge=1",
                         f"-max_len={args.max_len}", str(corpus), str(work)],

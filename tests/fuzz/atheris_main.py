@@ -69,7 +69,9 @@ def fuzz(name: str, options: list[str]) -> None:
     def one_input(data: bytes) -> None:
         target.check(target.codec.decode(data))
 
-    atheris.Setup([sys.argv[0], *options], one_input)
+    # libFuzzer runs argv[0] through the shell for -merge: make it a command that works.
+    command = f"{sys.executable} -m tests.fuzz.atheris_main {name}"
+    atheris.Setup([command, *options], one_input)
     atheris.Fuzz()
 
 
