@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--merge", action="store_true",
                         help="atheris: add the inputs that found new coverage to the corpus")
     parser.add_argument("--artifacts", type=Path,
-                        default=REPO / "benchmarks/results/fuzz_artifacts",
+                        default=Path(tempfile.gettempdir()) / "kvswitch-fuzz-artifacts",
                         help="atheris: where crashing, hanging and out-of-memory inputs are saved")
     parser.add_argument("--targets", default=",".join(TARGETS),
                         help="comma-separated target names (default: all)")

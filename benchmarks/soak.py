@@ -11,7 +11,8 @@ about twice what the pool runs at once). Each request, by a fixed cycle:
 - every 20th names the sheddable objective: served, or shed (RESOURCE_EXHAUSTED) when the pool
   is saturated.
 On top, every `--surge-every` seconds a surge: `--surge-clients` more clients send only sheddable
-requests of `--surge-tokens` tokens for `--surge-seconds`, which saturates the pool, so the EPP's shedding path runs.
+requests of `--surge-tokens` tokens for `--surge-seconds`, which saturates the pool, so the
+EPP's shedding path runs.
 After `--warmup` seconds the RSS of every process is taken; at the end again. Reported: RSS per
 process at both points and its growth (goal: under 5 %), errors by kind and request class
 (goal: only bad requests and shed sheddable ones fail), the share of surge requests shed, and
