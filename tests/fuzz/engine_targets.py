@@ -36,7 +36,8 @@ _F = FieldDescriptor
 _STRINGS = ["a|b", "(", "[a-", "\\", "x{2,1}", '["a"]', "[]", "{", '{"type": "object"}',
             '{"type": "array", "minItems": 100000}', '{"$ref": "#"}', '{"enum": []}',
             '{"type": "string", "pattern": "("}', '{"type": "integer", "minimum": 5, "maximum": 1}',
-            '{"type": "string", "minLength": 100000}', '{"anyOf": []}', "null", "1e999"]
+            '{"type": "string", "minLength": 100000}', '{"anyOf": []}', "null", "1e999",
+            "[" * 2000, '{"a": ' * 2000]  # nested past Python's recursion limit
 _SCALARS: dict[int, st.SearchStrategy[Any]] = {
     _F.TYPE_INT32: st.integers(-2**31, 2**31 - 1) | st.integers(-2, 8),
     _F.TYPE_SINT32: st.integers(-2**31, 2**31 - 1),

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from kvswitch.protocol import vllm_engine_pb2 as vllm_pb
+from kvswitch.protocol.sglang import sglang_scheduler_pb2 as sglang_pb
+from tests.fuzz.engine_targets import ENGINE_SGLANG, ENGINE_VLLM
 from tests.fuzz.targets import CONFIG, TARGETS, Target
 
 EXAMPLES = int(os.environ.get("KVSWITCH_FUZZ_EXAMPLES", "150"))
@@ -71,3 +74,26 @@ def test_a_yaml_escape_past_unicode_is_a_config_error() -> None:
 def test_a_yaml_escape_past_a_c_int_is_a_config_error() -> None:
     # Found by atheris on the epp-config target: pyyaml raised a bare OverflowError for it.
     CONFIG.check('apiVersion: x\nkind: Other\nschedulingProfiles:\n- "\\UFFFFFFFF": null\n')
+
+
+@pytest.mark.parametrize("schema", ["[" * 100_000, '{"a": ' * 50_000])
+def test_a_deeply_nested_json_schema_is_invalid_argument_at_the_engine(schema: str) -> None:
+    # json.loads raised RecursionError inside the backend's request checks (the first step of
+    # generate), which both servicers answered INTERNAL.
+    ids = [1, 2, 3, 4]
+    ENGINE_VLLM.check(vllm_pb.GenerateRequest(
+        tokenized=vllm_pb.TokenizedInput(input_ids=ids),
+        sampling_params=vllm_pb.SamplingParams(max_tokens=4, json_schema=schema),
+    ).SerializeToString())
+    ENGINE_SGLANG.check(sglang_pb.GenerateRequest(
+        tokenized=sglang_pb.TokenizedInput(input_ids=ids),
+        sampling_params=sglang_pb.SamplingParams(max_new_tokens=4, json_schema=schema),
+    ).SerializeToString())
+
+
+def test_deeply_nested_kv_transfer_params_json_is_invalid_argument_at_the_engine() -> None:
+    # json.loads raised RecursionError out of the vLLM servicer's checks: grpcio's UNKNOWN.
+    ENGINE_VLLM.check(vllm_pb.GenerateRequest(
+        tokenized=vllm_pb.TokenizedInput(input_ids=[1, 2, 3]),
+        sampling_params=vllm_pb.SamplingParams(max_tokens=4),
+        kv_transfer_params_json="[" * 100_000).SerializeToString())
