@@ -211,9 +211,12 @@ def check_openai(args: tuple[bytes, str]) -> None:
         return
     model = ChatCompletionRequest if path.endswith("chat/completions") else CompletionRequest
     try:
-        parse_request(model, decoded)
+        request = parse_request(model, decoded)
     except InvalidRequest as exc:
         assert exc.message
+        return
+    for message in getattr(request, "messages", None) or ():
+        message.for_template()  # what the chat template is given
 
 
 _OPENAI_PATHS = ["/v1/completions", "/v1/chat/completions"]

@@ -11,13 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kvswitch.protocol import vllm_engine_pb2 as vllm_pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as sglang_pb
 from tests.fuzz.engine_targets import ENGINE_SGLANG, ENGINE_VLLM
-from tests.fuzz.targets import CONFIG, TARGETS, Target
+from tests.fuzz.targets import CONFIG, OPENAI, TARGETS, Target
 
 EXAMPLES = int(os.environ.get("KVSWITCH_FUZZ_EXAMPLES", "150"))
 ATHERIS_RUNS = int(os.environ.get("KVSWITCH_ATHERIS_RUNS", "2000"))
@@ -97,3 +98,12 @@ def test_deeply_nested_kv_transfer_params_json_is_invalid_argument_at_the_engine
         tokenized=vllm_pb.TokenizedInput(input_ids=[1, 2, 3]),
         sampling_params=vllm_pb.SamplingParams(max_tokens=4),
         kv_transfer_params_json="[" * 100_000).SerializeToString())
+
+
+def test_deeply_nested_tool_call_arguments_in_a_chat_are_not_a_server_error() -> None:
+    # json.loads of a past tool call's arguments (for the chat template) raised RecursionError:
+    # a 500. Now the template gets the text, as for any arguments that are not JSON.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}
+    body = {"model": "m", "messages": [{"role": "assistant", "content": None,
+                                        "tool_calls": [call]}]}
+    OPENAI.check((orjson.dumps(body), "/v1/chat/completions"))
