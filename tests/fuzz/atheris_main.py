@@ -54,7 +54,7 @@ def run_each(runs: int, directory: Path) -> int:
         if pid == 0:
             os.dup2(os.open(work / "log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
             # A crash propagates out and ends this child; libFuzzer's exit hook saves the input.
-            fuzz(name, [f"-runs={runs}", "-timeout=20", "-rss_limit_mb=2048",
+            fuzz(name, [f"-runs={runs}", "-timeout=20", "-rss_limit_mb=2048", "-max_len=4096",
                         f"-artifact_prefix={work}/", str(work), str(CORPUS / name)])
             os._exit(70)  # Fuzz returns only if libFuzzer could not start
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])

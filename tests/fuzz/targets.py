@@ -45,6 +45,7 @@ from kvswitch.protocol.sglang import sglang_scheduler_pb2 as sglang_pb
 from tests.fuzz.base import Target, mutated
 from tests.fuzz.engine_targets import ENGINE_SGLANG, ENGINE_VLLM, messages
 from tests.fuzz.h2core_targets import H2_FRAMES, HPACK_BLOCKS
+from tests.fuzz.output_targets import MODEL_OUTPUT
 from tests.fuzz.raw import CHUNKS, TEXT, Codec
 from tests.fuzz.transport_targets import H2_CLIENT, H2_SERVER, HTTP1
 
@@ -364,4 +365,4 @@ EXT_PROC = Target("ext-proc-stream", st.lists(_ext_proc_message, max_size=6), ch
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     GRPC_FRAMES, VLLMGRPC, SGLANGGRPC, OPENAI, CONFIG, KV_EVENTS, EXT_PROC, H2_FRAMES, HPACK_BLOCKS,
-    H2_SERVER, H2_CLIENT, HTTP1, ENGINE_VLLM, ENGINE_SGLANG)}
+    H2_SERVER, H2_CLIENT, HTTP1, ENGINE_VLLM, ENGINE_SGLANG, MODEL_OUTPUT)}

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from kvswitch.protocol import vllm_engine_pb2 as vllm_pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as sglang_pb
 from tests.fuzz.engine_targets import ENGINE_SGLANG, ENGINE_VLLM
+from tests.fuzz.output_targets import MODEL_OUTPUT
 from tests.fuzz.targets import CONFIG, OPENAI, TARGETS, Target
 
 EXAMPLES = int(os.environ.get("KVSWITCH_FUZZ_EXAMPLES", "150"))
@@ -52,6 +53,7 @@ def atheris_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[in
             for name, code in codes.items()}
 
 
+@pytest.mark.timeout(900)  # the first test runs every target (about 30 s on an idle machine)
 @pytest.mark.parametrize("name", TARGETS.keys())
 def test_atheris(name: str, atheris_runs: dict[str, tuple[int, str]]) -> None:
     code, log = atheris_runs[name]
@@ -107,3 +109,17 @@ def test_deeply_nested_tool_call_arguments_in_a_chat_are_not_a_server_error() ->
     body = {"model": "m", "messages": [{"role": "assistant", "content": None,
                                         "tool_calls": [call]}]}
     OPENAI.check((orjson.dumps(body), "/v1/chat/completions"))
+
+
+_DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("output", [
+    '<tool_call>{"name": "f", "arguments": ' + _DEEP + "}</tool_call>",
+    '{"name": "f", "parameters": ' + _DEEP + "}",
+    '[{"name": "f", "parameters": ' + _DEEP + "}]",
+])
+def test_model_output_nested_past_the_recursion_limit_is_not_an_error(output: str) -> None:
+    # Found by the model-output target: json.loads in the tool-call parsers raised
+    # RecursionError out of the response (a 500, or a stream cut short).
+    MODEL_OUTPUT.check((output, 7))

@@ -78,7 +78,7 @@ def _parse_call(body: str) -> tuple[str, str] | None:
     """(name, arguments text) of a block, or None when it is not a tool call."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None

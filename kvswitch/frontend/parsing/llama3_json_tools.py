@@ -78,7 +78,7 @@ class Llama3JsonToolCallParser:
         self._state = "between"
         try:
             call = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
             call = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             self._state = "lost"
