@@ -8,10 +8,9 @@ check; an exception is a crash (libFuzzer saves the input as `crash-*`).
     python -m tests.fuzz.atheris_main --each RUNS DIR         # every target briefly, see below
 
 `--each` imports once and forks a child per target (libFuzzer ends its process), each running
-RUNS inputs from the kept corpus, new inputs, artifacts and libFuzzer's log (`log`) under
-DIR/<target>; it prints one
-line per target, "<target> exit <code>", and exits non-zero if any failed. tests/fuzz/test_fuzz.py
-runs it; benchmarks/fuzz_long.py runs the targets long.
+RUNS inputs from the kept corpus, with new inputs, artifacts and libFuzzer's log (`log`) under
+DIR/<target>; it prints "<target> exit <code>" per target and exits non-zero if any failed.
+tests/fuzz/test_fuzz.py runs it; benchmarks/fuzz_long.py runs the targets long.
 """
 
 from __future__ import annotations
