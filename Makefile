@@ -1,6 +1,7 @@
 # Two commands for a fresh machine with only Python >= 3.11:
 #   make up     start kvswitch on its embedded default
 #   make test   run the test suite
+#   make lint   ruff and mypy
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,12 +11,12 @@ NPM ?= npm
 NODE_DIR := tests/interop/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.kvswitch-installed
 
-.PHONY: up test bench install clean
+.PHONY: up test lint bench install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/pip install --quiet -e '.[test,bench,lint]'
 	touch $(STAMP)
 
 # Without node/npm the grpc-js interop tests skip; every other test still runs.
@@ -35,6 +36,10 @@ bench: $(STAMP)
 
 test: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy kvswitch
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(NODE_DIR)/node_modules

@@ -12,7 +12,7 @@ Two measurements, each over many iterations with `time.process_time`:
   from the speculative entries of earlier picks. No subscription is opened. A fifth case
   (4 endpoints, 128 tokens) feeds the index what the engines would report: 3 in 4 requests'
   blocks stored, the rest expiring unconfirmed after the 2 s speculative TTL.
-- kv_events: `batch_from_proto()` + `PrefixIndex.apply()` per `KvEventBatch` message as the
+- kv_events: `batch_from_proto()` + `KvBlockIndex.apply()` per `KvEventBatch` message as the
   simulated engine sends them (one `KvBlocksStored` per request: 9 blocks of 16 tokens for a
   128-token prompt + 16 output tokens, a `KvBlocksRemoved` evicting as many older blocks in steady
   state, an `EngineLoad` record), with 1 and 6 requests per batch.
@@ -41,9 +41,9 @@ from kvswitch.engine.kv_events import load_record, to_int64
 from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.datalayer import Metrics
-from kvswitch.epp.kvindex import BlocksStored, KvEventBatchView, PrefixIndex, batch_from_proto
-from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from kvswitch.epp.kvindex import BlocksStored, KvBlockIndex, KvEventBatchView, batch_from_proto
 from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.router import EppRouter
 from kvswitch.launcher import DEFAULT_EPP_CONFIG
 from kvswitch.protocol import common_pb2
@@ -72,7 +72,7 @@ def make_router(endpoints: int, rnd: random.Random) -> EppRouter:
     return router
 
 
-def report_stored(index: PrefixIndex, address: str, tokens: Sequence[int]) -> None:
+def report_stored(index: KvBlockIndex, address: str, tokens: Sequence[int]) -> None:
     """What the engine at `address` would report after the prefill: the prompt's full blocks
     it did not hold yet (its own hash stands in for the engine's block hash)."""
     size = index.block_size
@@ -173,7 +173,7 @@ def kv_event_cost(requests_per_batch: int, batches: int, seed: int) -> dict[str,
     rnd = random.Random(seed)
     wire = make_batches(batches, requests_per_batch, rnd)
     messages = [KvEventBatchView.FromString(w) for w in wire]  # as the subscriber reads them
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     index.add_endpoint("e")
     blocks = sum(len(e.stored.blocks) + len(e.removed.block_hashes)
                  for m in messages for e in m.events)

@@ -99,7 +99,7 @@ def text_prompt_cost(sizes: list[int], rounds: int, seed: int) -> dict[str, obje
     """CPU per request of tokenizing text prompts in the EPP, and of the scorer's produce()."""
     from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
     from kvswitch.epp.framework import PluginHandle
-    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import create
+    from kvswitch.epp.plugins.precise_prefix_cache_scorer import create
 
     rnd = random.Random(seed)
     scorer = create("p", {"blockSize": 16}, PluginHandle(Datalayer()))

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, render
-from kvswitch.envoy.bootstrap import H2C
+from kvswitch.envoy.clusters import H2C
 from kvswitch.launcher import (
     GatewaySpec,
     LaunchedGateway,

@@ -4,13 +4,16 @@
 parallel), then Envoy, then the frontends, each waited for until ready. Its building blocks
 (`engine_spec`, `write_pool_file`, `epp_spec`, `envoy_spec`, `frontend_spec`) are what
 `kvswitch up`, `kvswitch bench`, the benchmarks and the e2e tests start pools with, so all of
-them start processes the same way.
+them start processes the same way. With `GatewaySpec.tls` every hop runs over TLS: the listener
+(server certificate only, for outside clients), and mTLS from Envoy to the EPPs, engines and
+frontends and from the EPPs to the engines; the frontends call the listener over TLS.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -30,7 +33,9 @@ from kvswitch.envoy import (
     session_headers,
 )
 from kvswitch.envoy.process import envoy_binary
-from kvswitch.supervisor import ChildSpec, Supervisor, http_ok, port_open
+from kvswitch.supervisor import ChildSpec, ReadyProbe, Supervisor, http_ok, port_open
+from kvswitch.tls import UpstreamTls, client_ssl_context
+from kvswitch.tls_dir import TlsDir
 
 __all__ = [
     "DEFAULT_EPP_CONFIG",
@@ -178,11 +183,33 @@ def envoy_spec(config: Path, admin_port: int, *, concurrency: int = 1,
                      stop_timeout=10.0, restart=restart)
 
 
+def https_ok(port: int, path: str, tls: UpstreamTls) -> ReadyProbe:
+    """Ready when GET `path` over TLS (as `tls` says: CA, client certificate, name) on
+    127.0.0.1:`port` answers 200."""
+    context = client_ssl_context(tls, alpn="http/1.1")
+    request = f"GET {path} HTTP/1.1\r\nHost: {tls.sni}\r\nConnection: close\r\n\r\n"
+
+    def probe() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as raw, \
+                    context.wrap_socket(raw, server_hostname=tls.sni) as sock:
+                sock.sendall(request.encode())
+                return sock.recv(64).startswith((b"HTTP/1.1 200", b"HTTP/1.0 200"))
+        except OSError:
+            return False
+
+    return probe
+
+
 def frontend_spec(name: str, port: int, target: str, extra: Sequence[str] = (), *,
-                  restart: bool = False) -> ChildSpec:
+                  restart: bool = False, tls: TlsDir | None = None) -> ChildSpec:
+    """A frontend; with `tls` it serves HTTPS (mTLS) and calls `target` over mTLS."""
     argv = kvswitch_argv("frontend", "--target", target, "--port", str(port), *extra)
-    return ChildSpec(name, argv, ready=http_ok(f"http://127.0.0.1:{port}/health"),
-                     stop_timeout=10.0, restart=restart)
+    ready = http_ok(f"http://127.0.0.1:{port}/health")
+    if tls is not None:
+        argv += [*tls.server_flags(), *tls.client_flags("target")]
+        ready = https_ok(port, "/health", tls.client())
+    return ChildSpec(name, argv, ready=ready, stop_timeout=10.0, restart=restart)
 
 
 def frontend_available() -> bool:
@@ -238,6 +265,8 @@ class GatewaySpec:
     """Restart Envoy and the frontends when they exit (with backoff, as the others)."""
     api: str = "vllm"
     """The engines' gRPC API, "vllm" or "sglang"; the pool file and the frontends say so."""
+    tls: TlsDir | None = None
+    """Every hop over TLS with these files (see the module docstring); None: plaintext."""
 
 
 @dataclass(frozen=True)
@@ -273,14 +302,18 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
         source = spec.epp_config or DEFAULT_EPP_CONFIG
         docs = [source] if isinstance(source, Mapping) else list(source)
         epp_config.write_text(yaml.safe_dump_all([dict(d) for d in docs], sort_keys=False))
+    tls = spec.tls
+    engine_tls = tls.server_flags() if tls is not None else []
+    epp_tls = [*tls.server_flags(), *tls.client_flags("engine")] if tls is not None else []
     engines = [engine_spec(f"engine-{i}", port, profile=spec.profile, time_scale=spec.time_scale,
                            mode=spec.mode, grace_period=spec.grace_period,
-                           extra=("--api", spec.api, *spec.engine_args),
+                           extra=("--api", spec.api, *engine_tls, *spec.engine_args),
                            restart=spec.restart_engines)
                for i, port in enumerate(ports.engines)]
     epp_addresses = tuple(f"127.0.0.1:{port}" for port in ports.epps)
     several = len(epp_addresses) > 1
-    epps = [epp_spec(epp_config, pool, port, metrics, spec.epp_args, want_ready=len(engines),
+    epps = [epp_spec(epp_config, pool, port, metrics, (*epp_tls, *spec.epp_args),
+                     want_ready=len(engines),
                      restart=spec.restart_epp, name=epp_name(i, len(ports.epps)),
                      replica_name=epp_addresses[i] if several else "")
             for i, (port, metrics) in enumerate(zip(ports.epps, ports.epp_metrics))]
@@ -295,6 +328,10 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
         admin_port=ports.admin, frontends=tuple(f"127.0.0.1:{p}" for p in ports.frontends),
         routing=spec.routing,  # type: ignore[arg-type]
         epp_headers=(*EPP_HEADERS, *session_headers(epp_config)),
+        tls=tls.server(client_certificates=False) if tls is not None else None,
+        epp_tls=tls.client() if tls is not None else None,
+        engine_tls=tls.client() if tls is not None else None,
+        frontend_tls=tls.client() if tls is not None else None,
     )
     envoy_config.write_text(render(build_bootstrap(options)))
     logger.info("starting Envoy on 127.0.0.1:%d", ports.public)
@@ -302,6 +339,7 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
                                 restart=spec.restart_proxies))
     if ports.frontends and not stop_requested:
         supervisor.start_all([frontend_spec(f"frontend-{i}", port, gateway.address,
-                                            ("--api", spec.api), restart=spec.restart_proxies)
+                                            ("--api", spec.api), restart=spec.restart_proxies,
+                                            tls=tls)
                               for i, port in enumerate(ports.frontends)])
     return gateway

@@ -1,14 +1,18 @@
-"""TLS settings for kvswitch's servers: certificate files, and optional client certificates.
+"""TLS settings for kvswitch's servers and clients: certificate files, client certificates.
 
-`TlsFiles(cert, key, client_ca)`: a PEM certificate chain and its key; with `client_ca`, clients
-must present a certificate signed by it (mTLS). `grpc_server_credentials` makes grpcio server
-credentials of them (`kvswitch engine --tls-cert ...`); `envoy_downstream_tls` the transport
-socket of Envoy's listener (`kvswitch envoy-config --tls-cert ...`), which offers h2 and
-http/1.1 by ALPN so gRPC and the OpenAI API share the port as in plaintext.
-`server_ssl_context` is the same for kvswitch's own HTTP/2 server (the EPP, ALPN h2).
-`UpstreamTls(ca, cert, key)`: how Envoy calls a TLS upstream (`envoy_upstream_tls`: verify it
-against `ca`, present `cert` for mTLS). `add_tls_flags(parser)` / `tls_from_args(args)` are the
-flags.
+`TlsFiles(cert, key, client_ca, handshake_timeout)`: a PEM certificate chain and its key; with
+`client_ca`, clients must present a certificate signed by it (mTLS); a client that has not
+finished its TLS handshake `handshake_timeout` seconds after connecting is dropped.
+`grpc_server_credentials` / `grpc_server_options` make grpcio's server credentials and
+handshake deadline of them (`kvswitch engine --tls-cert ...`); `envoy_downstream_tls` the
+transport socket of Envoy's listener (`kvswitch envoy-config --tls-cert ...`), which offers h2
+and http/1.1 by ALPN so gRPC and the OpenAI API share the port as in plaintext.
+`server_ssl_context` is the same for kvswitch's own asyncio servers (the EPP: ALPN h2; the
+frontend: http/1.1). `UpstreamTls(ca, cert, key, sni)`: how a client calls a TLS upstream
+(verify it against `ca` as `sni`, present `cert` for mTLS): `envoy_upstream_tls` for Envoy's
+clusters, `client_ssl_context` / `h2_channel_tls` for kvswitch's own clients, and
+`grpc_channel_credentials` for grpcio's. `add_tls_flags` / `tls_from_args` and
+`add_upstream_tls_flags` / `upstream_tls_from_args` are the flags.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TlsFiles", "UpstreamTls", "add_tls_flags", "add_upstream_tls_flags",
-           "client_ssl_context", "envoy_downstream_tls", "envoy_upstream_tls",
-           "grpc_channel_credentials", "grpc_server_credentials", "server_ssl_context",
-           "tls_from_args", "upstream_tls_from_args"]
+__all__ = ["HANDSHAKE_TIMEOUT", "TlsFiles", "UpstreamTls", "add_tls_flags",
+           "add_upstream_tls_flags", "client_ssl_context", "envoy_downstream_tls",
+           "envoy_upstream_tls", "grpc_channel_credentials", "grpc_server_credentials",
+           "grpc_server_options", "h2_channel_tls", "server_ssl_context", "tls_from_args",
+           "upstream_tls_from_args"]
+
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a client gets from connecting to the end of its TLS handshake."""
 
 _DOWNSTREAM_TLS = ("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
                    "DownstreamTlsContext")
@@ -36,6 +44,15 @@ class TlsFiles:
     key: Path
     client_ca: Path | None = None
     """Require client certificates signed by this CA (mTLS); None: no client certificate."""
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    """Drop a client whose TLS handshake has not ended this many seconds after it connected."""
+
+
+def grpc_server_options(tls: TlsFiles | None) -> list[tuple[str, int]]:
+    """grpcio server options for `tls`: the handshake deadline (grpc's default is 120 s)."""
+    if tls is None:
+        return []
+    return [("grpc.server_handshake_timeout_ms", max(1, round(tls.handshake_timeout * 1000)))]
 
 
 def grpc_server_credentials(tls: TlsFiles) -> Any:
@@ -57,25 +74,34 @@ class UpstreamTls:
     """The name the upstream's certificate must carry."""
 
 
-def server_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
-    """An asyncio server's TLS context: HTTP/2 by ALPN, client certificates with `client_ca`."""
+def server_ssl_context(tls: TlsFiles, alpn: str = "h2") -> ssl.SSLContext:
+    """An asyncio server's TLS context: `alpn` (HTTP/2 by default) offered, client certificates
+    required with `client_ca`. Pass `tls.handshake_timeout` as the server's
+    `ssl_handshake_timeout`."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(tls.cert, tls.key)
-    context.set_alpn_protocols(["h2"])
+    context.set_alpn_protocols([alpn])
     if tls.client_ca is not None:
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(tls.client_ca)
     return context
 
 
-def client_ssl_context(tls: UpstreamTls) -> ssl.SSLContext:
-    """A client's TLS context for a gRPC upstream: HTTP/2 by ALPN, the server verified against
-    `ca`, `cert` presented when set."""
+def client_ssl_context(tls: UpstreamTls, alpn: str = "h2") -> ssl.SSLContext:
+    """A client's TLS context: `alpn` (HTTP/2 by default) offered, the server verified against
+    `ca` (connect with `server_hostname=tls.sni`), `cert` presented when set."""
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca)
-    context.set_alpn_protocols(["h2"])
+    context.set_alpn_protocols([alpn])
     if tls.cert is not None and tls.key is not None:
         context.load_cert_chain(tls.cert, tls.key)
     return context
+
+
+def h2_channel_tls(tls: UpstreamTls | None) -> dict[str, Any]:
+    """`kvswitch.protocol.h2client.H2Channel`'s keyword arguments to call over `tls` (none: h2c)."""
+    if tls is None:
+        return {}
+    return {"ssl": client_ssl_context(tls), "server_hostname": tls.sni}
 
 
 def grpc_channel_credentials(tls: UpstreamTls) -> Any:
@@ -126,6 +152,10 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
                        help="the certificate's private key")
     group.add_argument("--tls-client-ca", type=Path, default=None, metavar="PEM",
                        help="require client certificates signed by this CA (mTLS)")
+    group.add_argument("--tls-handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT,
+                       metavar="SECONDS",
+                       help="drop a client that has not finished its TLS handshake this long "
+                            f"after connecting (default {HANDSHAKE_TIMEOUT:g})")
 
 
 def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
@@ -134,20 +164,24 @@ def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
         return None
     if cert is None or key is None:
         raise ValueError("--tls-cert and --tls-key go together")
-    return TlsFiles(cert, key, ca)
+    if not args.tls_handshake_timeout > 0:
+        raise ValueError("--tls-handshake-timeout must be positive")
+    return TlsFiles(cert, key, ca, args.tls_handshake_timeout)
 
 
 def add_upstream_tls_flags(parser: argparse.ArgumentParser, prefix: str, peer: str) -> None:
     """`--{prefix}-tls-ca/-cert/-key/-sni`: call `peer` over TLS (mTLS with a certificate)."""
-    group = parser.add_argument_group(f"TLS to the {peer} (unset: h2c)")
+    group = parser.add_argument_group(f"TLS to the {peer} (unset: plaintext)")
     group.add_argument(f"--{prefix}-tls-ca", type=Path, default=None, metavar="PEM",
-                       help=f"call the {peer} over TLS, verifying its certificate against this CA")
+                       help=f"call the {peer} over TLS, verifying the certificate against "
+                            "this CA")
     group.add_argument(f"--{prefix}-tls-cert", type=Path, default=None, metavar="PEM",
                        help=f"client certificate to present to the {peer} (mTLS)")
     group.add_argument(f"--{prefix}-tls-key", type=Path, default=None, metavar="PEM",
                        help="the client certificate's key")
-    group.add_argument(f"--{prefix}-tls-sni", default="localhost",
-                       help=f"the name the {peer}'s certificate must carry")
+    group.add_argument(f"--{prefix}-tls-sni", default="localhost", metavar="NAME",
+                       help="the name the server certificate must carry (SNI; default "
+                            "localhost)")
 
 
 def upstream_tls_from_args(args: argparse.Namespace, prefix: str) -> UpstreamTls | None:

@@ -13,6 +13,11 @@ and exits 0.
 
 The processes are started by `kvswitch.launcher.launch_gateway`, as `kvswitch bench`, the
 benchmarks and the e2e tests start them.
+
+TLS: `--tls-dir DIR` (ca.crt, server.crt/key, client.crt/key; the server certificate names
+`localhost`) or `--tls-self-signed` (a fresh CA and certificates in a temporary directory,
+removed on exit) puts every hop on TLS (`kvswitch.launcher`); the listener then serves TLS
+without asking for client certificates, and the printed lines call it with ca.crt.
 """
 
 from __future__ import annotations
@@ -21,18 +26,23 @@ import argparse
 import importlib.util
 import json
 import logging
+import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from kvswitch.engine.sim.profiles import PROFILES
 from kvswitch.launcher import GatewaySpec, Ports, frontend_available, launch_gateway
 from kvswitch.supervisor import ChildExited, Supervisor
+from kvswitch.tls import HANDSHAKE_TIMEOUT
+from kvswitch.tls_dir import FILES, TlsDir, write_self_signed
 
 __all__ = ["add_arguments", "run"]
 
@@ -50,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "examples:\n"
         "  kvswitch up                                  # 4 engines, port 8000\n"
         "  kvswitch up --replicas 8 --profile qwen3-32b-2xh100 --time-scale 10\n"
-        "  kvswitch up --mode echo --epp-config my-epp.yaml --log-dir ./logs")
+        "  kvswitch up --mode echo --epp-config my-epp.yaml --log-dir ./logs\n"
+        "  kvswitch up --tls-self-signed                # every hop on TLS")
     parser.add_argument("--port", type=int, default=8000,
                         help="public port for gRPC and HTTP (default: %(default)s)")
     parser.add_argument("--admin-port", type=int, default=None,
@@ -93,6 +104,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how Envoy honours the EPP's pick (default: %(default)s)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where configs and child logs go (default: a new temp dir)")
+    tls = parser.add_argument_group("TLS on every hop (default: plaintext)")
+    source = tls.add_mutually_exclusive_group()
+    source.add_argument("--tls-dir", type=Path, default=None, metavar="DIR",
+                        help=f"PEM files {', '.join(FILES)}: the listener serves server.crt, "
+                             "and every internal hop is mTLS with client.crt; server.crt must "
+                             "name localhost")
+    source.add_argument("--tls-self-signed", action="store_true",
+                        help="make a CA and those files in a temporary directory (removed on "
+                             "exit); the startup message shows its ca.crt")
+    tls.add_argument("--tls-handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT,
+                     metavar="SECONDS",
+                     help="every TLS server drops a client that has not finished its handshake "
+                          "this long after connecting (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,6 +127,34 @@ def run(args: argparse.Namespace) -> int:
     with_frontend = not args.no_frontend and frontend_available()
     if not args.no_frontend and not with_frontend:
         logger.warning("kvswitch.frontend is not installed: serving gRPC only")
+    try:
+        tls = _tls_dir(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    try:
+        return _run(args, state_dir, with_frontend, tls)
+    finally:
+        if args.tls_self_signed and tls is not None:
+            shutil.rmtree(tls.path, ignore_errors=True)
+
+
+def _tls_dir(args: argparse.Namespace) -> TlsDir | None:
+    if not args.tls_handshake_timeout > 0:
+        raise ValueError("--tls-handshake-timeout must be positive")
+    if args.tls_self_signed:
+        directory = write_self_signed(Path(tempfile.mkdtemp(prefix="kvswitch-tls-")))
+    elif args.tls_dir is not None:
+        directory = TlsDir(args.tls_dir.resolve())
+        if missing := directory.missing():
+            raise ValueError(f"--tls-dir {args.tls_dir}: missing {', '.join(missing)}")
+    else:
+        return None
+    return TlsDir(directory.path, handshake_timeout=args.tls_handshake_timeout)
+
+
+def _run(args: argparse.Namespace, state_dir: Path, with_frontend: bool,
+         tls: TlsDir | None) -> int:
     spec = GatewaySpec(
         port=args.port, admin_port=args.admin_port, replicas=args.replicas,
         profile=args.profile, time_scale=args.time_scale, mode=args.mode,
@@ -112,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         envoy_concurrency=args.envoy_concurrency, routing=args.routing, restart_engines=True,
         restart_epp=True, restart_proxies=True, api=args.api,
         engine_args=("--page-size", str(args.page_size)) if args.page_size else (),
+        tls=tls,
     )
     stop_requested: list[int] = []
 
@@ -124,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         gateway = launch_gateway(supervisor, spec, state_dir, stop_requested)
         if stop_requested:
             return 0
-        print(startup_message(gateway.ports, with_frontend, state_dir, args.api), flush=True)
+        print(startup_message(gateway.ports, with_frontend, state_dir, args.api, tls),
+              flush=True)
         return _supervise(supervisor, stop_requested)
     except (RuntimeError, TimeoutError) as exc:
         logger.error("%s", exc)
@@ -160,10 +214,39 @@ def _alive(supervisor: Supervisor, prefix: str) -> bool:
     return any(c.alive() for c in supervisor.children if c.name.startswith(prefix))
 
 
-def served_model(address: str) -> str:
+@dataclass(frozen=True, slots=True)
+class _Caller:
+    """How the printed lines reach the gateway: plaintext, or TLS verified against ca.crt."""
+
+    address: str
+    grpcurl: str
+    """grpcurl's transport flag."""
+    channel: str
+    """A Python expression making the grpc channel."""
+    url: str
+    """The OpenAI API's base URL."""
+    curl: str = ""
+    """curl's TLS flag, with its trailing space (none for plaintext)."""
+    ssl: ssl.SSLContext | None = None
+
+
+def _caller(port: int, tls: TlsDir | None) -> _Caller:
+    if tls is None:
+        address = f"127.0.0.1:{port}"
+        return _Caller(address, "-plaintext", f"grpc.insecure_channel('{address}')",
+                       f"http://{address}")
+    address, ca = f"{tls.sni}:{port}", tls.ca
+    return _Caller(address, f"-cacert {ca}",
+                   f"grpc.secure_channel('{address}', "
+                   f"grpc.ssl_channel_credentials(open('{ca}', 'rb').read()))",
+                   f"https://{address}", f"--cacert {ca} ", ssl.create_default_context(cafile=ca))
+
+
+def served_model(caller: _Caller) -> str:
     """The first model id the frontend lists (what the printed curl line must name)."""
     try:
-        with urllib.request.urlopen(f"http://{address}/v1/models", timeout=5.0) as response:
+        with urllib.request.urlopen(f"{caller.url}/v1/models", timeout=5.0,
+                                    context=caller.ssl) as response:
             return str(json.loads(response.read())["data"][0]["id"])
     except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError):
         return "default"
@@ -173,22 +256,23 @@ def _epp_metrics_urls(ports: Ports) -> str:
     return " ".join(f"http://127.0.0.1:{port}/metrics" for port in ports.epp_metrics)
 
 
-def _sglang_usage(address: str, proto_dir: Path) -> list[str]:
+def _sglang_usage(caller: _Caller, proto_dir: Path) -> list[str]:
     """How to call an SGLang pool: SglangScheduler takes tokenized input."""
     return [
         "",
         "gRPC (grpcurl; SGLang's API takes token ids):",
-        (f"  grpcurl -plaintext -import-path {proto_dir} -proto sglang_scheduler.proto "
+        (f"  grpcurl {caller.grpcurl} -import-path {proto_dir} -proto sglang_scheduler.proto "
          "-d '{\"request_id\": \"req-1\", \"tokenized\": {\"input_ids\": [9707, 1879]}, "
          "\"sampling_params\": {\"max_new_tokens\": 10, \"temperature\": 1, \"top_p\": 1}, "
-         f"\"stream\": true}}' {address} sglang.grpc.scheduler.SglangScheduler/Generate"),
+         f"\"stream\": true}}' {caller.address} "
+         "sglang.grpc.scheduler.SglangScheduler/Generate"),
         "",
         "gRPC (Python):",
         f"  {sys.executable} - <<'EOF'",
         "import grpc",
         ("from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb, "
          "sglang_scheduler_pb2_grpc as rpc"),
-        f"stub = rpc.SglangSchedulerStub(grpc.insecure_channel('{address}'))",
+        f"stub = rpc.SglangSchedulerStub({caller.channel})",
         "request = pb.GenerateRequest(request_id='req-2', stream=True,",
         "                             tokenized=pb.TokenizedInput(input_ids=[9707, 1879]),",
         "                             sampling_params=pb.SamplingParams(max_new_tokens=10,",
@@ -200,23 +284,23 @@ def _sglang_usage(address: str, proto_dir: Path) -> list[str]:
 
 
 def startup_message(ports: Ports, with_frontend: bool, state_dir: Path,
-                    api: str = "vllm") -> str:
-    address = f"127.0.0.1:{ports.public}"
+                    api: str = "vllm", tls: TlsDir | None = None) -> str:
+    caller = _caller(ports.public, tls)
     proto_dir = Path(importlib.util.find_spec("smg_grpc_proto").origin or "").parent / "proto"  # type: ignore[union-attr]
-    lines = _sglang_usage(address, proto_dir) if api == "sglang" else [
+    lines = _sglang_usage(caller, proto_dir) if api == "sglang" else [
         "",
         "gRPC (grpcurl):",
-        (f"  grpcurl -plaintext -import-path {proto_dir} -proto vllm_engine.proto "
+        (f"  grpcurl {caller.grpcurl} -import-path {proto_dir} -proto vllm_engine.proto "
          "-H 'x-llm-d-inference-fairness-id: tenant-a' "
          "-d '{\"request_id\": \"req-1\", \"text\": \"Hello\", "
          "\"sampling_params\": {\"max_tokens\": 10}, \"stream\": true}' "
-         f"{address} vllm.grpc.engine.VllmEngine/Generate"),
+         f"{caller.address} vllm.grpc.engine.VllmEngine/Generate"),
         "",
         "gRPC (Python):",
         f"  {sys.executable} - <<'EOF'",
         "import grpc",
         "from kvswitch.protocol import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc as rpc",
-        f"stub = rpc.VllmEngineStub(grpc.insecure_channel('{address}'))",
+        f"stub = rpc.VllmEngineStub({caller.channel})",
         "request = pb.GenerateRequest(request_id='req-2', text='Hello', stream=True,",
         "                             sampling_params=pb.SamplingParams(max_tokens=10))",
         ("for response in stub.Generate(request, metadata=[('x-llm-d-inference-fairness-id', "
@@ -225,16 +309,18 @@ def startup_message(ports: Ports, with_frontend: bool, state_dir: Path,
         "EOF",
     ]
     lines.insert(0, "")
-    lines.insert(1, (f"kvswitch is up on {address}  (Envoy admin 127.0.0.1:{ports.admin}, "
-                     f"EPP metrics {_epp_metrics_urls(ports)}, "
+    security = f"TLS on every hop, CA {tls.ca}" if tls is not None else "plaintext"
+    lines.insert(1, (f"kvswitch is up on 127.0.0.1:{ports.public}  ({security}; Envoy admin "
+                     f"127.0.0.1:{ports.admin}, EPP metrics {_epp_metrics_urls(ports)}, "
                      f"logs {state_dir})"))
     if with_frontend:
-        body = json.dumps({"model": served_model(address), "max_tokens": 10,
+        body = json.dumps({"model": served_model(caller), "max_tokens": 10,
                            "messages": [{"role": "user", "content": "Hello"}]})
         lines += [
             "",
             "OpenAI HTTP:",
-            (f"  curl -s http://{address}/v1/chat/completions -H 'content-type: application/json' "
+            (f"  curl -s {caller.curl}{caller.url}/v1/chat/completions "
+             "-H 'content-type: application/json' "
              f"-d '{body}'"),
         ]
     lines += ["", "Ctrl-C stops everything.", ""]

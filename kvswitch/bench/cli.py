@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvswitch.bench.contracts import RunContext, TargetUnavailable
 from kvswitch.bench.engines import EnginePool
 from kvswitch.bench.report import target_summary, write_report
 from kvswitch.bench.runner import TargetRun, run_target
-from kvswitch.bench.targets import TARGET_NAMES, RunContext, TargetUnavailable, make_target
+from kvswitch.bench.targets import TARGET_NAMES, make_target
 from kvswitch.bench.trace import TraceWorkload, ideal_prefix_hit_ratio, load_trace
 from kvswitch.bench.workloads import (
     ARRIVALS,

@@ -1,7 +1,7 @@
 """The oracle: route each request, with perfect knowledge, to the engine that serves it first.
 
 The bench client itself routes (no gateway in the path) and knows, per engine:
-- its prefix cache *exactly*: a `PrefixIndex` fed by the engine's own `SubscribeKvEvents`
+- its prefix cache *exactly*: a `KvBlockIndex` fed by the engine's own `SubscribeKvEvents`
   stream (what is cached now), plus the prompts the oracle has sent there that are not prefilled
   yet (what will be cached by the time this request is scheduled);
 - its queue exactly: it is the only client of the engines during its run, so the prefill work
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from kvswitch.bench.client import RequestResult
 from kvswitch.bench.workloads import BenchRequest
 from kvswitch.engine.sim.profiles import SimProfile
-from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, PrefixIndex, StoredBlock
+from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, KvBlockIndex, StoredBlock
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class _Prefill:
 class OracleRouter:
     """Sans-IO placement: `choose` before sending, `first_token` / `finished` as they happen."""
 
-    def __init__(self, engines: Sequence[str], profile: SimProfile, index: PrefixIndex,
+    def __init__(self, engines: Sequence[str], profile: SimProfile, index: KvBlockIndex,
                  clock: Callable[[], float] = time.monotonic, conserve: float = 0.0) -> None:
         self.engines = list(engines)
         self.conserve = conserve
@@ -77,7 +77,7 @@ class OracleRouter:
         self.profile = profile
         self.index = index
         """Exact cache contents, kept by the KV-event subscribers."""
-        self.pending = PrefixIndex(index.block_size)
+        self.pending = KvBlockIndex(index.block_size)
         """Prompts sent and not yet prefilled (synthetic engine hashes: (request, block))."""
         self.queues = {e: _EngineQueue() for e in self.engines}
         self._placed: dict[int, tuple[str, int]] = {}

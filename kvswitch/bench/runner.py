@@ -21,9 +21,9 @@ from typing import Any
 from tqdm import tqdm
 
 from kvswitch.bench.client import Channels, RequestResult, generate_request, send
+from kvswitch.bench.contracts import RunContext, Target
 from kvswitch.bench.cpu import CpuMonitor
 from kvswitch.bench.engines import EngineCounters, deltas
-from kvswitch.bench.targets import RunContext, Target
 from kvswitch.bench.workloads import BenchRequest, Workload
 from kvswitch.engine.request_log import RequestRecord
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvswitch.bench.client import RequestResult
+from kvswitch.bench.contracts import RunContext, TargetUnavailable
 from kvswitch.bench.workloads import BenchRequest
 from kvswitch.launcher import free_port
 from kvswitch.supervisor import Child, ChildSpec
@@ -61,9 +62,7 @@ class SmgTarget:
     _client: Any = None
     _extra: dict[str, Any] = field(default_factory=dict)
 
-    async def start(self, ctx: Any) -> None:
-        from kvswitch.bench.targets import TargetUnavailable
-
+    async def start(self, ctx: RunContext) -> None:
         beside = Path(sys.executable).parent / "smg"  # the venv's, even when not on PATH
         smg = str(beside) if beside.exists() else shutil.which("smg")
         if smg is None:

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Protocol
 
 from kvswitch.bench.client import RequestResult
-from kvswitch.bench.engines import EnginePool
+from kvswitch.bench.contracts import RunContext, Target
 from kvswitch.bench.oracle import OracleRouter
+from kvswitch.bench.smg import SmgTarget
 from kvswitch.bench.workloads import BenchRequest
 from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.envoy import (
@@ -39,41 +39,9 @@ from kvswitch.envoy import (
     render,
     session_headers,
 )
-from kvswitch.epp.kvindex import KvEventSubscriptions, PrefixIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriptions
 from kvswitch.launcher import envoy_spec, epp_spec, free_port, write_pool_file
-from kvswitch.supervisor import Child, Supervisor
-
-
-class TargetUnavailable(Exception):
-    """The target cannot run on this machine; the message says why."""
-
-
-@dataclass
-class RunContext:
-    supervisor: Supervisor
-    pool: EnginePool
-    state_dir: Path
-
-
-class Target(Protocol):
-    name: str
-    text_prompts: bool
-
-    async def start(self, ctx: RunContext) -> None: ...
-
-    def choose(self, request: BenchRequest) -> tuple[str, str]:
-        """(gRPC address to send to, engine label if the target knows it, else "")."""
-        ...
-
-    def addresses(self) -> list[str]:
-        """Every gRPC address `choose` may return (connected before the run starts)."""
-        ...
-
-    def first_token(self, request: BenchRequest) -> None: ...
-
-    def finished(self, request: BenchRequest, result: RequestResult) -> None: ...
-
-    async def stop(self) -> None: ...
+from kvswitch.supervisor import Child
 
 
 def bundled_config(name: str) -> Path:
@@ -157,7 +125,7 @@ class OracleTarget:
         import asyncio
 
         profile = get_profile(ctx.pool.profile)
-        index = PrefixIndex(profile.block_size)
+        index = KvBlockIndex(profile.block_size)
         api = ctx.pool.api
         self._subscriptions = KvEventSubscriptions(index, api_of=lambda address: api)
         await self._subscriptions.set_endpoints(ctx.pool.addresses)
@@ -215,7 +183,7 @@ def make_target(spec: str) -> Target:
     name, _, argument = spec.partition(":")
     if name in ("kvswitch", "kvswitch-text"):
         default = "kvswitch.yaml" if precise_plugin_available() else "kvswitch-approximate.yaml"
-        config = _config_path(argument) if argument else bundled_config(default)
+        config = config_path(argument) if argument else bundled_config(default)
         return GatewayTarget(spec, config, text_prompts=name == "kvswitch-text")
     if name in ("kvswitch-estimated-ttft", "kvswitch-approximate"):
         return GatewayTarget(spec, bundled_config(f"{name}.yaml"))
@@ -226,13 +194,13 @@ def make_target(spec: str) -> Target:
     if name == "oracle":
         return OracleTarget()
     if name in ("smg-cache-aware", "smg-round-robin"):
-        from kvswitch.bench.smg import SmgTarget
-
         return SmgTarget(spec, "cache_aware" if name == "smg-cache-aware" else "round_robin")
     raise ValueError(f"unknown target {spec!r}; known: {', '.join(TARGET_NAMES)}")
 
 
-def _config_path(argument: str) -> Path:
+def config_path(argument: str) -> Path:
+    """An EPP config file: `argument` itself when it is a file, else the bundled config of that
+    name (`configs/NAME` or `configs/NAME.yaml`); ValueError when neither exists."""
     path = Path(argument).expanduser()
     if path.is_file():
         return path

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvswitch.bench.workloads import BenchRequest, word_token_ids
-from kvswitch.epp.kvindex.index import block_hashes
+from kvswitch.epp.kvindex.index import chained_block_hashes
 from kvswitch.tokenization import TokenizerBundle
 
 __all__ = [
@@ -163,7 +163,7 @@ def ideal_prefix_hit_ratio(prompts: Iterable[Sequence[int]], block_size: int = 1
     seen: set[int] = set()
     hits = total = 0
     for prompt in prompts:
-        hashes = block_hashes(prompt, block_size)
+        hashes = chained_block_hashes(prompt, block_size)
         lead = 0
         for h in hashes:
             if h not in seen:

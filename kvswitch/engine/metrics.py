@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM's names and labels, and the small HTTP server that serves them.
+"""Prometheus metrics with vLLM's names and labels (served by `kvswitch.metrics_http`).
 
 Gauges and counters are read from the engine (`load()`, `counters()`) at scrape time, so the
 request path pays nothing for them; the latency histograms are observed by the servicer, once
@@ -15,20 +15,13 @@ engine without a clock is timed in wall seconds.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvswitch.engine.base import Engine
-from kvswitch.limits import HTTP_DEFAULTS, HttpLimits
-
-logger = logging.getLogger(__name__)
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read ours unchanged.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -124,67 +117,3 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
-
-
-class MetricsHttpServer:
-    """GET /metrics and GET /health over HTTP/1.1 on asyncio streams, one request per
-    connection; deliberately tiny so the engine process carries no web framework."""
-
-    def __init__(self, render_metrics: Callable[[], bytes], is_healthy: Callable[[], bool],
-                 limits: HttpLimits = HTTP_DEFAULTS):
-        self._render = render_metrics
-        self._healthy = is_healthy
-        self._limits = limits
-        self._server: asyncio.Server | None = None
-        self.port = 0
-        """The bound port, once started."""
-
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            try:
-                method, path = await self._read_head(reader)
-                status, ctype, body = self._respond(method, path)
-            except ValueError:  # a line over the reader's 64 KiB, or too many of them
-                method, status, ctype, body = ("", "431 Request Header Fields Too Large",
-                                               "text/plain", b"request head too large\n")
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-            writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
-            await writer.drain()
-        except (TimeoutError, OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str]:
-        """The request's method and path; the whole head within `HttpLimits.head_timeout` and
-        `max_headers` lines (TimeoutError, ValueError)."""
-        async with asyncio.timeout(self._limits.head_timeout):
-            request_line = await reader.readline()
-            for _ in range(self._limits.max_headers + 1):
-                if await reader.readline() in (b"\r\n", b"\n", b""):
-                    break
-            else:
-                raise ValueError("too many header lines")
-        parts = request_line.decode("latin-1").split()
-        return (parts[0], parts[1].split("?", 1)[0]) if len(parts) >= 2 else ("", "")
-
-    def _respond(self, method: str, path: str) -> tuple[str, str, bytes]:
-        if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
-        if path == "/metrics":
-            return "200 OK", CONTENT_TYPE, self._render()
-        if path == "/health":
-            if self._healthy():
-                return "200 OK", "text/plain", b"ok\n"
-            return "503 Service Unavailable", "text/plain", b"unhealthy\n"
-        return "404 Not Found", "text/plain", b"not found\n"

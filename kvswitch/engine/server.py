@@ -20,13 +20,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvswitch.engine.base import Engine
-from kvswitch.engine.metrics import EngineMetrics, MetricsHttpServer
+from kvswitch.engine.metrics import EngineMetrics
 from kvswitch.engine.registration import add_engine_servicer
 from kvswitch.engine.servicer import VllmEngineServicer
 from kvswitch.engine.sglang_servicer import SglangSchedulerServicer
 from kvswitch.limits import MESSAGE_DEFAULTS, SAMPLING_DEFAULTS, MessageLimits, SamplingLimits
+from kvswitch.metrics_http import MetricsHttpServer
 from kvswitch.protocol import SERVICE_NAME
-from kvswitch.tls import TlsFiles, grpc_server_credentials
+from kvswitch.tls import TlsFiles, grpc_server_credentials, grpc_server_options
 from kvswitch.tokenization import TokenizerBundle
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class EngineServer:
         self.service_name = SERVICE_NAME
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=[
-            *GRPC_OPTIONS,
+            *GRPC_OPTIONS, *grpc_server_options(options.tls),
             ("grpc.max_receive_message_length", options.message_limits.max_message_bytes)])
         self.http = MetricsHttpServer(self.metrics.render, self._serving)
         self.port = 0

@@ -10,15 +10,8 @@ servicer, each on purpose:
 - A request that does not parse ends INVALID_ARGUMENT, not grpcio's UNKNOWN (the handlers
   parse it: `registration`).
 
-Pacing: grpc.aio accepts a new RPC once per two event-loop iterations, so hundreds of streams
-writing at every engine step would starve new calls. From 8 active requests on, each stream
-reads the engine at most once per
-
-    interval = min(max(active_requests x 20 µs, 1 ms), 50 ms)
-
-sleeping only for what is left of it since its previous read; the backend merges the deltas
-meanwhile, so tokens/s holds while messages/s stay bounded, and when engine steps are slower
-than the interval no token is held back.
+Serving state, the Generate loop (pacing, metrics, request log) and the management RPCs
+both engine APIs serve alike live in `servicer_base`.
 """
 
 from __future__ import annotations
@@ -28,54 +21,36 @@ import datetime
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
 from kvswitch import __version__
 from kvswitch.engine import conversion
-from kvswitch.engine.base import Engine, GenerationRequest, GenerationUpdate, engine_clock
-from kvswitch.engine.kv_events import KvEventStream
+from kvswitch.engine.base import Engine, GenerationRequest
 from kvswitch.engine.metrics import EngineMetrics
-from kvswitch.engine.request_log import RequestLog, RequestRecord
-from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
+from kvswitch.engine.request_log import RequestLog
+from kvswitch.engine.servicer_base import ServicerBase, scheduler_load_fields
 from kvswitch.errors import InvalidRequest, KvswitchError
 from kvswitch.limits import SAMPLING_DEFAULTS, SamplingLimits
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
-from kvswitch.protocol.headers import USAGE_TRAILER
 from kvswitch.tokenization import TokenizerBundle
 
 logger = logging.getLogger(__name__)
 
-_PACE_FROM = 8  # active requests; below this, nothing to pace
-_PACE_PER_STREAM = 20e-6
-_PACE_MIN = 0.001  # the event loop's timer granularity
-_PACE_MAX = 0.05
 _TOKENIZE_INLINE_CHARS = 16384  # longer text prompts are tokenized in a worker thread
 
 
-class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+class VllmEngineServicer(ServicerBase, vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, engine: Engine, tokenizer: TokenizerBundle, *,
                  tokenizer_dir: str | None = None, metrics: EngineMetrics | None = None,
                  request_log: RequestLog | None = None,
                  limits: SamplingLimits = SAMPLING_DEFAULTS):
-        self.engine = engine
+        super().__init__(engine, tokenizer, tokenizer_dir=tokenizer_dir, metrics=metrics,
+                         request_log=request_log)
         self.limits = limits
-        self.request_log = request_log
-        """When set, one record per ended Generate (`kvswitch engine --request-log`)."""
-        self.card = engine.model
-        self.tokenizer = tokenizer
-        self.tokenizer_dir = tokenizer_dir
-        self.metrics = metrics
-        self._clock = engine_clock(engine)
-        self.start_time = time.time()
-        self.last_receive_timestamp = 0.0
-        self.active_requests = 0
-        self.draining = asyncio.Event()
-        self._archive: TokenizerArchive | None = None
-        self._archive_lock = asyncio.Lock()
 
     # ---- Generate / Embed ---------------------------------------------------------------
 
@@ -90,50 +65,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except KvswitchError as exc:
             await context.abort(exc.grpc_code, exc.message)
         builder = conversion.ResponseBuilder(prompt, sampling, request.stream)
-        timer = _Timer(self.metrics, self._clock, track=self.request_log is not None)
         try:  # the backend checks the request against its model (max_model_len) here
             updates = self.engine.generate(GenerationRequest(
                 request_id, prompt, sampling, received, incremental=request.stream))
         except KvswitchError as exc:
             await context.abort(exc.grpc_code, exc.message)
-        failure: KvswitchError | None = None
-        self.active_requests += 1
-        loop = asyncio.get_running_loop()
-        last_read = 0.0
-        try:
-            async for update in updates:
-                timer.update(update)
-                for message in builder.feed(update):
-                    yield message
-                if self.active_requests >= _PACE_FROM and not update.finished:
-                    now = loop.time()
-                    wait = _pace_interval(self.active_requests) - (now - last_read)
-                    if wait >= _PACE_MIN:
-                        await asyncio.sleep(wait)
-                        now += wait
-                    last_read = now
-        except KvswitchError as exc:
-            failure = exc
-        except Exception as exc:
-            logger.exception("Error in Generate for request %s", request_id)
-            failure = KvswitchError(str(exc) or type(exc).__name__)
-        finally:
-            # Closing the backend iterator aborts the request and frees its slot and blocks at
-            # once: this runs on normal end, on error, and when a client cancel or an expired
-            # deadline cancels this handler.
-            self.active_requests -= 1
-            close = getattr(updates, "aclose", None)
-            if close is not None:
-                await close()
-            if self.request_log is not None:  # also when the client went away (cancelled)
-                self.request_log.append(timer.record(
-                    request_id, received, builder, request.stream,
-                    "error" if failure is not None else None))
-        trailer = ((USAGE_TRAILER, builder.usage_trailer()),)
-        if failure is not None:
-            await context.abort(failure.grpc_code, failure.message, trailing_metadata=trailer)
-        timer.finish()
-        context.set_trailing_metadata(trailer)
+        async with aclosing(self._stream_generate(context, request_id, received, request.stream,
+                                                  updates, builder)) as messages:
+            async for message in messages:
+                yield message
 
     async def _tokenize(self, request: pb.GenerateRequest) -> list[int] | None:
         """A text prompt's ids (None for tokenized input). vLLM's text path tokenizes with the
@@ -166,26 +106,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
                     ) -> pb.EmbedResponse:
-        self.last_receive_timestamp = time.time()
         request_id = request.request_id or uuid.uuid4().hex
         logger.info("Embed request %s: input_type=tokenized", request_id)
-        token_ids = list(request.tokenized.input_ids)
-        self.active_requests += 1
-        try:
+
+        def prompt() -> list[int]:
             if not request.HasField("tokenized"):
                 raise InvalidRequest("Embed requires tokenized input (tokenized.input_ids).",
                                      param="tokenized")
+            token_ids = list(request.tokenized.input_ids)
             conversion.check_prompt(token_ids, self.card)
-            embedding = await self.engine.embed(request_id, token_ids)
-        except KvswitchError as exc:
-            await context.abort(exc.grpc_code, exc.message)
-        except Exception as exc:
-            logger.exception("Error in Embed for request %s", request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc) or type(exc).__name__)
-        finally:
-            self.active_requests -= 1
-        usage = f"prompt_tokens={len(token_ids)};completion_tokens=0;cached_tokens=0"
-        context.set_trailing_metadata(((USAGE_TRAILER, usage),))
+            return token_ids
+
+        token_ids, embedding = await self._embed(context, request_id, prompt)
         return pb.EmbedResponse(embedding=embedding, prompt_tokens=len(token_ids),
                                 embedding_dim=len(embedding))
 
@@ -250,45 +182,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         wanted_rank = not request.HasField("dp_rank") or request.dp_rank == 0
         sections = set(request.include)
         if wanted_rank and (not sections or sections & {"core", "all"}):
-            response.loads.append(scheduler_load(self.engine))
+            response.loads.append(pb.SchedulerLoad(**scheduler_load_fields(self.engine.load())))
         return response
-
-    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
-                           context: grpc.aio.ServicerContext
-                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        archive = await self._tokenizer_archive()
-        chunks = archive.chunks()
-        for i, data in enumerate(chunks):
-            last = i == len(chunks) - 1
-            yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
-
-    async def _tokenizer_archive(self) -> TokenizerArchive:
-        async with self._archive_lock:
-            if self._archive is None:
-                # Deflating ~11 MB takes a moment: keep it off the event loop.
-                self._archive = await asyncio.to_thread(
-                    build_tokenizer_archive, self.tokenizer_dir, self.card, self.tokenizer)
-            return self._archive
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        logger.info("SubscribeKvEvents from sequence %d", request.start_sequence_number)
-        stream = KvEventStream(self.engine, request.start_sequence_number,
-                               load_first=request.load_records_before_first_batch)
-        async for batch in stream.run(self.draining):
+        async for batch in self._kv_event_stream(request).run(self.draining):
             yield batch
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        deadline = time.monotonic() + max(request.timeout_s, 0.0)
-        while True:
-            load = self.engine.load()
-            idle = load.running == 0 and load.waiting == 0
-            if idle or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.05)
-        flushed = idle and await self.engine.flush_cache()
+        flushed = await self._flush_when_idle(request.timeout_s)
         message = ("Cache flushed." if flushed else
                    "Cache not flushed: requests are in flight; retry with a timeout_s.")
         logger.info("FlushCache: %s", message)
@@ -303,117 +208,3 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                           context: grpc.aio.ServicerContext) -> common_pb2.ProfileResponse:
         return common_pb2.ProfileResponse(
             success=True, message="Profiler stopped (simulated engine: no traces written).")
-
-
-def _pace_interval(active_requests: int) -> float:
-    """Least seconds between a stream's reads of the engine while `active_requests` stream."""
-    return min(max(active_requests * _PACE_PER_STREAM, _PACE_MIN), _PACE_MAX)
-
-
-class _PromptCounts(Protocol):
-    """What a request record reads from a response builder (vLLM's or SGLang's)."""
-
-    prompt_tokens: int
-    cached_tokens: int
-
-
-def scheduler_load(engine: Engine) -> pb.SchedulerLoad:
-    load = engine.load()
-    return pb.SchedulerLoad(
-        dp_rank=0,
-        num_running_reqs=load.running,
-        num_waiting_reqs=load.waiting,
-        num_total_reqs=load.running + load.waiting,
-        num_used_tokens=load.used_tokens,
-        max_total_num_tokens=load.total_tokens,
-        token_usage=load.token_usage,
-        gen_throughput=load.gen_throughput,
-        cache_hit_rate=load.cache_hit_rate,
-        utilization=load.token_usage,
-        max_running_requests=load.max_running,
-        num_waiting_uncached_tokens=load.waiting_uncached_tokens,
-    )
-
-
-class _Timer:
-    """Per-request latency observations on the engine's clock (`engine_clock`: simulated seconds
-    for the simulator): TTFT, inter-token latency, e2e, queue time. A token's time is the one
-    the engine stamped on its update (when it was produced), else when it was read here.
-    With `track`, it also keeps what a `RequestRecord` needs (first token, tokens, finish)."""
-
-    __slots__ = ("clock", "finish_reason", "first", "first_done", "last", "metrics",
-                 "preemptions", "queue", "start", "tokens", "track")
-
-    def __init__(self, metrics: EngineMetrics | None, clock: Callable[[], float],
-                 track: bool = False):
-        self.metrics = metrics
-        self.clock = clock
-        self.track = track
-        self.start = self.last = clock()
-        self.first_done = False
-        self.first: float | None = None
-        self.queue: float | None = None
-        self.tokens = 0
-        self.finish_reason: str | None = None
-        self.preemptions: int | None = None
-
-    def update(self, update: GenerationUpdate) -> None:
-        if self.track:
-            self._track(update)
-        if self.metrics is None:
-            return
-        if update.queue_seconds is not None:
-            self.metrics.queue_time.observe(update.queue_seconds)
-        tokens = sum(len(s.token_ids) for s in update.sequences)
-        now = self.clock() if update.time is None else update.time
-        if not tokens:
-            if update.finished:
-                self.last = now
-            return
-        if not self.first_done:
-            self.first_done = True
-            first = now if update.first_token_time is None else update.first_token_time
-            self.metrics.ttft.observe(first - self.start)
-            if tokens > 1:  # a merged first update (non-streamed): its gaps after the first
-                self.metrics.itl.observe((now - first) / (tokens - 1))
-        else:
-            # A merged delta of k tokens spans k inter-token gaps: observe their mean once.
-            self.metrics.itl.observe((now - self.last) / tokens)
-        self.last = now
-
-    def _track(self, update: GenerationUpdate) -> None:
-        if update.queue_seconds is not None:
-            self.queue = update.queue_seconds
-        if update.num_preemptions is not None:
-            self.preemptions = update.num_preemptions
-        tokens = sum(len(s.token_ids) for s in update.sequences)
-        for s in update.sequences:
-            if s.finish_reason is not None:
-                self.finish_reason = s.finish_reason
-        if tokens or update.finished:
-            now = self.clock() if update.time is None else update.time
-            if tokens and self.first is None:
-                self.first = now if update.first_token_time is None else update.first_token_time
-            self.tokens += tokens
-            if self.metrics is None:
-                self.last = now
-
-    def finish(self) -> None:
-        """The request ended with its last update: e2e is arrival to that update."""
-        if self.metrics is not None:
-            self.metrics.e2e.observe(self.last - self.start)
-
-    def record(self, request_id: str, arrival_wall: float, builder: _PromptCounts,
-               stream: bool, failed: str | None) -> RequestRecord:
-        """What `--request-log` writes for this request (call once it has ended)."""
-        first, tokens = self.first, self.tokens
-        return RequestRecord(
-            request_id=request_id, arrival_wall=arrival_wall, finish_wall=time.time(),
-            arrival=self.start, e2e_s=self.last - self.start,
-            ttft_s=None if first is None else first - self.start, queue_s=self.queue,
-            itl_s=(self.last - first) / (tokens - 1) if first is not None and tokens > 1
-            else None,
-            prompt_tokens=builder.prompt_tokens, cached_tokens=builder.cached_tokens,
-            completion_tokens=tokens,
-            finish_reason=failed or self.finish_reason or "abort", stream=stream,
-            preemptions=self.preemptions)

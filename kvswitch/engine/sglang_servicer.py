@@ -1,8 +1,8 @@
 """`sglang.grpc.scheduler.SglangScheduler` over an `Engine` backend, with SGLang's semantics.
 
-The SGLang twin of `kvswitch.engine.servicer` (same engine, pacing, metrics and request log);
-request and response shapes live in `sglang_conversion`. Where SGLang's gRPC server differs
-from vLLM's, this one answers as SGLang's does:
+The SGLang twin of `kvswitch.engine.servicer` (the same `servicer_base`: engine, pacing, metrics
+and request log); request and response shapes live in `sglang_conversion`. Where SGLang's gRPC
+server differs from vLLM's, this one answers as SGLang's does:
 - errors are gRPC statuses: a request SGLang refuses is INVALID_ARGUMENT with its wording; a
   request aborted by the Abort RPC ends INTERNAL "Request aborted" (SGLang's request manager
   turns the scheduler's abort notice into that error); an abort the engine decides itself
@@ -24,67 +24,52 @@ input_ids) is tokenized here; Generate and Embed end with the `x-kvswitch-usage`
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvswitch import __version__
-from kvswitch.engine.base import Engine, GenerationRequest, engine_clock
+from kvswitch.engine.base import Engine, GenerationRequest
 from kvswitch.engine.conversion import max_prompt_len
-from kvswitch.engine.kv_events import KvEventStream
 from kvswitch.engine.metrics import EngineMetrics
 from kvswitch.engine.request_log import RequestLog
-from kvswitch.engine.servicer import _pace_interval, _Timer
+from kvswitch.engine.servicer_base import ServicerBase, scheduler_load_fields
 from kvswitch.engine.sglang_conversion import (
     SglangResponseBuilder,
     prompt_from_sglang,
     sampling_from_sglang,
 )
 from kvswitch.engine.sglang_kv_events import check_page_size, split_pages
-from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
 from kvswitch.errors import InvalidRequest, KvswitchError
 from kvswitch.protocol import common_pb2
-from kvswitch.protocol.headers import USAGE_TRAILER
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc
 from kvswitch.tokenization import TokenizerBundle
 
 logger = logging.getLogger(__name__)
 
-_PACE_FROM = 8
 LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to True."
 SERVER_TYPE = "grpc"
 
 
-class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
+class SglangSchedulerServicer(ServicerBase, sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     def __init__(self, engine: Engine, tokenizer: TokenizerBundle, *, page_size: int = 1,
                  tokenizer_dir: str | None = None, metrics: EngineMetrics | None = None,
                  request_log: RequestLog | None = None):
-        self.engine = engine
-        self.card = engine.model
-        check_page_size(page_size, self.card.block_size)
+        check_page_size(page_size, engine.model.block_size)
+        super().__init__(engine, tokenizer, tokenizer_dir=tokenizer_dir, metrics=metrics,
+                         request_log=request_log)
         self.page_size = page_size
-        self.tokenizer = tokenizer
-        self.tokenizer_dir = tokenizer_dir
-        self.metrics = metrics
-        self.request_log = request_log
-        self._clock = engine_clock(engine)
-        self.start_time = time.time()
-        self.last_receive_timestamp = 0.0
-        self.active_requests = 0
-        self.draining = asyncio.Event()
         self._aborted: set[str] = set()
         """Requests the Abort RPC ended: their Generate ends as SGLang's does (an error)."""
-        self._archive: TokenizerArchive | None = None
-        self._archive_lock = asyncio.Lock()
 
     # ---- Generate / Embed ---------------------------------------------------------------
 
@@ -104,66 +89,22 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         builder = SglangResponseBuilder(
             request_id, prompt, sampling, request.stream, eos_token_ids=self.card.eos_token_ids,
             prefill_only=prefill_only, logprob_start_len=request.logprob_start_len)
-        timer = _Timer(self.metrics, self._clock, track=self.request_log is not None)
-        failure: KvswitchError | None = None
-        self.active_requests += 1
-        loop = asyncio.get_running_loop()
-        last_read = 0.0
         try:
-            async for update in updates:
-                timer.update(update)
-                if update.finished and request_id in self._aborted:
-                    failure = KvswitchError("Request aborted")
-                    break
-                for message in builder.feed(update):
+            async with aclosing(self._stream_generate(
+                    context, request_id, received, request.stream, updates, builder,
+                    aborted=self._aborted)) as messages:
+                async for message in messages:
                     yield message
-                if self.active_requests >= _PACE_FROM and not update.finished:
-                    now = loop.time()
-                    wait = _pace_interval(self.active_requests) - (now - last_read)
-                    if wait >= 0.001:
-                        await asyncio.sleep(wait)
-                        now += wait
-                    last_read = now
-        except KvswitchError as exc:
-            failure = exc
-        except Exception as exc:
-            logger.exception("Generate failed for request %s", request_id)
-            failure = KvswitchError(str(exc) or type(exc).__name__)
         finally:
-            self.active_requests -= 1
             self._aborted.discard(request_id)
-            close = getattr(updates, "aclose", None)
-            if close is not None:
-                await close()
-            if self.request_log is not None:
-                self.request_log.append(timer.record(
-                    request_id, received, builder, request.stream,
-                    "error" if failure is not None else None))
-        trailer = ((USAGE_TRAILER, builder.usage_trailer()),)
-        if failure is not None:
-            await context.abort(failure.grpc_code, failure.message, trailing_metadata=trailer)
-        timer.finish()
-        context.set_trailing_metadata(trailer)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
                     ) -> pb.EmbedResponse:
-        self.last_receive_timestamp = time.time()
         request_id = request.request_id or f"grpc-embed-{uuid.uuid4().hex}"
         logger.info("Receive embedding request: %s", request_id)
-        self.active_requests += 1
-        token_ids: list[int] = []
-        try:
-            token_ids = prompt_from_sglang(request, self.card, self.tokenizer.encode)
-            embedding = await self.engine.embed(request_id, token_ids)
-        except KvswitchError as exc:
-            await context.abort(exc.grpc_code, exc.message)
-        except Exception as exc:
-            logger.exception("Embed failed for request %s", request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc) or type(exc).__name__)
-        finally:
-            self.active_requests -= 1
-        usage = f"prompt_tokens={len(token_ids)};completion_tokens=0;cached_tokens=0"
-        context.set_trailing_metadata(((USAGE_TRAILER, usage),))
+        token_ids, embedding = await self._embed(
+            context, request_id, lambda: prompt_from_sglang(request, self.card,
+                                                            self.tokenizer.encode))
         return pb.EmbedResponse(embedding=embedding, prompt_tokens=len(token_ids),
                                 embedding_dim=len(embedding))
 
@@ -263,40 +204,18 @@ class SglangSchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
                 avg_utilization=round(load.utilization, 4)))
         return response
 
-    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
-                           context: grpc.aio.ServicerContext
-                           ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        async with self._archive_lock:
-            if self._archive is None:
-                self._archive = await asyncio.to_thread(
-                    build_tokenizer_archive, self.tokenizer_dir, self.card, self.tokenizer)
-        chunks = self._archive.chunks()
-        for i, data in enumerate(chunks):
-            last = i == len(chunks) - 1
-            yield common_pb2.GetTokenizerChunk(data=data,
-                                               sha256=self._archive.sha256 if last else "")
-
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        logger.info("SubscribeKvEvents from sequence %d", request.start_sequence_number)
+        stream = self._kv_event_stream(request)
         await context.send_initial_metadata(())
-        stream = KvEventStream(self.engine, request.start_sequence_number,
-                               load_first=request.load_records_before_first_batch)
         async for batch in stream.run(self.draining):
             split_pages(batch, self.page_size, self.card.block_size)
             yield batch
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        deadline = time.monotonic() + max(request.timeout_s, 0.0)
-        while True:
-            load = self.engine.load()
-            idle = load.running == 0 and load.waiting == 0
-            if idle or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.05)
-        flushed = idle and await self.engine.flush_cache()
+        flushed = await self._flush_when_idle(request.timeout_s)
         message = ("Cache flushed." if flushed else
                    "Cache not flushed: there are running or waiting requests.")
         return common_pb2.FlushCacheResponse(success=flushed, message=message)
@@ -344,13 +263,7 @@ def check_features_off(request: pb.GenerateRequest) -> None:
 def sglang_load(engine: Engine, include: set[str]) -> pb.SchedulerLoad:
     """SGLang's SchedulerLoad for the one DP rank; optional sections as `include` asks."""
     load = engine.load()
-    out = pb.SchedulerLoad(
-        dp_rank=0, num_running_reqs=load.running, num_waiting_reqs=load.waiting,
-        num_total_reqs=load.running + load.waiting, num_used_tokens=load.used_tokens,
-        max_total_num_tokens=load.total_tokens, token_usage=load.token_usage,
-        gen_throughput=load.gen_throughput, cache_hit_rate=load.cache_hit_rate,
-        utilization=load.token_usage, max_running_requests=load.max_running,
-        num_waiting_uncached_tokens=load.waiting_uncached_tokens)
+    out = pb.SchedulerLoad(**scheduler_load_fields(load))
     every = "all" in include
     if every or "memory" in include:
         out.memory.CopyFrom(pb.MemoryMetrics(token_capacity=load.total_tokens))

@@ -22,27 +22,33 @@ Three shapes, all from `GatewayOptions`:
 * **round robin** (`round_robin=True`): no ext_proc; a STATIC ROUND_ROBIN cluster of the engines.
   The benchmarks' "Envoy round robin" baseline.
 
-How the pool cluster honours the EPP's pick (`routing`), as measured on Envoy 1.40:
+TLS, each hop on its own: `tls` on the listener (a client must finish its handshake within
+`tls.handshake_timeout`), `epp_tls` to the EPPs, `engine_tls` to the pool (ALPN h2, or
+http/1.1 for an HTTP pool) and `frontend_tls` to the frontends (http/1.1).
 
-* `override-host` (default): a STATIC cluster of the pool's endpoints with the
-  `envoy.load_balancing_policies.override_host` policy reading `x-gateway-destination-endpoint`
-  and the `envoy.lb` metadata key. It splits a comma-separated list into the pick and its
-  fallbacks; the route's retry policy (connect failure / refused stream / reset before request)
-  moves to the next fallback on each retry, then to round robin. Endpoints must be known up
-  front (the pool file); a pick outside the cluster falls back to round robin.
-* `original-dst`: ORIGINAL_DST + CLUSTER_PROVIDED +
-  `original_dst_lb_config.use_http_header` on the same header; any `ip:port` works, no endpoint
-  list needed. Envoy parses the header as exactly one address: a comma list does not parse
-  (`original_dst_host_invalid`) and the request fails with 503 "no healthy upstream", so with
-  this cluster the EPP must send its first pick only, and fallbacks are not honoured.
+The clusters, and how the pool cluster honours the EPP's pick, are `kvswitch.envoy.clusters`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from kvswitch.envoy.clusters import (
+    EPP_CLUSTER,
+    FRONTEND_CLUSTER,
+    H2_OPTIONS,
+    POOL_CLUSTER,
+    FailureMode,
+    PoolTarget,
+    Routing,
+    epp_clusters,
+    epp_log_cluster,
+    pool_cluster,
+    socket_address,
+    static_cluster,
+)
 from kvswitch.limits import HTTP_DEFAULTS, HttpLimits
 from kvswitch.protocol.headers import (
     ACCESS_LOGGED,
@@ -60,14 +66,7 @@ from kvswitch.tls import TlsFiles, UpstreamTls, envoy_downstream_tls, envoy_upst
 __all__ = ["EPP_HEADERS", "FailureMode", "GatewayOptions", "PoolTarget", "Routing",
            "build_bootstrap"]
 
-Routing = Literal["original-dst", "override-host"]
-FailureMode = Literal["FailClose", "FailOpen"]
 
-H2C = "kubernetes.io/h2c"
-POOL_CLUSTER = "kvswitch_pool"
-EPP_CLUSTER = "kvswitch_epp"
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-FRONTEND_CLUSTER = "kvswitch_frontend"
 
 _T = "type.googleapis.com/"
 _HCM = _T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -75,9 +74,6 @@ _EXT_PROC = _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _EXT_PROC_PER_ROUTE = _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 _HEADER_MUTATION = _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
 _ROUTER = _T + "envoy.extensions.filters.http.router.v3.Router"
-_HTTP_OPTIONS = _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-_OVERRIDE_HOST = _T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
-_ROUND_ROBIN = _T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 _STDOUT_LOG = _T + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
 _GRPC_LOG = _T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
 _FILTER_CONFIG = _T + "envoy.config.route.v3.FilterConfig"
@@ -86,13 +82,6 @@ _SET_METADATA = _T + "envoy.extensions.filters.http.set_metadata.v3.Config"
 # late, at most, a request's in-flight count ends after its response did.
 ACCESS_LOG_FLUSH = "0.05s"
 
-# HTTP/2 windows: 1 MiB per stream, 16 MiB per connection. Big enough that a token stream or a
-# long prompt never waits on WINDOW_UPDATE round trips; small enough to bound memory per client.
-_H2_OPTIONS = {
-    "initial_stream_window_size": 1 << 20,
-    "initial_connection_window_size": 16 << 20,
-    "max_concurrent_streams": 4096,
-}
 
 
 # The headers the EPP reads (the parsers, the endpoint-picker protocol's and llm-d's headers,
@@ -104,19 +93,6 @@ _H2_OPTIONS = {
 EPP_HEADERS = (":path", "content-type", "content-length", "grpc-encoding", REQUEST_ID,
                SESSION_TOKEN, "x-llm-d-*", "x-gateway-*", ":status", "grpc-status", USAGE_TRAILER)
 
-
-@dataclass(frozen=True, slots=True)
-class PoolTarget:
-    """What Envoy needs to know about the model-server pool."""
-
-    endpoints: tuple[str, ...]
-    """`ip:port` of every replica (STATIC clusters; ORIGINAL_DST ignores it)."""
-    app_protocol: str = H2C
-    """`kubernetes.io/h2c` → HTTP/2 upstream; `http` → HTTP/1.1 upstream."""
-    service: str = ""
-    """`name:port` of a DNS name that resolves to every ready replica (a headless Service in
-    Kubernetes): the cluster is STRICT_DNS over it, re-resolved every second, instead of the
-    static `endpoints`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +135,10 @@ class GatewayOptions:
     """TLS on the listener (mTLS with a client CA); None: plaintext."""
     epp_tls: UpstreamTls | None = None
     """Call the EPP over TLS (mTLS with a client certificate); None: h2c."""
+    engine_tls: UpstreamTls | None = None
+    """Call the pool's engines over TLS (mTLS with a client certificate); None: plaintext."""
+    frontend_tls: UpstreamTls | None = None
+    """Call the frontends over TLS (HTTPS); None: HTTP."""
     request_timeout_s: float = 120.0
     """Envoy's request_timeout: the whole request must be received (routing, and so the EPP's
     flow-control wait, included) within it; a response already started disarms it."""
@@ -166,17 +146,22 @@ class GatewayOptions:
 
 def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
     """The bootstrap as a plain dict (render with JSON or YAML)."""
-    clusters = [_pool_cluster(options)]
+    clusters = [pool_cluster(options.pool, routing=options.routing,
+                             round_robin=options.round_robin, tls=options.engine_tls)]
     if not options.round_robin:
         if not options.epps:
             raise ValueError("an EPP address is required unless round_robin is set")
         if len(set(options.epps)) != len(options.epps):
             raise ValueError(f"EPP addresses repeat: {', '.join(options.epps)}")
-        clusters += _epp_clusters(options.epps, options.epp_failure_mode, options.epp_tls)
+        clusters += epp_clusters(options.epps, options.epp_failure_mode, options.epp_tls)
     if options.frontends:
-        clusters.append(_static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False))
+        frontends = static_cluster(FRONTEND_CLUSTER, list(options.frontends), http2=False)
+        if options.frontend_tls is not None:
+            frontends["transport_socket"] = envoy_upstream_tls(options.frontend_tls,
+                                                               alpn="http/1.1")
+        clusters.append(frontends)
     return {
-        "admin": {"address": _socket("127.0.0.1", options.admin_port)},
+        "admin": {"address": socket_address("127.0.0.1", options.admin_port)},
         "static_resources": {"listeners": [_listener(options)], "clusters": clusters},
         # Loopback gateway: no overload manager, but cap downstream connections sanely.
         "layered_runtime": {"layers": [{"name": "static", "static_layer": {
@@ -185,15 +170,6 @@ def build_bootstrap(options: GatewayOptions) -> dict[str, Any]:
     }
 
 
-def _socket(host: str, port: int) -> dict[str, Any]:
-    return {"socket_address": {"address": host, "port_value": port}}
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected host:port, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def _listener(options: GatewayOptions) -> dict[str, Any]:
@@ -203,7 +179,7 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         "stat_prefix": "kvswitch",
         # AUTO: HTTP/1.1 (curl, OpenAI SDK) and prior-knowledge h2c (gRPC) on the same port.
         "codec_type": "AUTO",
-        "http2_protocol_options": _H2_OPTIONS,
+        "http2_protocol_options": H2_OPTIONS,
         # Token streams may sit idle through a long prefill; only a dead peer should end them.
         "stream_idle_timeout": "3600s",
         "request_timeout": f"{options.request_timeout_s:g}s",
@@ -229,42 +205,17 @@ def _listener(options: GatewayOptions) -> dict[str, Any]:
         "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
     if options.tls is not None:
         chain["transport_socket"] = envoy_downstream_tls(options.tls)
-    return {"name": "kvswitch", "address": _socket(options.host, options.port),
+        chain["transport_socket_connect_timeout"] = f"{options.tls.handshake_timeout:g}s"
+    return {"name": "kvswitch", "address": socket_address(options.host, options.port),
             "filter_chains": [chain]}
 
 
-def _epp_clusters(epps: Sequence[str], failure_mode: FailureMode,
-                  tls: UpstreamTls | None) -> list[dict[str, Any]]:
-    """The ext_proc cluster of every EPP, health-checked when there are several or the pool
-    fails open; with several, also one cluster per EPP for its own access log. With `tls`
-    Envoy reaches every EPP over TLS."""
-    cluster = _static_cluster(EPP_CLUSTER, epps, http2=True)
-    if len(epps) > 1 or failure_mode == "FailOpen":
-        cluster.update(_epp_health_checks())
-    clusters = [cluster]
-    if len(epps) > 1:
-        cluster["lb_policy"] = "LEAST_REQUEST"
-        # A refused connection ejects the EPP at once, before the next health check notices.
-        cluster["outlier_detection"] = {
-            "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
-            "interval": "1s", "base_ejection_time": "2s", "max_ejection_percent": 100,
-        }
-        clusters += [_static_cluster(_epp_log_cluster(i), [epp], http2=True)
-                     for i, epp in enumerate(epps)]
-    if tls is not None:
-        for each in clusters:
-            each["transport_socket"] = envoy_upstream_tls(tls)
-    return clusters
-
-
-def _epp_log_cluster(index: int) -> str:
-    return f"{EPP_CLUSTER}_{index}"
 
 
 def _epp_access_logs(epps: Sequence[str]) -> list[dict[str, Any]]:
     if len(epps) == 1:
         return [_epp_access_log(EPP_CLUSTER, None)]
-    return [_epp_access_log(_epp_log_cluster(i), epp) for i, epp in enumerate(epps)]
+    return [_epp_access_log(epp_log_cluster(i), epp) for i, epp in enumerate(epps)]
 
 
 def _epp_access_log(cluster: str, replica: str | None) -> dict[str, Any]:
@@ -423,103 +374,8 @@ def _forward_rules(headers: Sequence[str] | None) -> dict[str, Any]:
     return {"forward_rules": {"allowed_headers": {"patterns": patterns}}}
 
 
-def _protocol_options(http2: bool) -> dict[str, Any]:
-    http_config: dict[str, Any] = (
-        {"http2_protocol_options": _H2_OPTIONS} if http2 else {"http_protocol_options": {}}
-    )
-    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": _HTTP_OPTIONS, "explicit_http_config": http_config,
-    }}
 
 
-def _load_assignment(name: str, addresses: Sequence[str]) -> dict[str, Any]:
-    lb_endpoints = []
-    for address in addresses:
-        host, port = _split(address)
-        lb_endpoints.append({"endpoint": {"address": _socket(host, port)}})
-    return {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
 
 
-def _static_cluster(name: str, addresses: Sequence[str], *, http2: bool) -> dict[str, Any]:
-    return {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "lb_policy": "ROUND_ROBIN",
-        "load_assignment": _load_assignment(name, addresses),
-        "typed_extension_protocol_options": _protocol_options(http2),
-        "circuit_breakers": _no_circuit_breaking(),
-    }
 
-
-def _epp_health_checks() -> dict[str, Any]:
-    """Active gRPC health checks of the EPPs (every second; down after two failures, so one slow
-    answer does not bypass it), and no panic routing (never spread over dead EPPs because most
-    are dead). Failing open needs it: Envoy fails open only while no body chunk has gone to the
-    EPP, which holds when the EPP is known down before a request starts (no healthy host: the
-    ext_proc stream fails at once) rather than found down by a refused connection after the
-    first chunk."""
-    return {
-        "health_checks": [{
-            "timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
-            "unhealthy_threshold": 2, "healthy_threshold": 1,
-            "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
-        }],
-        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
-    }
-
-
-def _no_circuit_breaking() -> dict[str, Any]:
-    # Envoy's defaults (1024 requests / pending) would shed a benchmark before the EPP does;
-    # admission is flow control's job.
-    big = 1_000_000
-    return {"thresholds": [{"max_connections": big, "max_pending_requests": big,
-                            "max_requests": big, "max_retries": big}]}
-
-
-def _replicas_cluster(pool: PoolTarget) -> dict[str, Any]:
-    http2 = pool.app_protocol == H2C
-    if not pool.service:
-        return _static_cluster(POOL_CLUSTER, pool.endpoints, http2=http2)
-    cluster = _static_cluster(POOL_CLUSTER, [pool.service], http2=http2)
-    cluster.update(type="STRICT_DNS", dns_refresh_rate="1s", dns_lookup_family="V4_PREFERRED")
-    return cluster
-
-
-def _pool_cluster(options: GatewayOptions) -> dict[str, Any]:
-    http2 = options.pool.app_protocol == H2C
-    if options.round_robin:
-        return _replicas_cluster(options.pool)
-    if options.routing == "override-host":
-        cluster = _replicas_cluster(options.pool)
-        del cluster["lb_policy"]
-        cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
-            "name": "envoy.load_balancing_policies.override_host",
-            "typed_config": {
-                "@type": _OVERRIDE_HOST,
-                "override_host_sources": [
-                    {"header": DESTINATION_ENDPOINT},
-                    {"metadata": {"key": DESTINATION_METADATA_NAMESPACE,
-                                  "path": [{"key": DESTINATION_ENDPOINT}]}},
-                ],
-                # Only reached when the EPP set nothing usable; the EPP always sets a pick or
-                # answers locally, so this is a safety net.
-                "fallback_policy": {"policies": [{"typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.round_robin",
-                    "typed_config": {"@type": _ROUND_ROBIN},
-                }}]},
-            },
-        }}]}
-        return cluster
-    return {
-        "name": POOL_CLUSTER,
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "1s",
-        "original_dst_lb_config": {"use_http_header": True,
-                                   "http_header_name": DESTINATION_ENDPOINT},
-        # Forget replicas nobody routes to after a while (they are re-created on demand).
-        "cleanup_interval": "60s",
-        "typed_extension_protocol_options": _protocol_options(http2),
-        "circuit_breakers": _no_circuit_breaking(),
-    }

@@ -10,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from kvswitch.envoy.bootstrap import EPP_HEADERS, H2C, GatewayOptions, PoolTarget, build_bootstrap
+from kvswitch.envoy.bootstrap import EPP_HEADERS, GatewayOptions, build_bootstrap
+from kvswitch.envoy.clusters import H2C, PoolTarget
 from kvswitch.tls import (
     add_tls_flags,
     add_upstream_tls_flags,
@@ -65,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", help="file to write (.yaml or .json); default stdout")
     add_tls_flags(parser)
     add_upstream_tls_flags(parser, "epp", "EPP")
+    add_upstream_tls_flags(parser, "engine", "engines")
+    add_upstream_tls_flags(parser, "frontend", "frontends")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             *(session_headers(Path(args.epp_config)) if args.epp_config else ())),
         tls=tls_from_args(args),
         epp_tls=upstream_tls_from_args(args, "epp"),
+        engine_tls=upstream_tls_from_args(args, "engine"),
+        frontend_tls=upstream_tls_from_args(args, "frontend"),
     )
     text = render(build_bootstrap(options), json_format=bool(args.output and
                                                              args.output.endswith(".json")))

@@ -64,7 +64,7 @@ class EnvoyProcess:
             raise RuntimeError("envoy not started")
         return self.proc.pid
 
-    def start(self, timeout: float = 30.0) -> EnvoyProcess:
+    def start(self, timeout: float = 30.0) -> Self:
         self.proc = subprocess.Popen(
             self.argv, stdout=self._log_file or subprocess.DEVNULL,
             stderr=subprocess.STDOUT if self._log_file else subprocess.DEVNULL,

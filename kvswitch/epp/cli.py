@@ -9,6 +9,8 @@ FULL_DUPLEX_STREAMED (or BUFFERED), response_body NONE, and route on the
 request ended comes from the response headers and trailers (SEND), or, as kvswitch's bootstrap
 does it, from Envoy's gRPC access log streamed to this same port (for requests whose forwarded
 `kvswitch` filter metadata says `access_logged: true`; kvswitch.epp.access_log).
+`--tls-cert` serves ext_proc over TLS; `--engine-tls-ca` calls the engines (load polls, KV
+events) over TLS.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from typing import Any
 from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.epp.contracts import EndpointPicker
 from kvswitch.limits import add_sampling_flags, sampling_from_args
-from kvswitch.tls import add_tls_flags, tls_from_args
+from kvswitch.tls import (
+    add_tls_flags,
+    add_upstream_tls_flags,
+    tls_from_args,
+    upstream_tls_from_args,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -78,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "it routes with it, so the gateway's access log sends it the entries "
                              "of its own requests (kvswitch up sets it)")
     add_tls_flags(parser)
+    add_upstream_tls_flags(parser, "engine", "engines")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="debug logs one line per request")
@@ -133,7 +141,8 @@ def build_picker(args: argparse.Namespace) -> EndpointPicker:
         config = _with_refresh_interval(args.config, args.refresh_interval)
     if (args.pool is None) == (args.pool_name is None):
         raise ValueError("give exactly one of --pool (a pool file) and --pool-name (Kubernetes)")
-    picker = build_endpoint_picker(config, args.pool, discovery=_kubernetes_discovery(args))
+    picker = build_endpoint_picker(config, args.pool, discovery=_kubernetes_discovery(args),
+                                   engine_tls=upstream_tls_from_args(args, "engine"))
     return dataclasses.replace(picker, max_body_bytes=args.max_body_bytes,
                                sampling_limits=sampling_from_args(args),
                                replica_name=args.replica_name)
@@ -150,12 +159,11 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
                        tls=tls_from_args(args))
     metrics = None
     if args.metrics_port:
-        # Served on this loop by the engine's hardened /metrics server (a head deadline, a
-        # bounded head): prometheus_client's own server spends a thread per connection with no
-        # timeout, so slow clients could pile threads up.
+        # prometheus_client's own server spends a thread per connection with no head deadline,
+        # so slow clients could pile threads up: serve on this loop instead.
         import prometheus_client
 
-        from kvswitch.engine.metrics import MetricsHttpServer
+        from kvswitch.metrics_http import MetricsHttpServer
 
         metrics = MetricsHttpServer(lambda: prometheus_client.generate_latest(), lambda: True)
         await metrics.start(args.host, args.metrics_port)

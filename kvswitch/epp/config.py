@@ -20,6 +20,7 @@ instantiates plugins. Accepted documents:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,13 @@ from kvswitch.epp.config_spec import (
     parse_config,
 )
 from kvswitch.epp.contracts import EndpointPicker, Parser
-from kvswitch.epp.datalayer import Datalayer, Discovery, Refresher, StaticDiscovery
+from kvswitch.epp.datalayer import (
+    Datalayer,
+    Discovery,
+    Refresher,
+    StaticDiscovery,
+    default_collector,
+)
 from kvswitch.epp.datalayer.discovery import SuppliesObjectives
 from kvswitch.epp.datalayer.pool import PoolSpec, parse_pool
 from kvswitch.epp.flowcontrol import FlowGate
@@ -50,9 +57,10 @@ from kvswitch.epp.framework import (
     Scorer,
     load_factory,
 )
-from kvswitch.epp.kvindex import PrefixIndex
+from kvswitch.epp.kvindex import KvBlockIndex
 from kvswitch.epp.metrics import EppMetrics, default_metrics
 from kvswitch.epp.router import EppRouter
+from kvswitch.tls import UpstreamTls
 
 __all__ = [
     "DEFAULT_PROFILE_WEIGHTS",
@@ -234,13 +242,14 @@ def _profiles(spec: ConfigSpec, built: Mapping[str, object]) -> dict[str, Schedu
 
 
 def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = None,
-                 handle: PluginHandle | None = None,
-                 discovery: Discovery | None = None) -> tuple[EppRouter, list[Parser]]:
+                 handle: PluginHandle | None = None, discovery: Discovery | None = None,
+                 engine_tls: UpstreamTls | None = None) -> tuple[EppRouter, list[Parser]]:
     """Instantiate a parsed config against a parsed pool (or `discovery`, which then supplies
-    the endpoints, and objective priorities if it has `on_objectives`)."""
+    the endpoints, and objective priorities if it has `on_objectives`). With `engine_tls`, the
+    load collectors and KV-event subscriptions call the engines over TLS."""
     dl = spec.data_layer
     datalayer = Datalayer(staleness=dl.staleness_threshold)
-    handle = handle or PluginHandle(datalayer)
+    handle = handle or PluginHandle(datalayer, engine_tls)
     built = _instantiate(spec.plugins, handle, {})
     spec = apply_defaults(spec, {n: _role(p) for n, p in built.items()})
     built = _instantiate(spec.plugins, handle, built)
@@ -260,13 +269,14 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
     scheduler = Scheduler(handler, _profiles(spec, built),
                           [p for p in plugins if _role(p) != "parser"])
     refresher = Refresher(datalayer, discovery or StaticDiscovery(pool.endpoints),
-                          interval=dl.refresh_interval)
+                          interval=dl.refresh_interval,
+                          collector_factory=partial(default_collector, tls=handle.engine_tls))
     gate = FlowGate(datalayer.ready, spec.saturation, spec.flow_control,
                     tick=dl.refresh_interval, queueing=spec.queueing)
     objectives = {o.name: o.priority for o in (*pool.objectives, *spec.objectives)}
     metrics = metrics if metrics is not None else default_metrics()
     for plugin in plugins:
-        if isinstance(index := getattr(plugin, "index", None), PrefixIndex):
+        if isinstance(index := getattr(plugin, "index", None), KvBlockIndex):
             metrics.indexed_blocks.watch(index)
     router = EppRouter(scheduler, datalayer, gate, refresher, objectives, metrics)
     if isinstance(discovery, SuppliesObjectives):
@@ -281,9 +291,11 @@ Source = Path | str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
 def build_endpoint_picker(config: Source | None, pool: Source | None,
                           metrics: EppMetrics | None = None,
-                          discovery: Discovery | None = None) -> EndpointPicker:
+                          discovery: Discovery | None = None,
+                          engine_tls: UpstreamTls | None = None) -> EndpointPicker:
     """The EPP's parsers and router from an EndpointPickerConfig (None: all defaults) and a pool
-    file, or a `discovery` (Kubernetes) in place of the pool file.
+    file, or a `discovery` (Kubernetes) in place of the pool file; `engine_tls`: call the
+    engines over TLS.
 
     Paths are read as YAML (several documents allowed); a str containing a newline is YAML text.
     """
@@ -291,5 +303,6 @@ def build_endpoint_picker(config: Source | None, pool: Source | None,
     if pool is None and discovery is None:
         raise ConfigError("pool: a pool file or a discovery is required")
     pool_spec = parse_pool(load_documents(pool, "pool")) if pool is not None else PoolSpec("", ())
-    router, parsers = build_router(spec, pool_spec, metrics, discovery=discovery)
+    router, parsers = build_router(spec, pool_spec, metrics, discovery=discovery,
+                                   engine_tls=engine_tls)
     return EndpointPicker(parsers=parsers, router=router)

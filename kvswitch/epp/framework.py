@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from kvswitch.epp.config_fields import ConfigError, duration  # noqa: F401
 from kvswitch.epp.contracts import InferenceRequest, RequestOutcome
 from kvswitch.epp.datalayer import Datalayer, Endpoint
+from kvswitch.tls import UpstreamTls
 
 ENTRY_POINT_GROUP = "kvswitch.epp.plugins"
 
@@ -233,10 +234,12 @@ T = TypeVar("T")
 
 
 class PluginHandle:
-    """What plugin factories get: the datalayer, plugins built so far, and shared objects."""
+    """What plugin factories get: the datalayer, plugins built so far, shared objects, and how
+    to call the engines (`engine_tls`: over TLS, else h2c)."""
 
-    def __init__(self, datalayer: Datalayer) -> None:
+    def __init__(self, datalayer: Datalayer, engine_tls: UpstreamTls | None = None) -> None:
         self.datalayer = datalayer
+        self.engine_tls = engine_tls
         self._plugins: dict[str, object] = {}
         self._shared: dict[str, object] = {}
 
@@ -272,7 +275,7 @@ REGISTRY: dict[str, str] = {
     "openai-parser": "kvswitch.epp.parsers.openai",
     "passthrough-parser": "kvswitch.epp.parsers.passthrough",
     "prefix-cache-scorer": "kvswitch.epp.plugins.prefix_cache_scorer",
-    "precise-prefix-cache-scorer": "kvswitch.epp.kvindex.precise_prefix_cache_scorer",
+    "precise-prefix-cache-scorer": "kvswitch.epp.plugins.precise_prefix_cache_scorer",
     "queue-scorer": "kvswitch.epp.plugins.queue_scorer",
     "estimated-ttft-scorer": "kvswitch.epp.plugins.estimated_ttft_scorer",
     "kv-cache-utilization-scorer": "kvswitch.epp.plugins.kv_cache_utilization_scorer",

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -102,10 +102,12 @@ class AccessLogServicer:
         return b""
 
 
-def grpcio_server(picker: EndpointPicker, limit: int) -> grpc.aio.Server:
+def grpcio_server(picker: EndpointPicker, limit: int,
+                  options: Sequence[tuple[str, int]] = ()) -> grpc.aio.Server:
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
+        *options,
     ])
     ExtProcServicer(picker).add_to_server(server)
     reflection.enable_server_reflection(

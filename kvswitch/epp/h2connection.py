@@ -2,10 +2,11 @@
 
 `H2GrpcConnection`: `receive(bytes) -> [event]`, `send_message()`, `finish()`, `reset()`,
 `drain()` / `goaway()`, `data_to_send() -> bytes`. Frames are read, checked and HPACK-decoded
-by the shared frame layer (`kvswitch.protocol.http2`); this keeps per-stream state, does HTTP/2
-flow control both ways (inbound: large windows, topped up as data arrives;
-outbound: data waits per stream for WINDOW_UPDATE), and gRPC message framing (5-byte prefix;
-compressed messages are refused: no encoding is negotiated). A stream opened past
+by the shared frame layer (`kvswitch.protocol.http2`), windows kept by the shared flow control
+(`kvswitch.protocol.h2state`, `kvswitch.protocol.h2streams`: inbound large windows topped up as
+data arrives, outbound data waiting per stream for WINDOW_UPDATE) and messages cut by the
+shared gRPC framing (`kvswitch.protocol.grpc_framing`; compressed messages are refused: no
+encoding is negotiated); this keeps the server's stream states. A stream opened past
 `max_concurrent_streams` (advertised in SETTINGS) is refused with RST_STREAM REFUSED_STREAM.
 Malformed input is a connection error: GOAWAY with the error code, then `closed`. Floods are
 too: more than `MAX_IDLE_FRAMES` frames in a row that cost work but carry nothing (counted by
@@ -22,12 +23,28 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections import deque
-from dataclasses import dataclass
-from typing import TypeAlias
-from urllib.parse import quote
 
+from kvswitch.epp.h2events import (
+    ConnectionEnded,
+    Event,
+    InputEnded,
+    MessageReceived,
+    StreamOpened,
+    StreamReset,
+)
+from kvswitch.errors import PayloadTooLarge
+from kvswitch.protocol.grpc_framing import (
+    INTERNAL,
+    NOT_FOUND,
+    OK,
+    RESOURCE_EXHAUSTED,
+    UNIMPLEMENTED,
+    FrameDecoder,
+    encode,
+    trailers_block,
+)
 from kvswitch.protocol.h2state import ConnectionState
+from kvswitch.protocol.h2streams import StreamFlow
 from kvswitch.protocol.http2 import (
     ACK,
     CANCEL,
@@ -39,9 +56,7 @@ from kvswitch.protocol.http2 import (
     HEADERS,
     INTERNAL_ERROR,
     LAST_POSSIBLE_STREAM,
-    MAX_FRAME,
     MAX_IDLE_FRAMES,
-    MAX_WINDOW,
     NO_ERROR,
     PING,
     PROTOCOL_ERROR,
@@ -49,11 +64,6 @@ from kvswitch.protocol.http2 import (
     RST_STREAM,
     SETTINGS,
     SETTINGS_ACK,
-    SETTINGS_ENABLE_PUSH,
-    SETTINGS_INITIAL_WINDOW_SIZE,
-    SETTINGS_MAX_CONCURRENT_STREAMS,
-    SETTINGS_MAX_FRAME_SIZE,
-    SETTINGS_MAX_HEADER_LIST_SIZE,
     STREAM_CLOSED,
     U32,
     WINDOW_UPDATE,
@@ -68,14 +78,12 @@ from kvswitch.protocol.http2 import (
 )
 
 __all__ = [
-    "MAX_CONCURRENT_STREAMS", "MAX_IDLE_FRAMES", "ConnectionEnded", "Event", "H2ConnectionError",
+    "INTERNAL", "MAX_CONCURRENT_STREAMS", "MAX_IDLE_FRAMES", "NOT_FOUND", "OK",
+    "RESOURCE_EXHAUSTED", "UNIMPLEMENTED", "ConnectionEnded", "Event",
     "H2GrpcConnection", "InputEnded", "MessageReceived", "StreamOpened", "StreamReset",
 ]
 
 logger = logging.getLogger(__name__)
-
-# gRPC status codes used here.
-OK, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 5, 8, 12, 13
 
 MAX_HEADER_LIST = 1 << 20
 """A header block's bytes (HEADERS + CONTINUATION) and its decoded header list, advertised as
@@ -93,90 +101,21 @@ _DATA_MESSAGE = struct.Struct(">HBBBIBI")
 
 # ":status: 200" is static-table entry 8 (indexed: one byte).
 _RESPONSE_HEADERS = b"\x88" + hpack_literal("content-type", "application/grpc")
-_OK_TRAILERS = hpack_literal("grpc-status", "0")
 _DRAIN_PING = b"kvsdrain"  # the opaque data of the PING that follows a draining GOAWAY
 
 
-def _trailers(status: int, message: str) -> bytes:
-    if status == OK and not message:
-        return _OK_TRAILERS
-    block = hpack_literal("grpc-status", str(status))
-    if message:  # percent-encoded as gRPC requires (printable ASCII except '%' stays)
-        block += hpack_literal("grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"))
-    return block
-
-
-# -- events ----------------------------------------------------------------------------------
-# Made per frame and read once by the driver: not frozen, since a frozen dataclass pays an
-# object.__setattr__ call per field in __init__.
-
-
-@dataclass(slots=True)
-class StreamOpened:
-    """A request's headers arrived on a new stream."""
-
-    stream_id: int
-    path: str
-    """`:path`, e.g. /envoy.service.ext_proc.v3.ExternalProcessor/Process."""
-    headers: dict[str, str]
-    """Every header field, pseudo-headers included, lowercase names."""
-
-
-@dataclass(slots=True)
-class MessageReceived:
-    """One whole gRPC message (without its 5-byte prefix) on an open stream."""
-
-    stream_id: int
-    message: bytes
-
-
-@dataclass(slots=True)
-class InputEnded:
-    """The client half-closed the stream: no more messages will come on it."""
-
-    stream_id: int
-
-
-@dataclass(slots=True)
-class StreamReset:
-    """The stream ended abnormally (RST_STREAM from the peer, or a stream error here)."""
-
-    stream_id: int
-    error_code: int
-
-
-@dataclass(slots=True)
-class ConnectionEnded:
-    """A connection error: GOAWAY sent, every open stream is gone, nothing more is read."""
-
-    error_code: int
-    reason: str
-
-
-Event: TypeAlias = StreamOpened | MessageReceived | InputEnded | StreamReset | ConnectionEnded
 _NO_EVENTS: list[Event] = []  # never appended to: frames are handled only inside `receive()`
 
 
-H2ConnectionError = H2ProtocolError
-
-
-class _Stream:
-    __slots__ = ("have", "headers_sent", "id", "local_done", "need", "partial", "pending",
-                 "recv_unacked", "recv_window", "remote_done", "send_window")
+class _Stream(StreamFlow):
+    __slots__ = ("decoder", "headers_sent", "local_done", "remote_done")
 
     def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
-        self.id = stream_id
-        # A partial gRPC message as received (joined once whole: big messages arrive in many
-        # frames), its size so far and the size that completes it (or its 5-byte prefix).
-        self.partial: list[bytes] = []
-        self.have = self.need = 0
+        super().__init__(stream_id, send_window, recv_window, recv_window // 2)
+        self.decoder: FrameDecoder | None = None  # made once a message spans frames
         self.headers_sent = False
         self.remote_done = False  # the client sent END_STREAM
         self.local_done = False  # trailers queued or sent
-        self.pending: deque[bytes | tuple[bytes]] = deque()  # DATA waiting for window; (trailers,)
-        self.send_window = send_window
-        self.recv_window = recv_window
-        self.recv_unacked = 0
 
 
 def check_stream_limit(limit: int) -> None:
@@ -214,10 +153,9 @@ class H2GrpcConnection:
     def initiate(self) -> None:
         """Queue our SETTINGS (no push, the stream limit, big stream window and frames) and open
         the connection window."""
-        self._out.append(self._connection.initiate({
-            SETTINGS_ENABLE_PUSH: 0, SETTINGS_MAX_CONCURRENT_STREAMS: self.max_concurrent_streams,
-            SETTINGS_INITIAL_WINDOW_SIZE: self.stream_window, SETTINGS_MAX_FRAME_SIZE: MAX_FRAME,
-            SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST}))
+        self._out.append(self._connection.initiate(
+            initial_window=self.stream_window, max_header_list=MAX_HEADER_LIST,
+            max_concurrent_streams=self.max_concurrent_streams))
 
     def data_to_send(self) -> bytes:
         out, self._out = self._out, []
@@ -233,7 +171,7 @@ class H2GrpcConnection:
         self._events = events
         try:
             self._reader.feed(data)
-        except H2ConnectionError as exc:
+        except H2ProtocolError as exc:
             self._fail(exc.code, exc.reason, events)
         except Exception as exc:  # a parsing bug must cost this connection, not the server
             logger.exception("HTTP/2 connection failed")
@@ -256,7 +194,7 @@ class H2GrpcConnection:
         events = self._events
         if kind == HEADERS:
             if not stream_id & 1:
-                raise H2ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+                raise H2ProtocolError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
             self._header_block_done(stream_id, flags, payload, events)
         elif kind == WINDOW_UPDATE:
             self._on_window_update(stream_id, payload, events)
@@ -277,7 +215,7 @@ class H2GrpcConnection:
 
     def _check_not_idle(self, stream_id: int, what: str) -> None:
         if not stream_id or stream_id > self.highest_stream_id:
-            raise H2ConnectionError(PROTOCOL_ERROR, f"{what} on idle stream {stream_id}")
+            raise H2ProtocolError(PROTOCOL_ERROR, f"{what} on idle stream {stream_id}")
 
     def _on_settings(self, flags: int, payload: bytes) -> None:
         if flags & ACK:
@@ -299,10 +237,9 @@ class H2GrpcConnection:
         stream = self.streams.get(stream_id)
         if stream is None:
             return
-        stream.send_window += increment
-        if not increment or stream.send_window > MAX_WINDOW:
-            self._stream_error(stream, PROTOCOL_ERROR if not increment else FLOW_CONTROL_ERROR,
-                               events)
+        error = stream.window_update(increment)
+        if error:
+            self._stream_error(stream, error, events)
         elif stream.pending:
             self._flush(stream)
 
@@ -316,13 +253,13 @@ class H2GrpcConnection:
         if stream.remote_done:
             self._stream_error(stream, STREAM_CLOSED, events)
             return
-        stream.recv_window -= length
-        if stream.recv_window < 0:
+        if not stream.received(length):
             self._stream_error(stream, FLOW_CONTROL_ERROR, events)
             return
         if payload:
             size = len(payload)
-            if (not stream.partial and size >= 5 and not payload[0]
+            decoder = stream.decoder
+            if ((decoder is None or not decoder.pending) and size >= 5 and not payload[0]
                     and U32.unpack_from(payload, 1)[0] == size - 5
                     and size - 5 <= self.max_message_bytes):
                 # The usual frame: exactly one whole uncompressed message.
@@ -334,47 +271,30 @@ class H2GrpcConnection:
         if flags & END_STREAM:
             self._remote_ended(stream, events)
             return
-        stream.recv_unacked += length
-        if stream.recv_unacked >= self.stream_window // 2:
-            self._out.append(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(stream.recv_unacked)))
-            stream.recv_window += stream.recv_unacked
-            stream.recv_unacked = 0
+        update = stream.consumed(length)
+        if update:
+            self._out.append(update)
 
     def _messages(self, stream: _Stream, data: bytes, events: list[Event]) -> None:
-        if stream.partial:
-            stream.partial.append(data)
-            stream.have += len(data)
-            if stream.have < stream.need:
-                return
-            buffer = b"".join(stream.partial)
-            stream.partial, stream.have = [], 0
+        decoder = stream.decoder
+        if decoder is None:
+            decoder = stream.decoder = FrameDecoder(max_message_bytes=self.max_message_bytes)
+        messages: list[bytes] = []
+        try:
+            decoder.feed_into(data, messages)
+        except PayloadTooLarge as exc:
+            error: tuple[int, str] | None = (RESOURCE_EXHAUSTED, exc.message)
+        except Exception as exc:  # noqa: BLE001 - InvalidRequest: a bad flag, no encoding
+            error = (INTERNAL, str(exc))
         else:
-            buffer = data
-        offset, size = 0, len(buffer)
-        while size - offset >= 5:
-            length = U32.unpack_from(buffer, offset + 1)[0]
-            if buffer[offset]:
-                self._refuse(stream, INTERNAL, "compressed message without negotiated encoding",
-                             events)
-                return
-            if length > self.max_message_bytes:
-                self._refuse(stream, RESOURCE_EXHAUSTED,
-                             f"message of {length} bytes over the {self.max_message_bytes} limit",
-                             events)
-                return
-            end = offset + 5 + length
-            if end > size:
-                break
-            events.append(MessageReceived(stream.id, buffer[offset + 5:end]))
-            offset = end
-        if offset < size:
-            rest = buffer[offset:]
-            stream.partial, stream.have = [rest], len(rest)
-            stream.need = 5 + U32.unpack_from(rest, 1)[0] if len(rest) >= 5 else 5
+            error = None
+        events.extend([MessageReceived(stream.id, message) for message in messages])
+        if error is not None:
+            self._refuse(stream, *error, events)
 
     def _remote_ended(self, stream: _Stream, events: list[Event]) -> None:
         stream.remote_done = True
-        if stream.partial:
+        if stream.decoder is not None and stream.decoder.pending:
             self._refuse(stream, INTERNAL, "stream ended inside a message", events)
         elif stream.local_done and not stream.pending:
             del self.streams[stream.id]
@@ -443,7 +363,7 @@ class H2GrpcConnection:
             self._out.append(_DATA_MESSAGE.pack(size >> 8, size & 0xFF, DATA, 0, stream_id, 0,
                                                 size - 5) + message)
         else:
-            stream.pending.append(b"\x00" + U32.pack(size - 5) + message)
+            stream.pending.append(encode(message))
             self._flush(stream)
         return True
 
@@ -453,7 +373,7 @@ class H2GrpcConnection:
         if stream is None or stream.local_done:
             return
         stream.local_done = True
-        block = _trailers(status, message)
+        block = trailers_block(status, message)
         if not stream.headers_sent:
             stream.headers_sent = True
             block = _RESPONSE_HEADERS + block
@@ -472,28 +392,14 @@ class H2GrpcConnection:
             self.reset(stream.id, NO_ERROR)
 
     def _flush(self, stream: _Stream) -> None:
-        pending, connection = stream.pending, self._connection
-        while pending:
-            item = pending[0]
-            if type(item) is tuple:
-                pending.popleft()
-                self._blocked.pop(stream.id, None)
-                self._send_trailers(stream, item[0])
-                return
-            assert isinstance(item, bytes)
-            size = min(len(item), stream.send_window, connection.send_window,
-                       connection.peer_max_frame)
-            if size <= 0:
-                self._blocked[stream.id] = stream
-                return
-            stream.send_window -= size
-            connection.send_window -= size
-            self._out.append(frame(DATA, 0, stream.id, item[:size]))
-            if size == len(item):
-                pending.popleft()
-            else:
-                pending[0] = item[size:]
-        self._blocked.pop(stream.id, None)
+        trailers = stream.write_pending(self._connection, self._out)
+        if trailers is not None:
+            self._blocked.pop(stream.id, None)
+            self._send_trailers(stream, trailers)
+        elif stream.pending:
+            self._blocked[stream.id] = stream
+        else:
+            self._blocked.pop(stream.id, None)
 
     def _flush_blocked(self) -> None:
         for stream in list(self._blocked.values()):

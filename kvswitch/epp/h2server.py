@@ -209,10 +209,13 @@ class H2GrpcServer:
     def __init__(self, handlers: Mapping[str, HandlerFactory], *, host: str = "127.0.0.1",
                  port: int = 0, max_message_bytes: int = 4 << 20,
                  max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
-                 ssl: ssl_module.SSLContext | None = None) -> None:
+                 ssl: ssl_module.SSLContext | None = None,
+                 ssl_handshake_timeout: float | None = None) -> None:
         check_stream_limit(max_concurrent_streams)  # here, not at the first connection
         self.ssl = ssl
         """TLS (ALPN h2) instead of h2c when set."""
+        self.ssl_handshake_timeout = ssl_handshake_timeout
+        """TLS: seconds a client gets to finish its handshake (None: asyncio's 60)."""
         self.handlers = dict(handlers)
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
@@ -226,8 +229,9 @@ class H2GrpcServer:
     async def start(self) -> int:
         """Bind and listen; returns the bound port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Protocol(self), self.host, self.port,
-                                                ssl=self.ssl)
+        self._server = await loop.create_server(
+            lambda: _Protocol(self), self.host, self.port, ssl=self.ssl,
+            ssl_handshake_timeout=self.ssl_handshake_timeout if self.ssl is not None else None)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 

@@ -52,7 +52,12 @@ from kvswitch.epp.serving import (
     READINESS,
     SERVING,
 )
-from kvswitch.tls import TlsFiles, grpc_server_credentials, server_ssl_context
+from kvswitch.tls import (
+    TlsFiles,
+    grpc_server_credentials,
+    grpc_server_options,
+    server_ssl_context,
+)
 
 __all__ = ["EXT_PROC_SERVICE", "HEALTH_SERVICES", "PROCESS_PATH", "TRANSPORTS", "EppServer"]
 
@@ -100,9 +105,11 @@ class EppServer:
             if sink is not None:
                 handlers[access_log.SERVICE_PATH] = lambda call: self._access_log(sink, call)
             self._h2 = H2GrpcServer(handlers, host=host, port=port, max_message_bytes=limit,
-                                    ssl=server_ssl_context(tls) if tls is not None else None)
+                                    ssl=server_ssl_context(tls) if tls is not None else None,
+                                    ssl_handshake_timeout=tls.handshake_timeout if tls else None)
         else:
-            self._grpc, self._grpc_health = grpcio_server(picker, limit), health_aio.HealthServicer()
+            self._grpc = grpcio_server(picker, limit, grpc_server_options(tls))
+            self._grpc_health = health_aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._grpc_health, self._grpc)
             if sink is not None:
                 AccessLogServicer(sink).add_to_server(self._grpc)

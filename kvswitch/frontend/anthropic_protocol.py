@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from kvswitch.errors import InvalidRequest
-from kvswitch.frontend.protocol import (
+from kvswitch.frontend.openai_models import (
     ChatCompletionRequest,
     RequestBody,
     StrictModel,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvswitch.errors import InvalidRequest
+from kvswitch.frontend.openai_models import ChatCompletionRequest
 from kvswitch.frontend.parsing import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -23,7 +24,6 @@ from kvswitch.frontend.parsing import (
     forced_tool_schema,
 )
 from kvswitch.frontend.parsing.base import ToolCallParser
-from kvswitch.frontend.protocol import ChatCompletionRequest
 
 __all__ = ["AUTO", "OFF", "ChatOutputPlan", "ParserSettings", "plan_chat_output"]
 

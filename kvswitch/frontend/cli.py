@@ -1,4 +1,5 @@
-"""`kvswitch frontend`: serve the OpenAI API over HTTP and call a vLLM gRPC target.
+"""`kvswitch frontend`: serve the OpenAI API over HTTP (HTTPS with `--tls-cert`) and call a vLLM
+gRPC target (over TLS with `--target-tls-ca`).
 
 Our own HTTP/1.1 server (`http_server`, httptools) on uvloop. `--workers N` starts N processes that each bind the same
 port with SO_REUSEPORT (the kernel spreads connections across them); each builds its own
@@ -18,7 +19,13 @@ from types import FrameType
 from kvswitch.frontend.app import DEFAULT_MAX_BODY_BYTES, FrontendSettings
 from kvswitch.frontend.parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
 from kvswitch.limits import HttpLimits, add_http_flags, http_from_args
-from kvswitch.tls import add_upstream_tls_flags, upstream_tls_from_args
+from kvswitch.tls import (
+    add_tls_flags,
+    add_upstream_tls_flags,
+    server_ssl_context,
+    tls_from_args,
+    upstream_tls_from_args,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -52,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reasoning format of the model's output: " +
                         ", ".join(sorted(REASONING_PARSERS)) + "; auto (from the chat "
                         "template) or none")
+    add_tls_flags(parser)
     add_upstream_tls_flags(parser, "target", "target")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
@@ -97,7 +105,10 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> None:
     from kvswitch.frontend.http_server import Server
 
     app = Frontend(_settings(args))
-    server = Server(app, http_from_args(args))
+    tls = tls_from_args(args)
+    server = Server(app, http_from_args(args),
+                    ssl=server_ssl_context(tls, alpn="http/1.1") if tls is not None else None,
+                    ssl_handshake_timeout=tls.handshake_timeout if tls is not None else None)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.stop)

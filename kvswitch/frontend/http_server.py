@@ -22,6 +22,8 @@ answer straight to its transport.
   call behind it, so the engine frees the request) — no watcher task per request.
 - `Server.serve(sock)` runs until `stop()`; idle connections close at once and busy ones after
   their current response (or when the grace period ends).
+- TLS (`ssl` set): a client must finish its handshake within `ssl_handshake_timeout` seconds
+  of connecting; the head deadline starts with the first byte after it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import asyncio
 import collections
 import logging
 import socket
+import ssl as ssl_module
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -352,6 +355,10 @@ class Server:
     limits: HttpLimits = HTTP_DEFAULTS
     grace_period: float = 10.0
     """How long `stop()` waits for requests in flight before aborting their connections."""
+    ssl: ssl_module.SSLContext | None = None
+    """Serve HTTPS with this context instead of plain HTTP."""
+    ssl_handshake_timeout: float | None = None
+    """With `ssl`: seconds a client gets to finish its handshake (None: asyncio's 60)."""
     connections: set[_Connection] = field(default_factory=set)
     stopping: bool = False
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -363,7 +370,9 @@ class Server:
     async def serve(self, sock: socket.socket, *, on_started: Callable[[], Awaitable[None]]
                     | None = None) -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=2048)
+        server = await loop.create_server(
+            lambda: _Connection(self), sock=sock, backlog=2048, ssl=self.ssl,
+            ssl_handshake_timeout=self.ssl_handshake_timeout if self.ssl is not None else None)
         if on_started is not None:
             await on_started()
         sweeper = loop.create_task(self._sweep())

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from kvswitch.errors import InvalidRequest
-from kvswitch.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from kvswitch.frontend.openai_models import ChatCompletionRequest, CompletionRequest
 from kvswitch.protocol import vllm_engine_pb2 as pb
 
 __all__ = ["build_sampling_params", "check_token_ids", "max_tokens_for", "structured_constraint"]

@@ -22,10 +22,11 @@ from kvswitch.errors import InvalidRequest
 from kvswitch.frontend.chat_output import ChatOutputPlan, ParserSettings, plan_chat_output
 from kvswitch.frontend.context import RequestContext, new_request_context
 from kvswitch.frontend.engine_client import EngineClient
-from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
+from kvswitch.frontend.generation import ChoiceDelta, Generation, prime
+from kvswitch.frontend.logprobs import chat_logprobs
 from kvswitch.frontend.metrics import FrontendMetrics
+from kvswitch.frontend.openai_models import ChatCompletionRequest, ChatMessage, Tool, parse_request
 from kvswitch.frontend.parsing import ChoiceOutput, ParsedDelta
-from kvswitch.frontend.protocol import ChatCompletionRequest, ChatMessage, Tool, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, max_tokens_for
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
 from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
@@ -33,31 +34,7 @@ from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.chat_template import ChatTemplate
 from kvswitch.tokenization.offload import encode_off_loop
 
-__all__ = ["ChatRun", "ChatServing", "chat_logprobs", "render_chat_prompt", "token_bytes"]
-
-
-def token_bytes(model: ServedModel, token_id: int) -> bytes:
-    table = model.decode_table
-    if table is not None and token_id < len(table.with_special):
-        return table.with_special[token_id]
-    return model.tokenizer.decode([token_id]).encode("utf-8")
-
-
-def _token_entry(model: ServedModel, token_id: int, logprob: float) -> dict[str, Any]:
-    raw = token_bytes(model, token_id)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
-            "bytes": list(raw)}
-
-
-def chat_logprobs(model: ServedModel, lp: TokenLogprobs) -> dict[str, Any]:
-    """OpenAI's `choices[].logprobs` for chat: `{"content": [...]}`."""
-    content = []
-    for i, (token_id, logprob) in enumerate(zip(lp.token_ids, lp.logprobs)):
-        entry = _token_entry(model, token_id, logprob)
-        top = lp.top[i] if i < len(lp.top) else []
-        entry["top_logprobs"] = [_token_entry(model, t, v) for t, v in top]
-        content.append(entry)
-    return {"content": content}
+__all__ = ["ChatRun", "ChatServing", "render_chat_prompt"]
 
 
 def render_chat_prompt(model: ServedModel, messages: Sequence[ChatMessage], *,
@@ -166,7 +143,7 @@ class ChatServing:
         choices = []
         for index in range(request.n):
             final = finals.get(index)
-            reason = final.finish_reason if final else "abort"
+            reason = final.finish_reason if final and final.finish_reason else "abort"
             text = "".join(texts[index])
             message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None,
                                        "tool_calls": []}

@@ -13,33 +13,18 @@ import orjson
 
 from kvswitch.frontend.context import RequestContext, new_request_context
 from kvswitch.frontend.engine_client import EngineClient
-from kvswitch.frontend.generation import ChoiceDelta, Generation, TokenLogprobs, prime
+from kvswitch.frontend.generation import ChoiceDelta, Generation, prime
+from kvswitch.frontend.logprobs import completion_logprobs
 from kvswitch.frontend.metrics import FrontendMetrics
-from kvswitch.frontend.protocol import CompletionRequest, parse_request
+from kvswitch.frontend.openai_models import CompletionRequest, parse_request
 from kvswitch.frontend.sampling import build_sampling_params, check_token_ids, max_tokens_for
-from kvswitch.frontend.serving_chat import token_bytes
 from kvswitch.frontend.serving_models import ModelRegistry, ServedModel
 from kvswitch.frontend.sse import CHUNK_END, choice_events, chunk_start
 from kvswitch.limits import SAMPLING_DEFAULTS, SamplingCounts, check_sampling
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization.offload import encode_off_loop
 
-__all__ = ["CompletionServing", "completion_logprobs"]
-
-
-def completion_logprobs(model: ServedModel, lp: TokenLogprobs, offset: int) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs; `offset` is where this delta's text starts."""
-    tokens, offsets, tops = [], [], []
-    for i, token_id in enumerate(lp.token_ids):
-        token = token_bytes(model, token_id).decode("utf-8", errors="replace")
-        tokens.append(token)
-        offsets.append(offset)
-        offset += len(token)
-        top = lp.top[i] if i < len(lp.top) else []
-        tops.append({token_bytes(model, t).decode("utf-8", errors="replace"): v
-                     for t, v in top} or None)
-    return {"text_offset": offsets, "token_logprobs": list(lp.logprobs), "tokens": tokens,
-            "top_logprobs": tops}
+__all__ = ["CompletionServing"]
 
 
 class CompletionServing:

@@ -11,7 +11,7 @@ from typing import Any
 from kvswitch.errors import InvalidRequest
 from kvswitch.frontend.context import new_request_context
 from kvswitch.frontend.engine_client import EngineClient
-from kvswitch.frontend.protocol import EmbeddingRequest, parse_request
+from kvswitch.frontend.openai_models import EmbeddingRequest, parse_request
 from kvswitch.frontend.sampling import check_token_ids
 from kvswitch.frontend.serving_models import ModelRegistry
 from kvswitch.limits import SAMPLING_DEFAULTS, SamplingCounts, check_sampling

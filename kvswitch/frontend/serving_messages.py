@@ -22,8 +22,8 @@ from kvswitch.errors import InternalError, KvswitchError
 from kvswitch.frontend.anthropic_protocol import MessagesRequest, to_chat_request
 from kvswitch.frontend.generation import ChoiceDelta, prime
 from kvswitch.frontend.http_server import Reply, StreamReply
+from kvswitch.frontend.openai_models import parse_request
 from kvswitch.frontend.parsing import ParsedDelta
-from kvswitch.frontend.protocol import parse_request
 from kvswitch.frontend.serving_chat import ChatRun, ChatServing, finish_reason_of
 from kvswitch.frontend.serving_models import ModelRegistry
 

@@ -14,8 +14,9 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from kvswitch.errors import InvalidRequest
-from kvswitch.frontend.protocol import ChatMessage, RequestBody, Tool, parse_request
-from kvswitch.frontend.serving_chat import render_chat_prompt, token_bytes
+from kvswitch.frontend.logprobs import token_text
+from kvswitch.frontend.openai_models import ChatMessage, RequestBody, Tool, parse_request
+from kvswitch.frontend.serving_chat import render_chat_prompt
 from kvswitch.frontend.serving_models import ModelRegistry
 from kvswitch.tokenization.offload import encode_off_loop
 
@@ -63,7 +64,7 @@ class TokenizeServing:
             text = request.prompt
             special = request.add_special_tokens is not False
         ids = await encode_off_loop(model.tokenizer, text, add_special_tokens=special)
-        strs = ([token_bytes(model, i).decode("utf-8", errors="replace") for i in ids]
+        strs = ([token_text(model, i) for i in ids]
                 if request.return_token_strs else None)
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
                 "token_strs": strs}

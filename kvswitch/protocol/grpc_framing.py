@@ -1,35 +1,47 @@
-"""gRPC length-prefixed messages, sans-IO: encode, and decode incrementally.
+"""gRPC length-prefixed messages and call status, sans-IO; one implementation for every transport.
 
 A gRPC message on the wire is a 5-byte prefix -- one flag byte (0 plain, 1 compressed with the
-call's `grpc-encoding`) and a big-endian uint32 length -- followed by that many bytes. The
-decoder never touches a socket: feed it bytes, get complete (decompressed) messages back.
+call's `grpc-encoding`) and a big-endian uint32 length -- followed by that many bytes.
+`FrameDecoder` cuts messages out of a stream's bytes as they arrive (a prefix is checked as soon
+as it is whole, before the message's bytes are kept), `decode_all` out of a whole body.
 
 Errors are kvswitch errors so callers can render them: a message over the size limit (before or
-after decompression) is `PayloadTooLarge`; a bad flag byte, an unknown encoding, corrupt
-compressed data or a body that ends mid-message is `InvalidRequest`.
+after decompression) is `PayloadTooLarge`; a bad flag byte, a compressed message without an
+encoding, an unknown encoding, corrupt compressed data or a body that ends mid-message is
+`InvalidRequest`. A call's status travels in trailers: `trailers_block()` writes them (HPACK
+literals, `grpc-message` percent-encoded), `call_status()` reads them (or, without
+`grpc-status`, maps the HTTP `:status` as gRPC's doc/http-grpc-status-mapping.md says).
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Mapping
+from urllib.parse import quote, unquote
 
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
+from kvswitch.protocol.http2 import hpack_literal
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "PREFIX_SIZE",
     "SUPPORTED_ENCODINGS",
     "FrameDecoder",
+    "call_status",
     "decode_all",
     "encode",
     "single_message",
+    "trailers_block",
 ]
 
 PREFIX_SIZE = 5
 # gRPC's default max receive message size.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 SUPPORTED_ENCODINGS = ("identity", "gzip", "deflate")
+# gRPC status codes kvswitch's transports produce.
+OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, NOT_FOUND = 0, 1, 2, 4, 5
+RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
 
 _PREFIX = struct.Struct(">BI")
 
@@ -76,30 +88,53 @@ def _check_encoding(encoding: str | None) -> str | None:
 
 
 class FrameDecoder:
-    """Incremental decoder: `feed(bytes) -> [message, ...]`, then `close()` at end of stream."""
+    """Incremental decoder: `feed(bytes) -> [message, ...]`, then `close()` at end of stream.
+    A partial message is kept as the pieces received and joined once whole (a big message
+    arrives in many frames)."""
+
+    __slots__ = ("_encoding", "_have", "_max", "_need", "_partial")
 
     def __init__(
         self, *, encoding: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ) -> None:
         self._encoding = _check_encoding(encoding)
         self._max = max_message_bytes
-        self._buffer = bytearray()
+        self._partial: list[bytes] = []
+        self._have = 0  # bytes in `_partial`
+        self._need = 0  # bytes that complete the message (or its prefix)
 
     @property
     def pending(self) -> int:
         """Bytes held that do not yet make a complete message."""
-        return len(self._buffer)
+        return self._have
 
     def feed(self, data: bytes) -> list[bytes]:
-        self._buffer += data
-        messages, consumed = _decode(bytes(self._buffer), self._encoding, self._max)
-        del self._buffer[:consumed]
+        messages: list[bytes] = []
+        self.feed_into(data, messages)
         return messages
+
+    def feed_into(self, data: bytes, messages: list[bytes]) -> None:
+        """`feed()` appending to `messages`; those before a bad one are there when it raises."""
+        if self._partial:
+            self._partial.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            buffer = b"".join(self._partial)
+            self._partial, self._have = [], 0
+        else:
+            buffer = data
+        offset = _decode(buffer, self._encoding, self._max, messages)
+        rest = len(buffer) - offset
+        if rest:
+            self._partial, self._have = [buffer[offset:]], rest
+            self._need = (PREFIX_SIZE + _PREFIX.unpack_from(buffer, offset)[1]
+                          if rest >= PREFIX_SIZE else PREFIX_SIZE)
 
     def close(self) -> None:
         """The stream ended: anything still buffered is a truncated message."""
-        if self._buffer:
-            raise _truncated(len(self._buffer))
+        if self._have:
+            raise _truncated(self._have)
 
 
 def decode_all(
@@ -108,8 +143,9 @@ def decode_all(
 ) -> list[bytes]:
     """Decode a complete body (every message in it); a trailing partial message is an error,
     and so is a body of more than `max_messages` messages (found without decoding the rest)."""
-    messages, consumed = _decode(data, _check_encoding(encoding), max_message_bytes,
-                                 max_messages)
+    messages: list[bytes] = []
+    consumed = _decode(data, _check_encoding(encoding), max_message_bytes, messages,
+                       max_messages)
     if consumed != len(data):
         raise _truncated(len(data) - consumed)
     return messages
@@ -131,28 +167,77 @@ def _truncated(leftover: int) -> InvalidRequest:
     return InvalidRequest(f"truncated gRPC message: body ends {leftover} bytes into a frame")
 
 
-def _decode(data: bytes, encoding: str | None, max_message_bytes: int,
-            max_messages: int | None = None) -> tuple[list[bytes], int]:
-    """Complete messages at the start of `data` and how many bytes they used."""
-    messages: list[bytes] = []
+def _decode(data: bytes, encoding: str | None, max_message_bytes: int, messages: list[bytes],
+            max_messages: int | None = None) -> int:
+    """Append the complete messages at the start of `data` to `messages`; returns how many bytes
+    they used. The prefix of the next, incomplete message is checked too."""
     offset = 0
     end = len(data)
-    while end - offset >= PREFIX_SIZE:
-        if max_messages is not None and len(messages) == max_messages:
+    unpack, append = _PREFIX.unpack_from, messages.append
+    left = -1 if max_messages is None else max_messages  # messages still allowed (-1: any)
+    while end - offset >= 5:
+        if not left:
             raise InvalidRequest(f"the body holds more than {max_messages} gRPC message(s)")
-        flag, length = _PREFIX.unpack_from(data, offset)
-        if flag > 1:
-            raise InvalidRequest(f"bad gRPC frame flag {flag:#04x} (expected 0 or 1)")
+        left -= 1
+        flag, length = unpack(data, offset)
+        if flag:
+            if flag > 1:
+                raise InvalidRequest(f"bad gRPC frame flag {flag:#04x} (expected 0 or 1)")
+            if encoding is None:
+                raise _compress_flag_error(encoding)
         if length > max_message_bytes:
             raise PayloadTooLarge(
                 f"gRPC message of {length} bytes exceeds the {max_message_bytes}-byte limit"
             )
-        start = offset + PREFIX_SIZE
+        start = offset + 5
         if end - start < length:
             break
-        payload = data[start : start + length]
-        if flag:
-            payload = _decompress(payload, encoding, max_message_bytes)
-        messages.append(payload)
         offset = start + length
-    return messages, offset
+        if flag:
+            append(_decompress(data[start:offset], encoding, max_message_bytes))
+        else:
+            append(data[start:offset])
+    return offset
+
+
+_MESSAGE_SAFE = " !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"  # printable ASCII but '%' stays as is
+_OK_TRAILERS = hpack_literal("grpc-status", "0")
+
+
+def trailers_block(status: int, message: str = "") -> bytes:
+    """A call's trailers as an HPACK block (literals): `grpc-status`, and `grpc-message`
+    percent-encoded as gRPC requires when there is one."""
+    if status == OK and not message:
+        return _OK_TRAILERS
+    block = hpack_literal("grpc-status", str(status))
+    if message:
+        block += hpack_literal("grpc-message", quote(message, safe=_MESSAGE_SAFE))
+    return block
+
+
+_HTTP_TO_GRPC = {"400": INTERNAL, "401": 16, "403": 7, "404": UNIMPLEMENTED, "429": UNAVAILABLE,
+                 "502": UNAVAILABLE, "503": UNAVAILABLE, "504": UNAVAILABLE}
+
+
+def http_status_code(status: str) -> int:
+    """The gRPC status of a response with HTTP `status` other than 200 and no `grpc-status`."""
+    return _HTTP_TO_GRPC.get(status, UNKNOWN)
+
+
+def call_status(fields: Mapping[str, str]) -> tuple[int, str]:
+    """(gRPC status, details) from a call's trailers (or trailers-only response); a missing or
+    non-numeric `grpc-status` is an error of its own."""
+    code = fields.get("grpc-status")
+    if code is None:
+        status = fields.get(":status", "200")
+        if status != "200":
+            return http_status_code(status), f"missing grpc-status (HTTP status {status})"
+        return INTERNAL, "missing grpc-status"
+    if code == "0":
+        return OK, ""
+    details = fields.get("grpc-message", "")
+    if "%" in details:
+        details = unquote(details)
+    if not code.isdigit():
+        return UNKNOWN, f"grpc-status {code[:32]!r}: {details}"
+    return int(code), details

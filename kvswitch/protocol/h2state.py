@@ -1,13 +1,13 @@
 """The connection-level HTTP/2 state both of kvswitch's transports keep (RFC 9113 §6.5, §6.9);
 no I/O. Used by the EPP's server (`kvswitch.epp.h2connection`) and the gRPC client
-(`kvswitch.protocol.h2client`).
+(`kvswitch.protocol.h2client_core`).
 
 `ConnectionState` holds what the peer's SETTINGS said (initial stream window, frame size,
 stream limit) and the connection's flow-control windows both ways. Inbound, the window is
 opened to 2^31-1 at once and topped up once `refill_at` bytes were used; DATA beyond it is a
 FLOW_CONTROL_ERROR. Outbound, the window grows with the peer's WINDOW_UPDATEs (0 is a
 PROTOCOL_ERROR, past 2^31-1 a FLOW_CONTROL_ERROR). Methods return the frames to write; errors
-raise `H2ProtocolError`. Per-stream windows stay with each transport's streams.
+raise `H2ProtocolError`. Per-stream windows are `kvswitch.protocol.h2streams.StreamFlow`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ from kvswitch.protocol.http2 import (
     DEFAULT_MAX_FRAME,
     DEFAULT_WINDOW,
     FLOW_CONTROL_ERROR,
+    MAX_FRAME,
     MAX_WINDOW,
     PROTOCOL_ERROR,
     SETTINGS,
+    SETTINGS_ENABLE_PUSH,
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_CONCURRENT_STREAMS,
     SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
     U32,
     WINDOW_UPDATE,
     H2ProtocolError,
@@ -52,9 +55,18 @@ class ConnectionState:
         self.recv_window = DEFAULT_WINDOW
         self.recv_unacked = 0
 
-    def initiate(self, settings: dict[int, int]) -> bytes:
-        """Our SETTINGS, and the connection window opened to 2^31-1."""
+    def initiate(self, *, initial_window: int, max_header_list: int,
+                 max_concurrent_streams: int | None = None) -> bytes:
+        """Our SETTINGS (push disabled, frames up to `MAX_FRAME`, the stream window, the header
+        list cap and, from a server, the stream limit), and the connection window opened to
+        2^31-1."""
         self.recv_window = MAX_WINDOW
+        settings = {SETTINGS_ENABLE_PUSH: 0}
+        if max_concurrent_streams is not None:
+            settings[SETTINGS_MAX_CONCURRENT_STREAMS] = max_concurrent_streams
+        settings[SETTINGS_INITIAL_WINDOW_SIZE] = initial_window
+        settings[SETTINGS_MAX_FRAME_SIZE] = MAX_FRAME
+        settings[SETTINGS_MAX_HEADER_LIST_SIZE] = max_header_list
         return (frame(SETTINGS, 0, 0, settings_payload(settings))
                 + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
 

@@ -1,7 +1,7 @@
 """The HTTP/2 frame layer shared by kvswitch's own gRPC transports (RFC 9113, RFC 7541); no I/O.
 
 Used by the EPP's ext_proc server (`kvswitch.epp.h2connection`) and the gRPC client
-(`kvswitch.protocol.h2client`). `FrameReader` cuts frames out of received bytes and enforces
+(`kvswitch.protocol.h2client_core`). `FrameReader` cuts frames out of received bytes and enforces
 RFC 9113's frame-level rules: SETTINGS first (on the server side after the client's preface);
 frame size against the advertised maximum; padding within its frame; the fixed lengths of PING,
 SETTINGS, WINDOW_UPDATE, RST_STREAM, PRIORITY and GOAWAY; the stream (zero or not) each type

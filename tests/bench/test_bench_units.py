@@ -178,10 +178,10 @@ def test_oracle_sees_prefill_end_in_kv_events_or_at_its_estimate_without_streami
     from kvswitch.bench.oracle import OracleRouter
     from kvswitch.bench.workloads import BenchRequest
     from kvswitch.engine.sim.profiles import get_profile
-    from kvswitch.epp.kvindex import BlocksStored, PrefixIndex, StoredBlock
+    from kvswitch.epp.kvindex import BlocksStored, KvBlockIndex, StoredBlock
 
     now = [0.0]
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     router = OracleRouter(["a", "b"], get_profile("qwen3-32b-2xh100"), index, clock=lambda: now[0])
     prompt = tuple(range(1, 65))  # 4 full blocks
 

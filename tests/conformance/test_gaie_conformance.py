@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvswitch.envoy import GatewayOptions, PoolTarget, build_bootstrap, read_pool, render
-from kvswitch.envoy.bootstrap import EPP_CLUSTER
+from kvswitch.envoy.clusters import EPP_CLUSTER
 from kvswitch.launcher import (
     engine_spec,
     envoy_spec,

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import io
 import shlex
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,13 @@ import pytest
 import yaml
 
 from kvswitch.cli import main as kvswitch_main
+from kvswitch.engine import cli as engine_cli
 from kvswitch.envoy.process import validate_config
 from kvswitch.epp import cli as epp_cli
 from kvswitch.epp.datalayer import kube_discovery
+from kvswitch.frontend import cli as frontend_cli
+from kvswitch.tls import TlsFiles, UpstreamTls, tls_from_args, upstream_tls_from_args
+from tests.support.certs import make_certs
 from tests.support.processes import REPO
 
 CHART = REPO / "deploy" / "helm" / "kvswitch"
@@ -54,7 +59,12 @@ MODES: dict[str, dict[str, Any]] = {
                            "httpRoute": {"create": True, "inferenceGatewayNamespace": "gw"},
                            "modelServers": {"enabled": True, "kind": "vllm"}},
     "gateway-existing-pool": {"mode": "gateway", "router": {"inferencePool": {"create": False}}},
+    "standalone-tls-frontend-simulated": {
+        "tls": {"secretName": "qwen3-tls", "handshakeTimeout": 5},
+        "router": {"frontend": {"enabled": True}}, "modelServers": {"enabled": True}},
 }
+# Where the chart mounts `tls.secretName`; the tests put certificates of their own there.
+TLS_DIR = "/etc/kvswitch-tls"
 
 
 def render(values: Mapping[str, Any], name: str = "qwen3",
@@ -151,7 +161,8 @@ def test_containers_run_kvswitch_commands_that_parse(mode: str, tmp_path: Path) 
                 out = tmp_path / "envoy.yaml"
                 config = tmp_path / "epp.yaml"
                 config.write_text("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n")
-                argv = [a for a in args if not a.startswith(("--output=", "--epp-config="))]
+                argv = [a.replace(TLS_DIR, str(_secret(tmp_path))) for a in args
+                        if not a.startswith(("--output=", "--epp-config="))]
                 with contextlib.redirect_stdout(io.StringIO()):
                     assert kvswitch_main([*argv, f"--epp-config={config}",
                                           f"--output={out}"]) == 0
@@ -159,6 +170,65 @@ def test_containers_run_kvswitch_commands_that_parse(mode: str, tmp_path: Path) 
                 assert checked.returncode == 0, checked.stdout + checked.stderr
             else:
                 assert args[0] in ("engine", "frontend"), args
+
+
+def _secret(directory: Path) -> Path:
+    """A TLS Secret's files as the chart mounts them (cert-manager's layout)."""
+    secret = directory / "secret"
+    if not secret.exists():
+        secret.mkdir()
+        certs = make_certs(directory)
+        for source, name in ((certs.ca, "ca.crt"), (certs.server_cert, "tls.crt"),
+                             (certs.server_key, "tls.key")):
+            shutil.copy(source, secret / name)
+    return secret
+
+
+def _parse(command: str, args: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module = {"epp": epp_cli, "engine": engine_cli, "frontend": frontend_cli}[command]
+    module.add_arguments(parser)
+    return parser.parse_args(args)
+
+
+def test_tls_values_mount_the_secret_and_pass_every_hop_its_flags() -> None:
+    docs = render(MODES["standalone-tls-frontend-simulated"])
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"]
+                   for d in by_kind(docs, "Deployment")}
+    epp, engines = deployments["qwen3-epp"], deployments["qwen3-engine"]
+    for pod in (epp, engines):
+        assert {"name": "tls", "secret": {"secretName": "qwen3-tls"}} in pod["volumes"]
+    containers = {c["name"]: c for c in [*epp["containers"], *engines["containers"]]}
+    for name in ("epp", "envoy", "frontend", "engine"):
+        assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in \
+            containers[name]["volumeMounts"], name
+    client = UpstreamTls(Path(f"{TLS_DIR}/ca.crt"), Path(f"{TLS_DIR}/tls.crt"),
+                         Path(f"{TLS_DIR}/tls.key"), "qwen3-pool.llm.svc")
+    server = TlsFiles(Path(f"{TLS_DIR}/tls.crt"), Path(f"{TLS_DIR}/tls.key"), None, 5.0)
+    # The EPP calls the engines, the frontend the listener, over mTLS; the engines serve it.
+    assert upstream_tls_from_args(_parse("epp", containers["epp"]["args"][1:]), "engine") == client
+    frontend = _parse("frontend", containers["frontend"]["args"][1:])
+    assert upstream_tls_from_args(frontend, "target") == client
+    engine = _parse("engine", containers["engine"]["args"][1:])
+    assert tls_from_args(engine) == TlsFiles(server.cert, server.key,
+                                             Path(f"{TLS_DIR}/ca.crt"), 5.0)
+    # Envoy: the listener serves TLS, and calls the engines over mTLS.
+    init = _parse_envoy_config(epp["initContainers"][0]["args"][1:])
+    assert tls_from_args(init) == server
+    assert upstream_tls_from_args(init, "engine") == client
+    # The kubelet's gRPC probe has no TLS: the TLS engine is probed on its HTTP /health.
+    assert containers["engine"]["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8001}
+    # Without a secret, nothing of it.
+    plain = render(MODES["standalone-frontend-simulated"])
+    assert TLS_DIR not in yaml.safe_dump(plain)
+
+
+def _parse_envoy_config(args: list[str]) -> argparse.Namespace:
+    from kvswitch.envoy.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(args)
 
 
 def test_standalone_is_one_deployment_and_service_wired_like_kvswitch_up() -> None:

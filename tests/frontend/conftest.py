@@ -22,15 +22,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A fast echo engine and a frontend in front of it (bodies over 200 kB get 413)."""
     logs: Path = tmp_path_factory.mktemp("frontend")
     engine_port, frontend_port = free_port(), free_port()
-    with running(engine_argv(engine_port, "--time-scale", "1000", "--max-num-seqs", "64",
-                              "--max-model-len", "4096", "--num-gpu-blocks", "2048"),
-                 engine_port, logs / "engine.log", timeout=60) as engine:
-        with running(frontend_argv(frontend_port, f"127.0.0.1:{engine_port}",
-                                    "--max-body-bytes", "200000", "--user-as-fairness-id"),
-                     frontend_port, logs / "frontend.log", timeout=60) as frontend:
-            stack = Stack(engine_port, frontend_port, engine, frontend)
-            wait_ready(stack.base_url)
-            yield stack
+    with (
+        running(engine_argv(engine_port, "--time-scale", "1000", "--max-num-seqs", "64",
+                            "--max-model-len", "4096", "--num-gpu-blocks", "2048"),
+                engine_port, logs / "engine.log", timeout=60) as engine,
+        running(frontend_argv(frontend_port, f"127.0.0.1:{engine_port}",
+                              "--max-body-bytes", "200000", "--user-as-fairness-id"),
+                frontend_port, logs / "frontend.log", timeout=60) as frontend,
+    ):
+        stack = Stack(engine_port, frontend_port, engine, frontend)
+        wait_ready(stack.base_url)
+        yield stack
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +58,12 @@ def echo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def slow_stack(tmp_path: Path) -> Iterator[Stack]:
     """An engine slowed to real time (a few ms per token) and a frontend: streams last."""
     engine_port, frontend_port = free_port(), free_port()
-    with running(engine_argv(engine_port, "--time-scale", "0.2"), engine_port,
-                 tmp_path / "engine.log", timeout=60) as engine:
-        with running(frontend_argv(frontend_port, f"127.0.0.1:{engine_port}"),
-                     frontend_port, tmp_path / "frontend.log", timeout=60) as frontend:
-            stack = Stack(engine_port, frontend_port, engine, frontend)
-            wait_ready(stack.base_url)
-            yield stack
+    with (
+        running(engine_argv(engine_port, "--time-scale", "0.2"), engine_port,
+                tmp_path / "engine.log", timeout=60) as engine,
+        running(frontend_argv(frontend_port, f"127.0.0.1:{engine_port}"),
+                frontend_port, tmp_path / "frontend.log", timeout=60) as frontend,
+    ):
+        stack = Stack(engine_port, frontend_port, engine, frontend)
+        wait_ready(stack.base_url)
+        yield stack

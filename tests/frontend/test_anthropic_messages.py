@@ -119,7 +119,7 @@ def test_errors_use_anthropics_body(echo_stack: Stack) -> None:
 
 def test_messages_translate_to_a_chat_request_the_real_template_renders() -> None:
     from kvswitch.frontend.anthropic_protocol import MessagesRequest, to_chat_request
-    from kvswitch.frontend.protocol import parse_request
+    from kvswitch.frontend.openai_models import parse_request
     from kvswitch.tokenization import load_tokenizer
     from kvswitch.tokenization.chat_template import ChatTemplate
     request = parse_request(MessagesRequest, {

@@ -43,14 +43,16 @@ def test_target_down_is_503(tmp_path: Path) -> None:
 
 def test_disconnected_stream_frees_the_engine(slow_stack: Stack) -> None:
     body = {"messages": MESSAGES, "max_tokens": 800, "stream": True}
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", slow_stack.base_url + "/v1/chat/completions",
-                           json=body) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            for _ in range(3):
-                next(lines)
-            assert _active_requests(slow_stack.engine_port) == 1
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", slow_stack.base_url + "/v1/chat/completions",
+                      json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert _active_requests(slow_stack.engine_port) == 1
         # Leaving the block closes the connection mid-stream.
     deadline = time.monotonic() + 5
     while _active_requests(slow_stack.engine_port) and time.monotonic() < deadline:
@@ -60,15 +62,17 @@ def test_disconnected_stream_frees_the_engine(slow_stack: Stack) -> None:
 
 def test_engine_dying_mid_stream_is_an_sse_error_event(slow_stack: Stack) -> None:
     body = {"messages": MESSAGES, "max_tokens": 800, "stream": True}
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", slow_stack.base_url + "/v1/chat/completions",
-                           json=body) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            first = next(l for l in lines if l.startswith("data: "))
-            assert "chat.completion.chunk" in first
-            slow_stack.engine.signal(signal.SIGKILL)
-            rest = [line[6:] for line in lines if line.startswith("data: ")]
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", slow_stack.base_url + "/v1/chat/completions",
+                      json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(l for l in lines if l.startswith("data: "))
+        assert "chat.completion.chunk" in first
+        slow_stack.engine.signal(signal.SIGKILL)
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
     assert rest[-1] == "[DONE]"
     error = orjson.loads(rest[-2])["error"]
     assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvswitch.frontend.chat_output import ParserSettings, plan_chat_output
+from kvswitch.frontend.openai_models import ChatCompletionRequest, parse_request
 from kvswitch.frontend.parsing import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -15,7 +16,6 @@ from kvswitch.frontend.parsing import (
     RequiredToolCallParser,
     default_parser_names,
 )
-from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
 from kvswitch.tokenization import load_tokenizer
 
 

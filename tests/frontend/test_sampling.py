@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvswitch.errors import InvalidRequest
-from kvswitch.frontend.protocol import (
+from kvswitch.frontend.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,

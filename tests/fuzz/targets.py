@@ -29,13 +29,13 @@ from kvswitch.epp.contracts import EndpointPicker, ParsedBody, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.framework import ConfigError
 from kvswitch.epp.kvindex.events import KvEventBatchView, batch_from_proto
-from kvswitch.epp.kvindex.index import PrefixIndex
+from kvswitch.epp.kvindex.index import KvBlockIndex
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.openai import OpenAIParser
 from kvswitch.epp.parsers.sglanggrpc import SglangGrpcParser
 from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
-from kvswitch.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvswitch.frontend.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
 from kvswitch.limits import SAMPLING_DEFAULTS, check_sampling
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2
 from kvswitch.protocol import vllm_engine_pb2 as pb
@@ -44,6 +44,7 @@ from kvswitch.protocol.sglang import SGLANG_EMBED_PATH, SGLANG_GENERATE_PATH
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as sglang_pb
 from tests.fuzz.base import Target, mutated
 from tests.fuzz.engine_targets import ENGINE_SGLANG, ENGINE_VLLM, messages
+from tests.fuzz.h2client_core_targets import H2_CLIENT_CORE
 from tests.fuzz.h2core_targets import H2_FRAMES, HPACK_BLOCKS
 from tests.fuzz.output_targets import MODEL_OUTPUT
 from tests.fuzz.raw import CHUNKS, TEXT, Codec
@@ -279,7 +280,7 @@ _batch = st.builds(lambda seq, events: common_pb2.KvEventBatch(
 
 
 def check_kv_events(batches: list[bytes]) -> None:
-    index = PrefixIndex(block_size=16)
+    index = KvBlockIndex(block_size=16)
     index.add_endpoint("e")
     for raw in batches:
         try:  # as the EPP's subscriber reads a batch off the wire
@@ -365,4 +366,4 @@ EXT_PROC = Target("ext-proc-stream", st.lists(_ext_proc_message, max_size=6), ch
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     GRPC_FRAMES, VLLMGRPC, SGLANGGRPC, OPENAI, CONFIG, KV_EVENTS, EXT_PROC, H2_FRAMES, HPACK_BLOCKS,
-    H2_SERVER, H2_CLIENT, HTTP1, ENGINE_VLLM, ENGINE_SGLANG, MODEL_OUTPUT)}
+    H2_SERVER, H2_CLIENT, HTTP1, H2_CLIENT_CORE, ENGINE_VLLM, ENGINE_SGLANG, MODEL_OUTPUT)}

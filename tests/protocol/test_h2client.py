@@ -12,7 +12,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvswitch.protocol import common_pb2, h2client, method_path
+from kvswitch.protocol import common_pb2, h2client, h2client_core, method_path
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from kvswitch.protocol.h2client import H2Channel, NotAccepted, StreamError, timeout_header
@@ -269,7 +269,7 @@ async def test_a_long_stream_gets_its_window_back_and_a_bad_message_fails_only_i
         monkeypatch: pytest.MonkeyPatch) -> None:
     from hpack import Encoder
 
-    monkeypatch.setattr(h2client, "_REFILL_AT", 100)
+    monkeypatch.setattr(h2client_core, "REFILL_AT", 100)
     conn, transport = h2client._Connection("x"), _Transport()
     conn.connection_made(transport)
     good = conn.start(EVENTS, (), b"", common_pb2.KvEventBatch.FromString)

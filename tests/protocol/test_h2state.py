@@ -26,10 +26,15 @@ def settings(**values: int) -> bytes:
 
 def test_initiate_sends_settings_and_opens_the_connection_window() -> None:
     state = ConnectionState()
-    assert state.initiate({0x2: 0, 0x4: 1 << 20}) == (
-        frame(SETTINGS, 0, 0, struct.pack(">HIHI", 0x2, 0, 0x4, 1 << 20))
+    assert state.initiate(initial_window=1 << 20, max_header_list=4096) == (
+        frame(SETTINGS, 0, 0, struct.pack(">HIHIHIHI", 0x2, 0, 0x4, 1 << 20, 0x5, 1 << 20,
+                                          0x6, 4096))
         + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65535)))
     assert state.recv_window == MAX_WINDOW
+    # A server's SETTINGS name its stream limit too, second as before.
+    assert ConnectionState().initiate(initial_window=1, max_header_list=2,
+                                      max_concurrent_streams=3)[9:21] == struct.pack(
+        ">HIHI", 0x2, 0, 0x3, 3)
 
 
 def test_settings_are_applied_and_the_window_change_reported() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from kvswitch.engine.base import KvBlockStored, KvEventBatchData
 from kvswitch.engine.kv_events import batch_events
-from kvswitch.epp.kvindex import PrefixIndex, batch_from_proto, block_hashes
+from kvswitch.epp.kvindex import KvBlockIndex, batch_from_proto, chained_block_hashes
 from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
 from kvswitch.errors import InvalidRequest
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2, vllm_engine_pb2
@@ -102,11 +102,11 @@ def test_a_parsed_prompt_hashes_like_the_engine_blocks_that_hold_it() -> None:
     prompt = [100 + 997 * i for i in range(40)]  # 2 full blocks of 16 + 8
     message = vllm_engine_pb2.GenerateRequest(
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt)).SerializeToString()
-    hashes = block_hashes(_parsed(GENERATE_PATH, message), 16)
-    assert hashes == block_hashes(prompt, 16) and len(hashes) == 2
+    hashes = chained_block_hashes(_parsed(GENERATE_PATH, message), 16)
+    assert hashes == chained_block_hashes(prompt, 16) and len(hashes) == 2
     stored = (KvBlockStored(11, None, tuple(prompt[:16])), KvBlockStored(12, 11, tuple(prompt[16:32])))
     wire = common_pb2.KvEventBatch(sequence_number=0, events=batch_events(
         KvEventBatchData(0, 0.0, stored), 16, 1)).SerializeToString()
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     index.apply("engine", batch_from_proto(KvEventBatchView.FromString(wire)).events)
     assert index.match(hashes) == {"engine": 2}

@@ -110,7 +110,7 @@ def test_continue_final_message_stops_after_its_content() -> None:
 
 
 def test_a_tool_round_trip_from_the_openai_request_renders() -> None:
-    from kvswitch.frontend.protocol import ChatCompletionRequest, parse_request
+    from kvswitch.frontend.openai_models import ChatCompletionRequest, parse_request
     request = parse_request(ChatCompletionRequest, {"messages": [
         {"role": "user", "content": "Weather in Köln?"},
         {"role": "assistant", "content": None, "reasoning_content": "look it up",

@@ -89,10 +89,10 @@ def make_router(name: str, seed: int = 0, kv_delay: float = 0.002) -> FleetRoute
 
         return EppRouter(DEFAULT_EPP_CONFIG, name, kv_delay, seed)
     if kind == "epp" and argument:
-        from kvswitch.bench.targets import _config_path
+        from kvswitch.bench.targets import config_path
 
         path = Path(argument)
-        return EppRouter(path if path.is_file() else _config_path(argument), name, kv_delay,
+        return EppRouter(path if path.is_file() else config_path(argument), name, kv_delay,
                          seed)
     raise ValueError(f"unknown fleet router {name!r}: round-robin, random, oracle, "
                      "oracle-conserve, oracle-lookahead, smg-cache-aware-model, "

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from kvswitch.bench.fleet import make_router, run_fleet
-from kvswitch.bench.trace import ideal_prefix_hit_ratio, load_trace
-from kvswitch.bench.workloads import ARRIVALS, PRESETS, Arrivals, build_workload
+from kvswitch.bench.trace import TraceWorkload, ideal_prefix_hit_ratio, load_trace
+from kvswitch.bench.workloads import ARRIVALS, PRESETS, Arrivals, Workload, build_workload
 from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.tokenization import load_tokenizer
 
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(None)
+    workload: TraceWorkload | Workload
     if args.trace is not None:
         profile = get_profile(args.profile or "qwen3-32b-2xh100-128k")
         workload = load_trace(args.trace, tokenizer, start=args.trace_start,

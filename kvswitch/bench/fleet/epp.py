@@ -35,9 +35,9 @@ from kvswitch.epp.config import build_router, load_documents, parse_config, pars
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.kvindex.events import batch_from_proto
-from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
 from kvswitch.epp.metrics import EppMetrics
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.packed import KvEventBatchView
 
@@ -113,14 +113,7 @@ class EppRouter:
                 continue
             seen.add(id(plugin.index))
             plugin.index.clock = ctx.now
-            # The subscriptions are the fleet's: the plugin must not start its own streams.
-            plugin._following = frozenset(self.addresses)
-            plugin._checked_version = dl.version
-            subs = {}
-            for a in self.addresses:
-                plugin.index.add_endpoint(a)
-                subs[a] = KvEventSubscriber(a, plugin.index, on_load=plugin._pushed_load)
-            self.subscribers.append(subs)
+            self.subscribers.append(plugin.feed_externally(self.addresses))
         self._streams = [_Stream() for _ in self.addresses]
         self._last_poll = [float("-inf")] * len(self.addresses)
         self._requests: dict[int, InferenceRequest] = {}

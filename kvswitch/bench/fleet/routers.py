@@ -36,15 +36,18 @@ from typing import Any, Protocol
 from kvswitch.bench.oracle import OracleRouter
 from kvswitch.engine.base import KvEventBatchData
 from kvswitch.engine.sim.profiles import SimProfile
-from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, PrefixIndex, StoredBlock
-from kvswitch.epp.kvindex.index import block_hashes
+from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, KvBlockIndex, StoredBlock
+from kvswitch.epp.kvindex.index import chained_block_hashes
 
 
 class FleetContext(Protocol):
     """What the fleet offers a router."""
 
-    replicas: Sequence[Any]
-    """`Replica` objects (index, address, profile)."""
+    @property
+    def replicas(self) -> Sequence[Any]:
+        """`Replica` objects (index, address, profile)."""
+        ...
+
     requests: Sequence[Any]
     """The workload's requests, in arrival order (only references may look ahead)."""
     profile: SimProfile
@@ -138,7 +141,7 @@ class Oracle(_Base):
     def setup(self, ctx: FleetContext) -> None:
         super().setup(ctx)
         self.addresses = [r.address for r in ctx.replicas]
-        self.index = PrefixIndex(ctx.profile.block_size, clock=ctx.now)
+        self.index = KvBlockIndex(ctx.profile.block_size, clock=ctx.now)
         for a in self.addresses:
             self.index.add_endpoint(a)
         self.oracle = OracleRouter(self.addresses, ctx.profile, self.index, clock=ctx.now,
@@ -189,7 +192,7 @@ class LookaheadOracle(Oracle):
     def route(self, request: Any, now: float) -> int:
         requests = self.ctx.requests
         i = self._position[request.index] + 1
-        ahead = []
+        ahead: list[Any] = []
         while (i < len(requests) and len(ahead) < self.depth
                and requests[i].send_at <= request.send_at + self.horizon):
             ahead.append(requests[i])
@@ -266,7 +269,7 @@ class SmgCacheAwareModel(_Base):
         self.block_size = ctx.profile.block_size
         # events: the engines' caches from their KV events; tree: "routed there" entries that
         # never expire (the approximate tree).
-        self.index = PrefixIndex(self.block_size, clock=ctx.now)
+        self.index = KvBlockIndex(self.block_size, clock=ctx.now)
         for a in self.addresses:
             self.index.add_endpoint(a)
         self.load = [0] * self.n
@@ -284,7 +287,7 @@ class SmgCacheAwareModel(_Base):
     def route(self, request: Any, now: float) -> int:
         load = self.load
         low, high = min(load), max(load)
-        hashes = block_hashes(request.prompt_ids, self.block_size)
+        hashes = chained_block_hashes(request.prompt_ids, self.block_size)
         matched = self.index.match(hashes, self.addresses) if hashes else {}
         best = max(matched.values(), default=0)
         if high - low > self.balance_abs and high > self.balance_rel * low:
@@ -315,4 +318,8 @@ class SmgCacheAwareModel(_Base):
         if self.mode == "events":
             events = stored_events(batch, self.block_size)
             address = self.addresses[replica]
-            self.ctx.call_at(now + self.kv_delay, lambda: self.index.apply(address, events))
+
+            def apply() -> None:
+                self.index.apply(address, events)
+
+            self.ctx.call_at(now + self.kv_delay, apply)

@@ -12,6 +12,7 @@ or was rejected, or at `limit` virtual seconds (the rest are reported unfinished
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import time
@@ -134,7 +135,7 @@ class _Fleet:
 
     def run(self, limit: float, progress: Callable[[int], None] | None) -> None:
         for request in self.requests:
-            self.call_at(request.send_at, lambda r=request: self._arrive(r))
+            self.call_at(request.send_at, functools.partial(self._arrive, request))
         self.router.setup(self)
         heap, done = self._heap, 0
         while heap and self.remaining > 0:

@@ -4,8 +4,10 @@ Model values are their Hugging Face config.json fields (num_hidden_layers, hidde
 num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
 tie_word_embeddings; bf16) and the published parameter count. GPU values are the datasheet's
 (dense bf16 FLOP/s, HBM bandwidth, NVLink bandwidth each way) with the total memory and the
-non-torch reserve vLLM's memory profiler reports. Where each efficiency comes from is in
-docs/simulator.md; they are set once for every profile and workload.
+non-torch reserve vLLM's memory profiler reports. The efficiencies are set once for every profile
+and workload: weight streaming, KV reads and the per-sequence cost are fitted to published
+single-server vLLM measurements (benchmarks/sim_calibration.py --fit), the others are published
+figures; docs/simulator.md gives each one's grounds.
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ GPUS: dict[str, GpuSpec] = {
 
 EFFICIENCY = Efficiency(
     gemm=0.65,
-    weights=0.85,
+    weights=0.75,
     attention=0.60,
-    kv=0.80,
+    kv=0.90,
     link=0.80,
     allreduce_latency_us=8.0,
     step_overhead_us=1000.0,
+    decode_seq_layer_us=1.25,
 )

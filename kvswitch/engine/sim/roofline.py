@@ -7,14 +7,17 @@ the tensor-parallel size `tp`), at the term's efficiency `e`:
     decode  = max(C_d·F_att/tp / (e_att·peak),           C_d·K/tp / (e_kv·bw))
     prefill = max(P·F_att/tp / (e_att·peak),             C_p·K/tp / (e_kv·bw))
     comm    = 2·layers·(latency + 2(tp-1)/tp · T·hidden·bytes / (e_link·link_bw))   (tp > 1)
-    step_s  = gemm + decode + prefill + comm + overhead
+    per_seq = D·layers·seq_layer_us
+    step_s  = gemm + decode + prefill + comm + per_seq + overhead
 
 T: tokens in the step (prefill + decode); F_lin: 2 FLOPs per weight of the transformer layers per
 token (plus the LM head for each sampled token); W: weight bytes read once per step (all but the
 input embedding, a gather); C_d: the decoding sequences' contexts summed (each reads its whole KV
 cache); P: the query-key pairs of the prefill chunks (a chunk of n tokens after c cached ones
 attends n·c + n(n+1)/2 pairs); C_p: the prefill chunks' KV tokens (c + n each, read once);
-F_att = 4·layers·heads·head_dim FLOPs per pair (QKᵀ and PV); K: KV bytes per token.
+F_att = 4·layers·heads·head_dim FLOPs per pair (QKᵀ and PV); K: KV bytes per token; D: the
+decoding sequences (one decode token each), whose per-layer attention work beyond the bytes read
+(block-table lookups, split-KV reductions, launch) grows with the batch.
 
 KV capacity per engine is what vLLM's memory profiler leaves:
 (gpu_memory_utilization·memory - weights/tp - runtime reserve - activation peak) / (K/tp) tokens,
@@ -115,6 +118,8 @@ class Efficiency:
     """Fixed cost of one all-reduce (launch and synchronisation)."""
     step_overhead_us: float
     """Per step: scheduling, input preparation, sampling, launching the graph."""
+    decode_seq_layer_us: float
+    """Per decoding sequence and layer: decode-attention work no byte or FLOP count covers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +156,9 @@ class Roofline:
                      decode_context * kv / (e.kv * bw))
         prefill = max(prefill_pairs * f_att / (e.attention * flops),
                       prefill_context * kv / (e.kv * bw))
-        return gemm + decode + prefill + self.comm_seconds(tokens) + e.step_overhead_us * 1e-6
+        per_seq = decode_tokens * m.num_layers * e.decode_seq_layer_us
+        return (gemm + decode + prefill + self.comm_seconds(tokens)
+                + (per_seq + e.step_overhead_us) * 1e-6)
 
     def comm_seconds(self, tokens: int) -> float:
         """Two all-reduces per layer (after attention and after the MLP), ring algorithm."""

@@ -14,7 +14,9 @@
   vllm:num_requests_waiting, vllm:kv_cache_usage_perc (older vllm:gpu_cache_usage_perc),
   vllm:cache_config_info {block_size, num_gpu_blocks}. Series with several label sets (models) are summed; kv usage
   takes the max.
-A collector raises on any failure; the refresher marks the endpoint failed.
+Both call the endpoint over TLS when given an `UpstreamTls` (the gRPC one offering ALPN h2,
+the Prometheus one http/1.1). A collector raises on any failure; the refresher marks the
+endpoint failed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvswitch.epp.datalayer.endpoint import Metrics
 from kvswitch.protocol.engine_apis import engine_api
 from kvswitch.protocol.h2client import H2Channel, StreamError
+from kvswitch.tls import UpstreamTls, client_ssl_context, h2_channel_tls
 
 USER_AGENT = "kvswitch-epp"
 
@@ -44,7 +47,8 @@ class Collector(Protocol):
 
 class GrpcCollector:
     def __init__(self, address: str, timeout: float = 1.0, health_interval: float = 1.0,
-                 on_disconnect: Callable[[], None] | None = None, api: str = "vllm") -> None:
+                 on_disconnect: Callable[[], None] | None = None, api: str = "vllm",
+                 tls: UpstreamTls | None = None) -> None:
         self.address = address
         self.api = engine_api(api)
         self._health_path = self.api.path("HealthCheck")
@@ -52,7 +56,8 @@ class GrpcCollector:
         self._loads_path = self.api.path("GetLoads")
         self.timeout = timeout
         self.health_interval = health_interval
-        self._channel = H2Channel.to(address, user_agent=USER_AGENT, on_lost=on_disconnect)
+        self._channel = H2Channel.to(address, user_agent=USER_AGENT, on_lost=on_disconnect,
+                                     **h2_channel_tls(tls))
         self._health_due = float("-inf")
         self._block_size = 0
 
@@ -142,8 +147,11 @@ def _int_label(labels: dict[str, str], key: str, default: int) -> int:
 
 
 class PrometheusCollector:
-    def __init__(self, address: str, path: str = "/metrics", timeout: float = 1.0) -> None:
+    def __init__(self, address: str, path: str = "/metrics", timeout: float = 1.0,
+                 tls: UpstreamTls | None = None) -> None:
         self.address = address
+        self._ssl = client_ssl_context(tls, alpn="http/1.1") if tls is not None else None
+        self._server_hostname = tls.sni if tls is not None else None
         self.path = path
         self.timeout = timeout
         host, _, port = address.rpartition(":")
@@ -151,7 +159,8 @@ class PrometheusCollector:
         self._port = int(port)
 
     async def _fetch(self) -> str:
-        reader, writer = await asyncio.open_connection(self._host, self._port)
+        reader, writer = await asyncio.open_connection(
+            self._host, self._port, ssl=self._ssl, server_hostname=self._server_hostname)
         try:
             writer.write(f"GET {self.path} HTTP/1.1\r\nHost: {self.address}\r\n"
                          "Accept: text/plain\r\nConnection: close\r\n\r\n".encode())

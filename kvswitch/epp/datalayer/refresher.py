@@ -26,6 +26,7 @@ from kvswitch.epp.datalayer.collectors import (
 )
 from kvswitch.epp.datalayer.discovery import Discovery
 from kvswitch.epp.datalayer.endpoint import H2C, Datalayer, EndpointSpec
+from kvswitch.tls import UpstreamTls
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,13 @@ CollectorFactory = Callable[[EndpointSpec, Callable[[], None]], Collector]
 connection to the endpoint drops (collectors without a standing connection never do)."""
 
 
-def default_collector(spec: EndpointSpec, on_disconnect: Callable[[], None]) -> Collector:
-    """gRPC GetLoads for h2c endpoints, Prometheus /metrics for http ones."""
+def default_collector(spec: EndpointSpec, on_disconnect: Callable[[], None], *,
+                      tls: UpstreamTls | None = None) -> Collector:
+    """gRPC GetLoads for h2c endpoints, Prometheus /metrics for http ones; over TLS with
+    `tls`."""
     if spec.app_protocol == H2C:
-        return GrpcCollector(spec.address, on_disconnect=on_disconnect, api=spec.api)
-    return PrometheusCollector(spec.address)
+        return GrpcCollector(spec.address, on_disconnect=on_disconnect, api=spec.api, tls=tls)
+    return PrometheusCollector(spec.address, tls=tls)
 
 
 class _Alarm:

@@ -1,10 +1,13 @@
 """Precise prefix-cache index for the EPP, fed by the engines' KV events.
 
-- `PrefixIndex` (sans-IO): per endpoint, the full blocks it holds under kvswitch's own chained
+- `KvBlockIndex` (sans-IO): per endpoint, the full blocks it holds under kvswitch's own chained
   content hash; `match(hashes)` gives each endpoint's leading matched blocks.
 - `SequenceTracker` (sans-IO): sequence numbers of one stream -> apply / skip / resync verdicts.
-- `KvEventSubscriber` / `KvEventSubscriptions`: thin asyncio loops (over `kvswitch.protocol.h2client`) that feed the index and keep
-  each engine's pushed `EngineLoad` record.
+- `KvEventSubscriber` / `KvEventSubscriptions`: thin asyncio loops (over
+  `kvswitch.protocol.h2client`) that feed the index and keep each engine's pushed `EngineLoad`
+  record.
+
+The `precise-prefix-cache-scorer` plugin that reads this index is `epp/plugins/`'s.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from kvswitch.epp.kvindex.events import (
     StoredBlock,
     batch_from_proto,
 )
-from kvswitch.epp.kvindex.index import ApplyStats, PrefixIndex, block_hashes, root_hash
+from kvswitch.epp.kvindex.index import ApplyStats, KvBlockIndex, chained_block_hashes, root_hash
 from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscriptions
 
 __all__ = [
-    "ApplyStats", "BlocksRemoved", "BlocksStored", "CacheCleared", "EventBatch", "KvEvent",
-    "KvEventBatchView", "KvEventSubscriber", "KvEventSubscriptions", "LoadRecord", "PrefixIndex",
+    "ApplyStats", "BlocksRemoved", "BlocksStored", "CacheCleared", "EventBatch", "KvBlockIndex",
+    "KvEvent", "KvEventBatchView", "KvEventSubscriber", "KvEventSubscriptions", "LoadRecord",
     "SequenceTracker", "SnapshotInfo", "StoredBlock", "Verdict", "batch_from_proto",
-    "block_hashes", "root_hash",
+    "chained_block_hashes", "root_hash",
 ]

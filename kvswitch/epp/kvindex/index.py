@@ -77,7 +77,7 @@ def _block_pattern(block_size: int) -> re.Pattern[bytes]:
     return pattern
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int,
+def chained_block_hashes(token_ids: Sequence[int], block_size: int,
                  namespace: tuple[str, str] = ("", "")) -> list[int]:
     """Own chained hashes of every full block of `token_ids` (a trailing partial block: none).
     A `PackedTokenIds` (a gRPC prompt) is split as it came; other sequences are packed first."""
@@ -138,7 +138,7 @@ class _EndpointBlocks:
         self.indexed = True
 
 
-class PrefixIndex:
+class KvBlockIndex:
     """Blocks held per endpoint, by own chained hash. Not thread-safe; one event loop owns it."""
 
     def __init__(self, block_size: int = 16,
@@ -451,7 +451,7 @@ class PrefixIndex:
 
     def block_hashes(self, token_ids: Sequence[int],
                      namespace: tuple[str, str] = ("", "")) -> list[int]:
-        return block_hashes(token_ids, self.block_size, namespace)
+        return chained_block_hashes(token_ids, self.block_size, namespace)
 
     def match(self, hashes: Sequence[int],
               endpoints: Iterable[str] | None = None) -> dict[str, int]:

@@ -107,12 +107,10 @@ class PageRegrouper:
         pages = event.blocks
         if not pages:
             return None
-        if event.parent_engine_hash is None:
-            start: tuple[int | None, bytes, int] | None = (None, b"", 0)
-        else:
-            start = self._after(event.parent_engine_hash)
-            if start is None:
-                return None
+        parent = event.parent_engine_hash
+        start = (None, b"", 0) if parent is None else self._after(parent)
+        if start is None:
+            return None
         parent_key, tail, start_count = start
         page_size = event.block_size
         stream = tail + b"".join([packed for _, packed in pages])

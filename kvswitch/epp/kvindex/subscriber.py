@@ -1,4 +1,4 @@
-"""Thin asyncio loops that feed a `PrefixIndex` from the engines' `SubscribeKvEvents` streams.
+"""Thin asyncio loops that feed a `KvBlockIndex` from the engines' `SubscribeKvEvents` streams.
 
 The calls go over `kvswitch.protocol.h2client` (not grpc.aio: no poller thread, no future per
 message). Each batch is decoded and applied straight from the connection's `data_received`
@@ -17,7 +17,8 @@ logged with its traceback, clears the endpoint's index and resubscribes from scr
 off the same way. It keeps the latest
 `EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback).
 
-`KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set.
+`KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set. With an
+`UpstreamTls` the streams run over TLS (mTLS with a client certificate).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from kvswitch.epp.kvindex.events import (
     LoadRecord,
     batch_from_proto,
 )
-from kvswitch.epp.kvindex.index import PrefixIndex
+from kvswitch.epp.kvindex.index import KvBlockIndex
 from kvswitch.epp.kvindex.pages import PageRegrouper
 from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.engine_apis import engine_api
 from kvswitch.protocol.h2client import H2Channel, StreamError
+from kvswitch.tls import UpstreamTls, h2_channel_tls
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +59,13 @@ KEEPALIVE = 5.0
 class KvEventSubscriber:
     """Follows one endpoint's KV-event stream into `index` until `stop()`."""
 
-    def __init__(self, address: str, index: PrefixIndex, *, on_load: LoadCallback | None = None,
+    def __init__(self, address: str, index: KvBlockIndex, *, on_load: LoadCallback | None = None,
                  retry_delay: float = 0.1, max_retry_delay: float = 2.0,
                  rpc_timeout: float = 2.0, keepalive: float | None = KEEPALIVE,
-                 api: str = "vllm") -> None:
+                 api: str = "vllm", tls: UpstreamTls | None = None) -> None:
         self.address = address
+        self.tls = tls
+        """Call the engine over TLS; None: h2c."""
         self.keepalive = keepalive
         self.api = engine_api(api)
         self.pages = PageRegrouper(index.block_size) if api == "sglang" else None
@@ -104,7 +108,8 @@ class KvEventSubscriber:
 
     async def _run(self) -> None:
         self._channel = channel = H2Channel.to(self.address, user_agent=USER_AGENT,
-                                               keepalive=self.keepalive)
+                                               keepalive=self.keepalive,
+                                               **h2_channel_tls(self.tls))
         delay = self.retry_delay
         while True:
             self._delivered = False
@@ -201,11 +206,12 @@ class KvEventSubscriber:
 class KvEventSubscriptions:
     """One `KvEventSubscriber` per endpoint of a set that changes (discovery)."""
 
-    def __init__(self, index: PrefixIndex, *, on_load: LoadCallback | None = None,
-                 api_of: Callable[[str], str] | None = None,
+    def __init__(self, index: KvBlockIndex, *, on_load: LoadCallback | None = None,
+                 api_of: Callable[[str], str] | None = None, tls: UpstreamTls | None = None,
                  **subscriber_options: float) -> None:
         self.index = index
         self.on_load = on_load
+        self.tls = tls
         self.api_of = api_of
         """address -> the engine API it speaks (None: every endpoint speaks vLLM's)."""
         self._options = subscriber_options
@@ -219,7 +225,7 @@ class KvEventSubscriptions:
         for address in wanted - self.subscribers.keys():
             subscriber = KvEventSubscriber(address, self.index, on_load=self.on_load,
                                            api=self.api_of(address) if self.api_of else "vllm",
-                                           **self._options)  # type: ignore[arg-type]
+                                           tls=self.tls, **self._options)  # type: ignore[arg-type]
             self.subscribers[address] = subscriber
             await subscriber.start()
 

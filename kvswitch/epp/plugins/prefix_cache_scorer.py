@@ -1,7 +1,7 @@
 """prefix-cache-scorer: prefer endpoints that already hold the prompt's leading blocks.
 
 Formula: score(e) = matched_blocks(e) / total_blocks (0 when the prompt has no full block).
-Inputs: the `PrefixMatch` the shared `PrefixIndex` produced for this request (block hashes are
+Inputs: the `PrefixMatch` the shared `RoutedPrefixIndex` produced for this request (block hashes are
 computed once per request however many profiles use this scorer); see
 `kvswitch.epp.plugins.prefix_index` for hashing, the text approximation and LRU sizing.
 Parameters (upstream names):
@@ -19,13 +19,13 @@ from typing import Any
 from kvswitch.epp.contracts import InferenceRequest
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
-from kvswitch.epp.plugins.prefix_index import SHARED_KEY, STATE_KEY, PrefixIndex, PrefixMatch
+from kvswitch.epp.plugins.prefix_index import SHARED_KEY, STATE_KEY, PrefixMatch, RoutedPrefixIndex
 
 TYPE = "prefix-cache-scorer"
 
 
 class PrefixCacheScorer:
-    def __init__(self, name: str, index: PrefixIndex) -> None:
+    def __init__(self, name: str, index: RoutedPrefixIndex) -> None:
         self.name = name
         self.index = index
 
@@ -51,7 +51,7 @@ def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> Pr
     for key, value in settings.items():
         if value < 1:
             raise ConfigError(f"parameters: {key} must be >= 1, got {value}")
-    index = handle.shared(SHARED_KEY, lambda: PrefixIndex(**settings))
+    index = handle.shared(SHARED_KEY, lambda: RoutedPrefixIndex(**settings))
     if (index.block_size, index.max_blocks) != (block_size, settings["max_blocks"]):
         raise ConfigError("parameters.blockSize: every prefix-cache-scorer must share one "
                           "block size and maxPrefixBlocksToMatch")

@@ -1,4 +1,4 @@
-"""PrefixIndex: which endpoint probably holds which prompt blocks (approximate prefix caching).
+"""RoutedPrefixIndex: which endpoint probably holds which prompt blocks (approximate prefix caching).
 
 Produced once per request (a `DataProducer`), consumed by prefix-cache-scorer:
 - Block hashes chain like vLLM's: h_0 = hash((seed, block_0)), h_i = hash((h_{i-1}, block_i)),
@@ -72,7 +72,7 @@ def uncached_tokens(request: InferenceRequest, match: PrefixMatch | None, addres
                * match.block_tokens)
 
 
-def block_hashes(request: InferenceRequest, block_size: int, chars_per_token: int,
+def request_block_hashes(request: InferenceRequest, block_size: int, chars_per_token: int,
                  max_blocks: int) -> tuple[int, ...]:
     """The chained block hashes of a request's prompt (see the module docstring)."""
     body = request.body
@@ -92,7 +92,7 @@ def block_hashes(request: InferenceRequest, block_size: int, chars_per_token: in
     return tuple(out)
 
 
-class PrefixIndex:
+class RoutedPrefixIndex:
     name = "prefix-index"
 
     def __init__(self, block_size: int = 16, max_blocks: int = 256, lru_capacity: int = 31250,
@@ -105,7 +105,7 @@ class PrefixIndex:
 
     def produce(self, request: InferenceRequest, state: CycleState,
                 endpoints: Sequence[Endpoint]) -> None:
-        hashes = block_hashes(request, self.block_size, self.chars_per_token, self.max_blocks)
+        hashes = request_block_hashes(request, self.block_size, self.chars_per_token, self.max_blocks)
         state[STATE_KEY] = PrefixMatch(hashes, self.match(hashes), self.block_size)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:

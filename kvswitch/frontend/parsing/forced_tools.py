@@ -8,12 +8,11 @@ The engine is constrained to a JSON schema (`forced_tool_schema`), so the output
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from kvswitch.frontend.parsing.base import ToolCallDelta, ToolsParsed, new_tool_call_id
-from kvswitch.frontend.parsing.hermes_tools import JsonValueScanner
+from kvswitch.frontend.parsing.json_scan import JsonValueScanner, whole_call
 
 __all__ = ["NamedToolCallParser", "RequiredToolCallParser", "forced_tool_schema"]
 
@@ -98,24 +97,18 @@ class RequiredToolCallParser:
                 self._state = "done"
             elif char == "{" and self._state == "between":
                 self._state, self._item_from = "item", self._position - 1
-                self._scanner = JsonValueScanner()
-                self._scanner.scan("{")
+                self._scanner = JsonValueScanner.opened()
             else:
                 self._state = "lost"
         return out
 
     def _item(self, text: str, out: ToolsParsed) -> None:
-        self._state = "between"
-        try:
-            call = json.loads(text)
-        except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
-            call = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        call = whole_call(text, self._calls)
+        if call is None:
             self._state = "lost"
             return
-        arguments = call.get("parameters", call.get("arguments", {}))
-        out.calls.append(ToolCallDelta(self._calls, new_tool_call_id(), call["name"],
-                                       json.dumps(arguments, ensure_ascii=False)))
+        self._state = "between"
+        out.calls.append(call)
         self._calls += 1
 
     def finish(self) -> ToolsParsed:

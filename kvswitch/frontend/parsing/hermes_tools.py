@@ -20,46 +20,13 @@ from kvswitch.frontend.parsing.base import (
     new_tool_call_id,
     register_tool_call_parser,
 )
+from kvswitch.frontend.parsing.json_scan import JsonValueScanner, load_call
 
-__all__ = ["HermesToolCallParser", "JsonValueScanner"]
+__all__ = ["HermesToolCallParser"]
 
 START, END = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"'
                    r"\s*:\s*")
-
-
-class JsonValueScanner:
-    """Finds where a JSON object or array ends, fed piece by piece (strings and escapes
-    respected)."""
-
-    __slots__ = ("_escape", "_in_string", "depth", "done")
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.done = False
-        self._in_string = False
-        self._escape = False
-
-    def scan(self, text: str) -> int:
-        """How many characters of `text` belong to the value (all of them until it ends)."""
-        for i, char in enumerate(text):
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif char == "\\":
-                    self._escape = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.done = True
-                    return i + 1
-        return len(text)
 
 
 def _raw_arguments(body: str, arguments: object) -> str:
@@ -76,11 +43,8 @@ def _raw_arguments(body: str, arguments: object) -> str:
 
 def _parse_call(body: str) -> tuple[str, str] | None:
     """(name, arguments text) of a block, or None when it is not a tool call."""
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    value = load_call(body)
+    if value is None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     return value["name"], _raw_arguments(body, arguments)

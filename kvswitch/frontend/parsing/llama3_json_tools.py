@@ -8,15 +8,11 @@ and so is one whose first object is not a call (later text that is not one is dr
 
 from __future__ import annotations
 
-import json
-
 from kvswitch.frontend.parsing.base import (
-    ToolCallDelta,
     ToolsParsed,
-    new_tool_call_id,
     register_tool_call_parser,
 )
-from kvswitch.frontend.parsing.hermes_tools import JsonValueScanner
+from kvswitch.frontend.parsing.json_scan import JsonValueScanner, whole_call
 
 __all__ = ["Llama3JsonToolCallParser"]
 
@@ -69,23 +65,17 @@ class Llama3JsonToolCallParser:
                 continue
             if char == "{":
                 self._state, self._object_from = "object", self._position - 1
-                self._scanner = JsonValueScanner()
-                self._scanner.scan("{")
+                self._scanner = JsonValueScanner.opened()
             else:
                 self._state = "lost"
 
     def _object(self, text: str, out: ToolsParsed) -> None:
-        self._state = "between"
-        try:
-            call = json.loads(text)
-        except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
-            call = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        call = whole_call(text, self._calls)
+        if call is None:
             self._state = "lost"
             return
-        arguments = call.get("parameters", call.get("arguments", {}))
-        out.calls.append(ToolCallDelta(self._calls, new_tool_call_id(), call["name"],
-                                       json.dumps(arguments, ensure_ascii=False)))
+        self._state = "between"
+        out.calls.append(call)
         self._calls += 1
 
     def finish(self) -> ToolsParsed:

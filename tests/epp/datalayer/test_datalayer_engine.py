@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvswitch.epp.datalayer import H2C, Datalayer, EndpointSpec, Refresher, StaticDiscovery
-from kvswitch.epp.kvindex import KvEventSubscriber, LoadRecord, PrefixIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber, LoadRecord
 from tests.support.processes import Process, free_port, kvswitch_argv, wait_for_port
 from tests.support.waiting import until
 
@@ -29,7 +29,7 @@ async def test_a_killed_engine_is_not_ready_at_once_and_comes_back(tmp_path: Pat
                        kv_usage=load.token_usage, waiting_tokens=load.waiting_uncached_tokens,
                        ttl=2.5)
 
-    subscriber = KvEventSubscriber(address, PrefixIndex(16), on_load=pushed)
+    subscriber = KvEventSubscriber(address, KvBlockIndex(16), on_load=pushed)
     try:
         wait_for_port(port, 30, engine.proc)
         await refresher.start()

@@ -9,14 +9,14 @@ from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.kvindex import (
     BlocksStored,
+    KvBlockIndex,
     KvEventBatchView,
     LoadRecord,
-    PrefixIndex,
     StoredBlock,
     batch_from_proto,
 )
-from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.plugins.kv_cache_utilization_scorer import KvCacheUtilizationScorer
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.plugins.prefix_index import PrefixMatch, uncached_tokens
 from kvswitch.epp.plugins.queue_scorer import QueueScorer
 from kvswitch.protocol import common_pb2
@@ -96,7 +96,7 @@ def record(timestamp: float) -> LoadRecord:
 
 def test_a_pushed_record_is_as_old_as_its_lag_beyond_the_fastest() -> None:
     datalayer, clock, e = setup()
-    scorer = PrecisePrefixCacheScorer("p", PrefixIndex(16), PluginHandle(datalayer))
+    scorer = PrecisePrefixCacheScorer("p", KvBlockIndex(16), PluginHandle(datalayer))
     engine_offset = 5000.0  # the engine's clock reads 5,000 s ahead of the datalayer's
     scorer._pushed_load("e:1", record(clock.now + engine_offset))  # delivered at once
     datalayer.record_sent(e, 7)  # at 100.0: covered by a sample taken at 101.0
@@ -134,7 +134,7 @@ def test_load_scorers_add_the_unreported_account() -> None:
 
 def test_prefill_in_progress_ends_when_the_prompts_last_block_is_stored() -> None:
     now = [0.0]
-    index = PrefixIndex(16, clock=lambda: now[0])
+    index = KvBlockIndex(16, clock=lambda: now[0])
     index.add_endpoint("e:1")
     prompt = list(range(64))  # 4 blocks
     hashes = index.block_hashes(prompt)
@@ -155,7 +155,7 @@ def test_prefill_in_progress_ends_when_the_prompts_last_block_is_stored() -> Non
 
 def test_prefill_never_stored_expires_and_a_clear_drops_it() -> None:
     now = [0.0]
-    index = PrefixIndex(16, clock=lambda: now[0])
+    index = KvBlockIndex(16, clock=lambda: now[0])
     index.add_endpoint("e:1")
     index.await_prefill("e:1", 111, 500, 30.0)
     index.await_prefill("e:1", 111, 200, 30.0)  # the same prompt twice
@@ -186,7 +186,7 @@ def test_estimated_ttft_counts_prefill_the_engine_admitted() -> None:
 
 
 def test_no_prefill_is_awaited_where_events_cannot_be_indexed() -> None:
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     index.add_endpoint("e:1")
     index.await_prefill("e:1", 111, 500, 30.0)
     index.set_indexed("e:1", False)  # another block size: no BlockStored will ever end it

@@ -1,4 +1,4 @@
-"""PrefixIndex and SequenceTracker: exact event sequences in, exact match lengths / verdicts out."""
+"""KvBlockIndex and SequenceTracker: exact event sequences in, exact match lengths / verdicts out."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from kvswitch.epp.kvindex import (
     BlocksStored,
     CacheCleared,
     EventBatch,
+    KvBlockIndex,
     KvEventBatchView,
-    PrefixIndex,
     SequenceTracker,
     SnapshotInfo,
     StoredBlock,
     Verdict,
     batch_from_proto,
-    block_hashes,
+    chained_block_hashes,
     root_hash,
 )
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
@@ -38,7 +38,7 @@ PROMPT = list(range(100, 120))  # 5 blocks of 4
 
 
 def test_match_counts_leading_blocks_per_endpoint() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT[:12])])  # 3 blocks
     index.apply("b", [chain(PROMPT)])  # 5 blocks
     index.add_endpoint("c")
@@ -55,18 +55,18 @@ def test_block_hashes_take_any_sequence_and_only_full_blocks() -> None:
     for i in range(5):
         parent = hash((parent, pack_token_ids(PROMPT[i * B:(i + 1) * B])))
         expected.append(parent)
-    assert block_hashes(PROMPT + [7], B) == block_hashes(tuple(PROMPT), B) == expected
-    assert block_hashes(PackedTokenIds.of(PROMPT), B) == expected
-    assert block_hashes(PROMPT[:B - 1], B) == []
-    index = PrefixIndex(B)
+    assert chained_block_hashes(PROMPT + [7], B) == chained_block_hashes(tuple(PROMPT), B) == expected
+    assert chained_block_hashes(PackedTokenIds.of(PROMPT), B) == expected
+    assert chained_block_hashes(PROMPT[:B - 1], B) == []
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT)])
     # Nobody holds the first block: every named endpoint matches 0.
-    assert index.match(block_hashes([9] * 8, B), ["a", "b"]) == {"a": 0, "b": 0}
+    assert index.match(chained_block_hashes([9] * 8, B), ["a", "b"]) == {"a": 0, "b": 0}
     assert index.match([], ["a"]) == {"a": 0}
 
 
 def test_hash_is_chained_content_not_engine_hash() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     # Two engines with different hash functions store the same content.
     index.apply("a", [chain(PROMPT, start_hash=1)])
     index.apply("b", [chain(PROMPT, start_hash=777)])
@@ -77,14 +77,14 @@ def test_hash_is_chained_content_not_engine_hash() -> None:
 
 
 def test_stored_with_parent_continues_the_chain() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT[:8])])  # engine hashes 1000, 1001
     index.apply("a", [chain(PROMPT[8:16], parent=1001, first_block=2)])
     assert index.match(index.block_hashes(PROMPT)) == {"a": 4}
 
 
 def test_unknown_parent_is_not_placed() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     stats = index.apply("a", [chain(PROMPT[8:16], parent=424242, first_block=2)])
     assert (stats.stored, stats.unplaced) == (0, 2)
     assert index.num_blocks("a") == 0
@@ -92,7 +92,7 @@ def test_unknown_parent_is_not_placed() -> None:
 
 
 def test_removal_breaks_the_leading_run() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT)])
     stats = index.apply("a", [BlocksRemoved((1002,))])  # the third block
     assert stats.removed == 1
@@ -102,7 +102,7 @@ def test_removal_breaks_the_leading_run() -> None:
 
 
 def test_removal_of_one_copy_keeps_the_other() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT[:8])])
     index.apply("a", [chain(PROMPT[:8])])  # a second physical copy, same engine hashes
     index.apply("a", [BlocksRemoved((1000, 1001))])
@@ -115,7 +115,7 @@ def test_same_content_under_two_engine_hashes_stays_until_both_go() -> None:
     """An engine may cache equal tokens under two hashes (its hash covers more than tokens):
     one content block, held until the last engine hash naming it is removed; clearing drops
     it at once."""
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT[:8])])
     index.apply("a", [chain(PROMPT[:8], start_hash=2000)])
     assert index.num_blocks("a") == 2
@@ -130,14 +130,14 @@ def test_same_content_under_two_engine_hashes_stays_until_both_go() -> None:
 
 
 def test_remove_then_store_in_one_batch_keeps_order() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT[:4])])
     index.apply("a", [BlocksRemoved((1000,)), chain(PROMPT[:8])])
     assert index.match(index.block_hashes(PROMPT)) == {"a": 2}
 
 
 def test_clear_only_touches_one_endpoint() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT)])
     index.apply("b", [chain(PROMPT)])
     assert index.apply("a", [CacheCleared()]).cleared
@@ -151,7 +151,7 @@ def test_clear_only_touches_one_endpoint() -> None:
 def test_match_tables_follow_endpoints_joining_and_leaving() -> None:
     """`match` keeps a bit table per tuple of names: a bit reused by a new endpoint must never
     count for the endpoint that left, asked for by the same names."""
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     hashes = index.block_hashes(PROMPT)
     index.apply("a", [chain(PROMPT[:8])])
     index.apply("b", [chain(PROMPT)])
@@ -165,7 +165,7 @@ def test_match_tables_follow_endpoints_joining_and_leaving() -> None:
 
 
 def test_match_held_leaves_out_the_endpoints_holding_nothing() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     index.apply("a", [chain(PROMPT[:8])])
     index.apply("b", [chain(PROMPT)])
     index.add_endpoint("c")
@@ -177,14 +177,14 @@ def test_match_held_leaves_out_the_endpoints_holding_nothing() -> None:
 
 
 def test_block_size_mismatch_is_never_indexed() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     event = BlocksStored((StoredBlock.of(1, PROMPT[:8]),), None, 8)
     assert index.apply("a", [event]).unplaced == 1
     assert index.match(index.block_hashes(PROMPT)) == {"a": 0}
 
 
 def test_namespaces_do_not_share_blocks() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     blocks = chain(PROMPT).blocks
     index.apply("a", [BlocksStored(blocks, None, B, ("lora1", ""))])
     assert index.match(index.block_hashes(PROMPT)) == {"a": 0}
@@ -248,7 +248,7 @@ def test_fresh_stream_starting_late_is_partial() -> None:
 
 
 def test_subscriber_handle_resets_the_index_on_lost_history() -> None:
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     sub = KvEventSubscriber("a", index)
     sub.tracker.stream_opened(1)
     assert sub.handle(batch(1, chain(PROMPT))) is Verdict.APPLY
@@ -308,7 +308,7 @@ def test_batch_from_proto_keeps_only_device_local_group_0_events() -> None:
 def test_long_prompts_many_endpoints() -> None:
     # 16 endpoints, each holding the 6000-token system prompt of its own group.
     rng = random.Random(0)
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     prompts = [[rng.randrange(150_000) for _ in range(7200)] for _ in range(16)]
     for e, prompt in enumerate(prompts):
         blocks = tuple(StoredBlock.of(e * 10_000 + i, prompt[i * 16:(i + 1) * 16])
@@ -321,8 +321,8 @@ def test_long_prompts_many_endpoints() -> None:
 
 
 def test_block_hashes_function_matches_method() -> None:
-    assert block_hashes(PROMPT, B) == PrefixIndex(B).block_hashes(PROMPT)
-    assert block_hashes(PROMPT[:3], B) == []
+    assert chained_block_hashes(PROMPT, B) == KvBlockIndex(B).block_hashes(PROMPT)
+    assert chained_block_hashes(PROMPT[:3], B) == []
 
 
 
@@ -333,9 +333,9 @@ def test_random_events_agree_with_a_plain_model() -> None:
     rnd = random.Random(7)
     prompts = [[rnd.randrange(50) for _ in range(B * 6)] for _ in range(4)]
     prompts += [p[:B * 3] + [rnd.randrange(50) for _ in range(B * 3)] for p in prompts[:2]]
-    owns = [block_hashes(p, B) for p in prompts]
+    owns = [chained_block_hashes(p, B) for p in prompts]
     engines = [[hash(("engine", i, k)) for k in range(6)] for i in range(len(prompts))]
-    index = PrefixIndex(B)
+    index = KvBlockIndex(B)
     copies: dict[str, dict[int, int]] = {e: {} for e in "abc"}
     placed_as: dict[str, dict[int, int | None]] = {e: {} for e in "abc"}
     for _ in range(3000):

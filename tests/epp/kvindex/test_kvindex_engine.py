@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvswitch.epp.kvindex import KvEventSubscriber, PrefixIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from tests.support.processes import free_port, kvswitch_argv, running
 from tests.support.waiting import until
@@ -42,7 +42,7 @@ async def flush(address: str) -> None:
 async def test_subscriber_follows_a_real_engine(tmp_path: Path) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     with running(engine_argv(port), port, tmp_path / "engine.log"):
         await generate(address, PROMPT, "before-subscribing")
         subscriber = KvEventSubscriber(address, index)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, CacheCleared, PrefixIndex
+from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, CacheCleared, KvBlockIndex
 from kvswitch.epp.kvindex.pages import PageRegrouper
 from kvswitch.protocol.packed import pack_token_ids
 
@@ -20,14 +20,14 @@ def pages(tokens: list[int], size: int, first: int = 0, parent: int | None = Non
     return BlocksStored(blocks, parent, size)
 
 
-def indexed(events: list[object], page_size: int) -> tuple[PrefixIndex, PageRegrouper]:
-    index, regrouper = PrefixIndex(B), PageRegrouper(B)
+def indexed(events: list[object], page_size: int) -> tuple[KvBlockIndex, PageRegrouper]:
+    index, regrouper = KvBlockIndex(B), PageRegrouper(B)
     index.add_endpoint("e")
     index.apply("e", regrouper.regroup(events))  # type: ignore[arg-type]
     return index, regrouper
 
 
-def match(index: PrefixIndex, tokens: list[int]) -> int:
+def match(index: KvBlockIndex, tokens: list[int]) -> int:
     return index.match(index.block_hashes(tokens)).get("e", 0)
 
 

@@ -6,7 +6,7 @@ from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import PluginHandle
 from kvswitch.epp.kvindex import BlocksStored, StoredBlock
-from kvswitch.epp.kvindex.precise_prefix_cache_scorer import TYPE, create
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import TYPE, create
 from kvswitch.tokenization import load_tokenizer
 
 
@@ -100,7 +100,7 @@ def long_text(words: int) -> str:
 async def test_a_long_text_is_tokenized_off_the_event_loop_with_the_same_ids() -> None:
     import asyncio
 
-    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import TOKENS_KEY
+    from kvswitch.epp.plugins.precise_prefix_cache_scorer import TOKENS_KEY
     from kvswitch.tokenization.offload import OFFLOAD_TEXT_CHARS
 
     scorer = create("p", {"blockSize": 16}, PluginHandle(Datalayer()))
@@ -138,7 +138,7 @@ async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None
 
     from kvswitch.epp.config import build_endpoint_picker, static_pool
     from kvswitch.epp.datalayer import Metrics
-    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+    from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
     from kvswitch.epp.router import EppRouter
     from kvswitch.launcher import DEFAULT_EPP_CONFIG
     from tests.support.processes import free_port
@@ -168,3 +168,35 @@ async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None
         assert decision.status == 200 and decision.endpoints[0] == addresses[2]
     finally:
         await scorer.stop()
+
+
+async def test_an_externally_fed_scorer_opens_no_stream_and_reads_what_it_is_handed() -> None:
+    import asyncio
+
+    from kvswitch.epp.kvindex import EventBatch, LoadRecord
+
+    datalayer = Datalayer()
+    datalayer.set_endpoints([EndpointSpec("a:1"), EndpointSpec("b:1")])
+    scorer = create("p", {"blockSize": 16, "tokenizer": "none"}, PluginHandle(datalayer))
+    opened: list[set[str]] = []
+
+    async def set_endpoints(pool: frozenset[str]) -> None:
+        opened.append(set(pool))
+
+    scorer.subscriptions.set_endpoints = set_endpoints  # type: ignore[method-assign]
+    subscribers = scorer.feed_externally(["a:1", "b:1"])
+    assert sorted(subscribers) == ["a:1", "b:1"]
+    ids = list(range(48))
+    record = LoadRecord(running=1, waiting=4, waiting_uncached_tokens=100, token_usage=0.5,
+                        gen_throughput=0.0, max_running=256, sample=1)
+    subscribers["a:1"].handle(EventBatch(1, (stored(ids),), load=record))
+    request = InferenceRequest("r", "grpc", "/x", ParsedBody(prompt_token_ids=tuple(ids)))
+    state: dict[str, object] = {}
+    endpoints = list(datalayer.all())
+    scorer.produce(request, state, endpoints)
+    await asyncio.sleep(0)
+    assert opened == []  # the caller feeds the index: no stream of the plugin's own
+    scores = dict(zip((e.address for e in endpoints), scorer.score(request, state, endpoints)))
+    assert scores == {"a:1": 1.0, "b:1": 0.0}
+    m = datalayer.get("a:1").metrics  # type: ignore[union-attr]
+    assert (m.running, m.waiting, m.kv_usage) == (1, 4, 0.5)

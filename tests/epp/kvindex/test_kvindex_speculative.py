@@ -5,8 +5,14 @@ from __future__ import annotations
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import ConfigError, PluginHandle, ProfileResult
-from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, CacheCleared, PrefixIndex, StoredBlock
-from kvswitch.epp.kvindex.precise_prefix_cache_scorer import create
+from kvswitch.epp.kvindex import (
+    BlocksRemoved,
+    BlocksStored,
+    CacheCleared,
+    KvBlockIndex,
+    StoredBlock,
+)
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import create
 
 B = 4
 PROMPT = list(range(100, 120))  # 5 blocks of 4
@@ -26,9 +32,9 @@ def chain(tokens: list[int], start_hash: int = 1000) -> BlocksStored:
     return BlocksStored(blocks, None, B)
 
 
-def new_index(*endpoints: str) -> tuple[PrefixIndex, FakeClock]:
+def new_index(*endpoints: str) -> tuple[KvBlockIndex, FakeClock]:
     clock = FakeClock()
-    index = PrefixIndex(B, clock=clock)
+    index = KvBlockIndex(B, clock=clock)
     for endpoint in endpoints:
         index.add_endpoint(endpoint)
     return index, clock
@@ -180,7 +186,7 @@ def test_speculative_ttl_zero_disables_and_negative_is_rejected() -> None:
 
 def test_default_profile_keeps_a_prefix_together_before_any_kv_event() -> None:
     from kvswitch.epp.config import build_endpoint_picker, static_pool
-    from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+    from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
     from kvswitch.epp.router import EppRouter
     from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
@@ -206,12 +212,12 @@ def test_random_speculation_and_events_agree_with_a_plain_model() -> None:
     prefixes: every match equals a plain model (held = real, or speculative and unexpired)."""
     import random
 
-    from kvswitch.epp.kvindex import block_hashes
+    from kvswitch.epp.kvindex import chained_block_hashes
 
     rnd = random.Random(11)
     prompts = [[rnd.randrange(40) for _ in range(B * 6)] for _ in range(3)]
     prompts += [p[:B * 2] + [rnd.randrange(40) for _ in range(B * 4)] for p in prompts]
-    owns = [block_hashes(p, B) for p in prompts]
+    owns = [chained_block_hashes(p, B) for p in prompts]
     engines = [[hash(("engine", i, k)) for k in range(6)] for i in range(len(prompts))]
     index, clock = new_index("a", "b", "c")
     real: dict[str, dict[int, int]] = {e: {} for e in "abc"}  # engine hash -> own hash

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc.aio
 import pytest
 
-from kvswitch.epp.kvindex import KvEventSubscriber, LoadRecord, PrefixIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber, LoadRecord
 from kvswitch.protocol import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from tests.support.waiting import until
 
@@ -69,7 +69,7 @@ async def serve() -> AsyncIterator[Serve]:
 
 async def test_a_gap_resubscribes_at_once_from_the_missing_batch(serve: Serve) -> None:
     engine, address = await serve([[0, 1, 3, 4], [2, 3, 4, 5]])
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     loads: list[LoadRecord] = []
     subscriber = KvEventSubscriber(address, index, on_load=lambda _, load: loads.append(load),
                                    retry_delay=30.0)  # a backoff would show as a timeout
@@ -92,7 +92,7 @@ async def test_a_failing_handler_is_logged_clears_the_index_and_resubscribes(
         serve: Serve, caplog: pytest.LogCaptureFixture) -> None:
     # The second stream does not replay batch 0: its block must be gone with the cleared index.
     engine, address = await serve([[0, 1, 2], [1, 2, 3]])
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     failures = [RuntimeError("load consumer bug")]
 
     def on_load(_: str, load: LoadRecord) -> None:

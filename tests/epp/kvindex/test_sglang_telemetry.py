@@ -13,7 +13,7 @@ from kvswitch.epp.config import load_documents, parse_pool
 from kvswitch.epp.datalayer import GrpcCollector
 from kvswitch.epp.datalayer.endpoint import H2C, EndpointSpec
 from kvswitch.epp.framework import ConfigError
-from kvswitch.epp.kvindex import KvEventSubscriber, PrefixIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriber
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as rpc
@@ -40,7 +40,7 @@ async def test_pages_become_index_blocks_and_loads_are_read(tmp_path: Path,
     address = f"127.0.0.1:{port}"
     argv = kvswitch_argv("engine", "--api", "sglang", "--page-size", str(page_size),
                          "--port", str(port), "--profile", "tiny", "--time-scale", "20")
-    index = PrefixIndex(16)
+    index = KvBlockIndex(16)
     with running(argv, port, tmp_path / "engine.log"):
         await generate(address, PROMPT, "before-subscribing")
         subscriber = KvEventSubscriber(address, index, api="sglang")

@@ -17,7 +17,7 @@ from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Metrics
 from kvswitch.epp.kvindex import BlocksStored, StoredBlock
-from kvswitch.epp.kvindex.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.router import EppRouter
 from kvswitch.launcher import DEFAULT_EPP_CONFIG
 

@@ -12,7 +12,7 @@ from kvswitch.epp.plugins import (
     running_requests_size_scorer,
     session_affinity_scorer,
 )
-from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixIndex, block_hashes
+from kvswitch.epp.plugins.prefix_index import STATE_KEY, RoutedPrefixIndex, request_block_hashes
 
 
 def ep(i: int, **metrics: float) -> Endpoint:
@@ -52,25 +52,25 @@ def test_running_requests_scorer_counts_the_epps_own_in_flight() -> None:
 
 def test_block_hashes_chain_full_blocks_only() -> None:
     r = req(tokens=tuple(range(40)))
-    hashes = block_hashes(r, 16, 4, 256)
+    hashes = request_block_hashes(r, 16, 4, 256)
     assert len(hashes) == 2  # 40 tokens -> 2 full blocks of 16
     # Same first block, different second block -> first hash equal, second differs.
-    other = block_hashes(req(tokens=tuple(range(16)) + (99,) * 16), 16, 4, 256)
+    other = request_block_hashes(req(tokens=tuple(range(16)) + (99,) * 16), 16, 4, 256)
     assert other[0] == hashes[0] and other[1] != hashes[1]
     # A different first block changes every later hash (the chain).
-    shifted = block_hashes(req(tokens=(7,) + tuple(range(1, 40))), 16, 4, 256)
+    shifted = request_block_hashes(req(tokens=(7,) + tuple(range(1, 40))), 16, 4, 256)
     assert shifted[1] != hashes[1]
     # The model seeds the chain.
-    assert block_hashes(req(tokens=tuple(range(40)), model="m"), 16, 4, 256)[0] != hashes[0]
-    assert len(block_hashes(req(tokens=tuple(range(4000))), 16, 4, 8)) == 8
+    assert request_block_hashes(req(tokens=tuple(range(40)), model="m"), 16, 4, 256)[0] != hashes[0]
+    assert len(request_block_hashes(req(tokens=tuple(range(4000))), 16, 4, 8)) == 8
 
 
 def test_text_prompts_hash_blocks_of_block_size_times_chars_per_token() -> None:
-    assert len(block_hashes(req(text="x" * 130), 16, 4, 256)) == 2  # 64-character blocks
+    assert len(request_block_hashes(req(text="x" * 130), 16, 4, 256)) == 2  # 64-character blocks
 
 
 def test_prefix_index_matches_leading_blocks_per_endpoint() -> None:
-    index = PrefixIndex(block_size=4)
+    index = RoutedPrefixIndex(block_size=4)
     index.record("a", [1, 2, 3, 4], capacity=100)
     index.record("b", [1, 2], capacity=100)
     index.record("c", [9], capacity=100)
@@ -81,7 +81,7 @@ def test_prefix_index_matches_leading_blocks_per_endpoint() -> None:
 
 
 def test_prefix_index_lru_evicts_oldest_blocks_and_forgets_endpoints() -> None:
-    index = PrefixIndex()
+    index = RoutedPrefixIndex()
     index.record("a", [1, 2, 3], capacity=3)  # tail first: 3 is the oldest, 1 the newest
     index.record("a", [5], capacity=3)  # evicts 3, the tail
     assert index.size("a") == 3

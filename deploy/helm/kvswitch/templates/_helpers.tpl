@@ -45,6 +45,28 @@ app.kubernetes.io/component: epp
 {{- (index .Values.router.modelServers.targetPorts 0).number -}}
 {{- end -}}
 
+{{/* TLS: where the Secret is mounted, and the name every client verifies. */}}
+{{- define "kvswitch.tlsDir" -}}/etc/kvswitch-tls{{- end -}}
+
+{{- define "kvswitch.tlsServerName" -}}
+{{- .Values.tls.serverName | default (printf "%s-pool.%s.svc" (include "kvswitch.poolName" .) .Release.Namespace) -}}
+{{- end -}}
+
+{{/* `kvswitch` flags to serve mTLS with the Secret. */}}
+{{- define "kvswitch.tlsServerArgs" -}}
+- --tls-cert={{ include "kvswitch.tlsDir" . }}/tls.crt
+- --tls-key={{ include "kvswitch.tlsDir" . }}/tls.key
+- --tls-handshake-timeout={{ .Values.tls.handshakeTimeout }}
+{{- end -}}
+
+{{/* `--PREFIX-tls-*` flags (prefix: .prefix) to call a server with the Secret (mTLS). */}}
+{{- define "kvswitch.tlsClientArgs" -}}
+- --{{ .prefix }}-tls-ca={{ include "kvswitch.tlsDir" .root }}/ca.crt
+- --{{ .prefix }}-tls-cert={{ include "kvswitch.tlsDir" .root }}/tls.crt
+- --{{ .prefix }}-tls-key={{ include "kvswitch.tlsDir" .root }}/tls.key
+- --{{ .prefix }}-tls-sni={{ include "kvswitch.tlsServerName" .root }}
+{{- end -}}
+
 {{/* Fails the render on values that cannot work, naming the value. */}}
 {{- define "kvswitch.validate" -}}
 {{- if not (has .Values.mode (list "standalone" "gateway")) -}}

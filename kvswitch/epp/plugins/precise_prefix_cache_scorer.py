@@ -2,7 +2,7 @@
 
 Formula: score(e) = matched_blocks(e) / total_blocks, where matched_blocks(e) is the number of
 leading full blocks of the prompt that endpoint e holds *right now* according to its
-`SubscribeKvEvents` stream (`kvswitch.epp.kvindex.PrefixIndex`), and total_blocks the prompt's
+`SubscribeKvEvents` stream (`kvswitch.epp.kvindex.KvBlockIndex`), and total_blocks the prompt's
 full blocks (0 for every endpoint when the prompt has none).
 Inputs: the prompt's token ids (`ParsedBody.prompt_token_ids`); text prompts are tokenized here
 with the model's tokenizer (parameter `tokenizer`) so they match exactly too. A long text is
@@ -23,7 +23,7 @@ Parameters (llm-d's type name):
 Speculative indexing (llm-d's): an engine reports BlockStored only after the request's prefill
 step, so a second request with the same prefix arriving before that would score 0 everywhere
 and could land anywhere. As a `PreRequest` hook this plugin therefore adds the prompt's block
-hashes for the picked endpoint to the index as speculative entries (`PrefixIndex.speculate`):
+hashes for the picked endpoint to the index as speculative entries (`KvBlockIndex.speculate`):
 they count in matched_blocks(e) like real ones, become real when the engine's BlockStored
 confirms them, and are dropped when unconfirmed after speculativeTtl (the request failed, was
 rejected, or its prefill is still queued) or on AllBlocksCleared / a resync. The prompt's
@@ -31,7 +31,7 @@ leading blocks the endpoint already holds (matched_blocks) are not touched: only
 speculated, so a hot prefix costs O(unique suffix blocks) per request.
 Prefill in progress: the same hook counts the request's uncached prompt tokens in the index's
 `pending_prefill` for the picked endpoint until the engine stores the prompt's last full block
-(`PrefixIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables) passes; the
+(`KvBlockIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables) passes; the
 `PrefixMatch` it produces carries `pending_prefill` for estimated-ttft-scorer.
 Lifecycle: the router calls `start()` (one HTTP/2 stream per endpoint of the datalayer) and
 `stop()`; afterwards subscriptions follow the endpoint set as scheduling cycles see it change.
@@ -60,8 +60,8 @@ from kvswitch.epp.framework import (
     param,
 )
 from kvswitch.epp.kvindex.events import LoadRecord
-from kvswitch.epp.kvindex.index import PrefixIndex
-from kvswitch.epp.kvindex.subscriber import KvEventSubscriptions
+from kvswitch.epp.kvindex.index import KvBlockIndex
+from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscriptions
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, uncached_tokens
 from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 from kvswitch.tokenization.offload import encode_off_loop, needs_offload
@@ -74,7 +74,7 @@ TOKENS_KEY = "precise-prefix-cache-scorer/tokens"
 
 
 class PrecisePrefixCacheScorer:
-    def __init__(self, name: str, index: PrefixIndex, handle: PluginHandle | None = None,
+    def __init__(self, name: str, index: KvBlockIndex, handle: PluginHandle | None = None,
                  tokenizer: TokenizerBundle | None = None, load_ttl: float = 2.5,
                  speculative_ttl: float = 2.0, prefill_ttl: float = 30.0) -> None:
         self.name = name
@@ -84,8 +84,9 @@ class PrecisePrefixCacheScorer:
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
-        self.subscriptions = KvEventSubscriptions(index, on_load=self._pushed_load,
-                                                  api_of=self._api_of)
+        self.subscriptions = KvEventSubscriptions(
+            index, on_load=self._pushed_load, api_of=self._api_of,
+            tls=handle.engine_tls if handle is not None else None)
         self._handle = handle
         self._following: frozenset[str] = frozenset()
         # The datalayer version `_following` was last checked against (-1: never).
@@ -144,6 +145,20 @@ class PrecisePrefixCacheScorer:
         datalayer.push(
             address, running=load.running, waiting=load.waiting, kv_usage=load.token_usage,
             waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl, age=age)
+
+    def feed_externally(self, addresses: Sequence[str]) -> dict[str, KvEventSubscriber]:
+        """Per address, a subscriber the caller hands decoded batches to itself (a harness
+        without I/O, such as the fleet simulator): the plugin then opens no stream for these
+        endpoints, and their load records reach the datalayer as a stream's would."""
+        self._following = frozenset(addresses)
+        if self._handle is not None:
+            self._checked_version = self._handle.datalayer.version
+        subscribers = {}
+        for address in addresses:
+            self.index.add_endpoint(address)
+            subscribers[address] = KvEventSubscriber(address, self.index,
+                                                     on_load=self._pushed_load)
+        return subscribers
 
     async def start(self) -> None:
         self._following = self._pool()
@@ -237,7 +252,7 @@ def create(name: str, parameters: Mapping[str, Any],
     ttl = duration(parameters.get("loadRecordTtl", 2.5), "parameters.loadRecordTtl")
     speculative_ttl = duration(parameters.get("speculativeTtl", 2.0), "parameters.speculativeTtl")
     prefill_ttl = duration(parameters.get("prefillTtl", 30.0), "parameters.prefillTtl")
-    index = handle.shared("precise-prefix-index", lambda: PrefixIndex(block_size))
+    index = handle.shared("precise-prefix-index", lambda: KvBlockIndex(block_size))
     if index.block_size != block_size:
         raise ConfigError("parameters.blockSize: every precise-prefix-cache-scorer must share "
                           "one block size")

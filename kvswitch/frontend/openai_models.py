@@ -298,12 +298,7 @@ class CompletionRequest(_SamplingFields):
 
     @property
     def prompts_raw(self) -> list[str | list[int]]:
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and isinstance(prompt[0], int):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+        return prompt_list(self.prompt)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -321,12 +316,16 @@ class EmbeddingRequest(RequestBody):
 
     @property
     def inputs(self) -> list[str | list[int]]:
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if value and isinstance(value[0], int):
-            return [value]  # type: ignore[list-item]
-        return list(value)  # type: ignore[arg-type]
+        return prompt_list(self.input)
+
+
+def prompt_list(value: PromptInput) -> list[str | list[int]]:
+    """One prompt (a text or token ids) or a list of them, as a list of prompts."""
+    if isinstance(value, str):
+        return [value]
+    if value and isinstance(value[0], int):
+        return [value]  # type: ignore[list-item]
+    return list(value)  # type: ignore[arg-type]
 
 
 _LOGGED_IGNORED: set[str] = set()
