@@ -167,7 +167,7 @@ def check_kv_transfer(request: pb.GenerateRequest) -> None:
     if request.HasField("kv_transfer_params_json"):
         try:
             parsed = json.loads(request.kv_transfer_params_json)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise InvalidRequest(f"Invalid kv_transfer_params_json: {exc}",
                                  param="kv_transfer_params_json") from exc
         _require(isinstance(parsed, dict), "kv_transfer_params_json",

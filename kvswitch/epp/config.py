@@ -155,7 +155,7 @@ def load_documents(source: Path | str | Mapping[str, Any] | Sequence[Mapping[str
                 raise ConfigError(f"{what}: cannot read {source}: {exc}") from exc
         try:
             docs = [d for d in yaml.safe_load_all(text) if d is not None]
-        except (yaml.YAMLError, ValueError) as exc:  # pyyaml raises ValueError on bad escapes
+        except (yaml.YAMLError, ValueError, OverflowError) as exc:  # pyyaml: on bad escapes
             raise ConfigError(f"{what}: invalid YAML: {exc}") from exc
     else:
         docs = list(source)

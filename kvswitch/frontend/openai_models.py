@@ -111,8 +111,8 @@ class ToolCall(StrictModel):
         if isinstance(arguments, str):
             try:
                 call["function"]["arguments"] = json.loads(arguments)
-            except ValueError:
-                pass  # not JSON: the template gets the text
+            except (ValueError, RecursionError):
+                pass  # not JSON (or nested past Python's limit): the template gets the text
         return call
 
 

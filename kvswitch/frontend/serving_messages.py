@@ -72,7 +72,7 @@ def _stop(finish_reason: str | None, stop_reason: str | int | None,
 def _input(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments) if arguments else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         return {}
     return value if isinstance(value, dict) else {"value": value}
 

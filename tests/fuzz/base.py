@@ -1,5 +1,7 @@
-"""What the fuzz targets share: the `Target` record, the mutator that turns well-formed inputs
-into broken ones, and a transport that records what a protocol writes."""
+"""What the fuzz targets share: the `Target` record (both engines use it: hypothesis draws
+`inputs`, atheris's bytes go through `codec`, and both hand the input to `check`), the mutator
+that turns well-formed inputs into broken ones, and a transport that records what a protocol
+writes."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from tests.fuzz.raw import BYTES, Codec
+
 __all__ = ["FakeTransport", "Target", "mutated"]
 
 
@@ -17,6 +21,7 @@ class Target:
     name: str
     inputs: st.SearchStrategy[Any]
     check: Callable[[Any], None]
+    codec: Codec = BYTES
 
 
 def mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:

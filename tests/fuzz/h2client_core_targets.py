@@ -29,6 +29,7 @@ from kvswitch.protocol.http2 import (
     frame,
 )
 from tests.fuzz.base import Target, mutated
+from tests.fuzz.raw import Codec
 
 __all__ = ["H2_CLIENT_CORE"]
 
@@ -112,4 +113,5 @@ def check_h2_client_core(args: tuple[bytes, int, int]) -> None:
 
 
 H2_CLIENT_CORE = Target("h2-client-core", st.tuples(_input, st.integers(0, 300),
-                                                    st.integers(0, 300)), check_h2_client_core)
+                                                    st.integers(0, 300)), check_h2_client_core,
+                        Codec("bytes", (255, 255)))

@@ -25,6 +25,7 @@ from kvswitch.protocol.http2 import (
     frame,
 )
 from tests.fuzz.base import Target, mutated
+from tests.fuzz.raw import CHUNKS, Codec
 
 __all__ = ["H2_FRAMES", "HPACK_BLOCKS"]
 
@@ -67,7 +68,7 @@ def check_h2_frames(args: tuple[bytes, int, int]) -> None:
 
 
 H2_FRAMES = Target("h2-frames", st.tuples(_h2_input, st.integers(0, 200), st.integers(0, 200)),
-                   check_h2_frames)
+                   check_h2_frames, Codec("bytes", (255, 255)))
 
 _fields = st.lists(st.tuples(st.sampled_from([":status", "grpc-status", "x-a", "x-b"]),
                              st.text(max_size=20)), max_size=6)
@@ -85,4 +86,5 @@ def check_hpack_blocks(blocks: list[bytes]) -> None:
         assert sum(32 + len(k) + len(v) for k, v in headers.items()) <= 256  # the cap holds
 
 
-HPACK_BLOCKS = Target("hpack-blocks", st.lists(mutated(_block), max_size=4), check_hpack_blocks)
+HPACK_BLOCKS = Target("hpack-blocks", st.lists(mutated(_block), max_size=4), check_hpack_blocks,
+                      CHUNKS)

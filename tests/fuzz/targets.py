@@ -1,7 +1,10 @@
-"""Fuzz targets: every parser of bytes from outside, each with the inputs to draw and what must
-come out (the message parsers here, the transports in `transport_targets`). A target's `check` asserts the outcome is a valid result or an error of the right
-kind (anything else raised is a finding). tests/fuzz/test_fuzz.py runs each briefly;
-benchmarks/fuzz_long.py runs them long and reports crashes, hangs and peak memory.
+"""Fuzz targets: every parser of bytes from outside, each with the inputs to draw, how raw bytes
+map to an input (atheris) and what must come out (the message parsers here; the HTTP/2 frame
+layer in `h2core_targets`, the transports in `transport_targets`, the engine's request handling
+in `engine_targets`). A target's `check` asserts the outcome is a valid result or an error of
+the right kind (anything else raised is a finding). `TARGETS` is the one table both engines use.
+tests/fuzz/test_fuzz.py runs each briefly; benchmarks/fuzz_long.py runs them long and reports
+crashes, hangs and peak memory.
 
 Inputs mix raw bytes with well-formed inputs that are then cut, spliced or mutated, so the
 checks reach past the first length or type test.
@@ -25,10 +28,11 @@ from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.contracts import EndpointPicker, ParsedBody, RoutingDecision
 from kvswitch.epp.extproc import ExtProcStream, NeedRouting, RequestFinished
 from kvswitch.epp.framework import ConfigError
-from kvswitch.epp.kvindex.events import batch_from_proto
+from kvswitch.epp.kvindex.events import KvEventBatchView, batch_from_proto
 from kvswitch.epp.kvindex.index import KvBlockIndex
 from kvswitch.epp.parsers import default_parsers
 from kvswitch.epp.parsers.openai import OpenAIParser
+from kvswitch.epp.parsers.sglanggrpc import SglangGrpcParser
 from kvswitch.epp.parsers.vllmgrpc import VllmGrpcParser
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
 from kvswitch.frontend.openai_models import ChatCompletionRequest, CompletionRequest, parse_request
@@ -36,9 +40,14 @@ from kvswitch.limits import SAMPLING_DEFAULTS, check_sampling
 from kvswitch.protocol import EMBED_PATH, GENERATE_PATH, common_pb2
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.grpc_framing import FrameDecoder, decode_all
+from kvswitch.protocol.sglang import SGLANG_EMBED_PATH, SGLANG_GENERATE_PATH
+from kvswitch.protocol.sglang import sglang_scheduler_pb2 as sglang_pb
 from tests.fuzz.base import Target, mutated
+from tests.fuzz.engine_targets import ENGINE_SGLANG, ENGINE_VLLM, messages
 from tests.fuzz.h2client_core_targets import H2_CLIENT_CORE
 from tests.fuzz.h2core_targets import H2_FRAMES, HPACK_BLOCKS
+from tests.fuzz.output_targets import MODEL_OUTPUT
+from tests.fuzz.raw import CHUNKS, TEXT, Codec
 from tests.fuzz.transport_targets import H2_CLIENT, H2_SERVER, HTTP1
 
 __all__ = ["TARGETS", "Target"]
@@ -95,9 +104,11 @@ def check_grpc_frames(args: tuple[bytes, str | None, int, int]) -> None:
     assert (pieces is None) == (messages is None) and (pieces is None or pieces == messages)
 
 
+_ENCODINGS = [None, "identity", "gzip", "deflate", "br"]
+_LIMITS = [16, 1024, 16 << 20]
 GRPC_FRAMES = Target("grpc-frames", st.tuples(
-    _grpc_bodies, st.sampled_from([None, "identity", "gzip", "deflate", "br"]),
-    st.sampled_from([16, 1024, 16 << 20]), st.integers(0, 64)), check_grpc_frames)
+    _grpc_bodies, st.sampled_from(_ENCODINGS), st.sampled_from(_LIMITS), st.integers(0, 64)),
+    check_grpc_frames, Codec("bytes", (_ENCODINGS, _LIMITS, 255)))
 
 
 # ---- protobuf requests (the EPP's vllmgrpc parser) -----------------------------------------
@@ -122,9 +133,40 @@ def check_vllmgrpc(args: tuple[bytes, str, str | None]) -> None:
             pass
 
 
+_VLLM_PATHS, _GZIP = [GENERATE_PATH, EMBED_PATH], [None, "gzip"]
 VLLMGRPC = Target("vllmgrpc-parser", st.tuples(
-    _grpc_bodies, st.sampled_from([GENERATE_PATH, EMBED_PATH]),
-    st.sampled_from([None, "gzip"])), check_vllmgrpc)
+    _grpc_bodies, st.sampled_from(_VLLM_PATHS), st.sampled_from(_GZIP)), check_vllmgrpc,
+    Codec("bytes", (_VLLM_PATHS, _GZIP)))
+
+
+# ---- protobuf requests (the EPP's sglanggrpc parser) ---------------------------------------
+
+_sglang_bodies = mutated(st.builds(
+    _grpc_body, st.one_of(messages(sglang_pb.GenerateRequest), messages(sglang_pb.EmbedRequest)),
+    st.booleans(), st.sampled_from([0, 0, 0, -1, 1])))
+
+
+def check_sglanggrpc(args: tuple[bytes, str, str | None]) -> None:
+    body, path, encoding = args
+    headers = {"grpc-encoding": encoding} if encoding else {}
+    try:
+        parsed = SglangGrpcParser(max_message_bytes=1 << 16).parse(path, headers, body)
+    except (InvalidRequest, PayloadTooLarge):
+        return
+    assert isinstance(parsed, ParsedBody)
+    messages_in = decode_all(body, encoding=encoding, max_message_bytes=1 << 16)
+    request = (sglang_pb.EmbedRequest if path == SGLANG_EMBED_PATH
+               else sglang_pb.GenerateRequest).FromString(messages_in[0])
+    if parsed.prompt_token_ids is not None:  # the packed view reads what protobuf reads
+        assert list(parsed.prompt_token_ids) == list(request.tokenized.input_ids)
+    else:
+        assert not request.tokenized.input_ids
+
+
+_SGLANG_PATHS = [SGLANG_GENERATE_PATH, SGLANG_EMBED_PATH]
+SGLANGGRPC = Target("sglanggrpc-parser", st.tuples(
+    _sglang_bodies, st.sampled_from(_SGLANG_PATHS), st.sampled_from(_GZIP)), check_sglanggrpc,
+    Codec("bytes", (_SGLANG_PATHS, _GZIP)))
 
 
 # ---- OpenAI JSON bodies (the EPP's parser and the frontend's models) -----------------------
@@ -171,13 +213,17 @@ def check_openai(args: tuple[bytes, str]) -> None:
         return
     model = ChatCompletionRequest if path.endswith("chat/completions") else CompletionRequest
     try:
-        parse_request(model, decoded)
+        request = parse_request(model, decoded)
     except InvalidRequest as exc:
         assert exc.message
+        return
+    for message in getattr(request, "messages", None) or ():
+        message.for_template()  # what the chat template is given
 
 
-OPENAI = Target("openai-json", st.tuples(
-    _openai_bytes, st.sampled_from(["/v1/completions", "/v1/chat/completions"])), check_openai)
+_OPENAI_PATHS = ["/v1/completions", "/v1/chat/completions"]
+OPENAI = Target("openai-json", st.tuples(_openai_bytes, st.sampled_from(_OPENAI_PATHS)),
+                check_openai, Codec("bytes", (_OPENAI_PATHS,)))
 
 
 # ---- EPP config files ----------------------------------------------------------------------
@@ -212,7 +258,7 @@ def check_config(text: str) -> None:
     assert picker.parsers
 
 
-CONFIG = Target("epp-config", _config_text, check_config)
+CONFIG = Target("epp-config", _config_text, check_config, TEXT)
 
 
 # ---- KV events -----------------------------------------------------------------------------
@@ -237,8 +283,8 @@ def check_kv_events(batches: list[bytes]) -> None:
     index = KvBlockIndex(block_size=16)
     index.add_endpoint("e")
     for raw in batches:
-        try:
-            message = common_pb2.KvEventBatch.FromString(raw)
+        try:  # as the EPP's subscriber reads a batch off the wire
+            message = KvEventBatchView.FromString(raw)
         except DecodeError:
             continue
         batch = batch_from_proto(message)
@@ -247,7 +293,7 @@ def check_kv_events(batches: list[bytes]) -> None:
         assert index.num_blocks("e") >= 0
 
 
-KV_EVENTS = Target("kv-events", st.lists(mutated(_batch), max_size=4), check_kv_events)
+KV_EVENTS = Target("kv-events", st.lists(mutated(_batch), max_size=4), check_kv_events, CHUNKS)
 
 # ---- ext_proc message sequences (what Envoy sends the EPP) ---------------------------------
 
@@ -314,9 +360,10 @@ def _feed(stream: ExtProcStream, messages: list[bytes]) -> None:
     stream.close()
 
 
-EXT_PROC = Target("ext-proc-stream", st.lists(_ext_proc_message, max_size=6), check_ext_proc)
+EXT_PROC = Target("ext-proc-stream", st.lists(_ext_proc_message, max_size=6), check_ext_proc,
+                  CHUNKS)
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    GRPC_FRAMES, VLLMGRPC, OPENAI, CONFIG, KV_EVENTS, EXT_PROC, H2_FRAMES, HPACK_BLOCKS,
-    H2_SERVER, H2_CLIENT, HTTP1, H2_CLIENT_CORE)}
+    GRPC_FRAMES, VLLMGRPC, SGLANGGRPC, OPENAI, CONFIG, KV_EVENTS, EXT_PROC, H2_FRAMES, HPACK_BLOCKS,
+    H2_SERVER, H2_CLIENT, HTTP1, H2_CLIENT_CORE, ENGINE_VLLM, ENGINE_SGLANG, MODEL_OUTPUT)}

@@ -9,10 +9,18 @@ from hypothesis import strategies as st
 
 from kvswitch.epp import h2connection
 from kvswitch.errors import KvswitchError
-from kvswitch.protocol import GENERATE_PATH
+from kvswitch.frontend.http_server import HttpRequest, Reply, Server, _Connection
+from kvswitch.limits import HttpLimits
+from kvswitch.protocol import (
+    GENERATE_PATH,
+    h2client,  # the HTTP/2 client under test: its one import here
+)
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.protocol.http2 import PREFACE, frame, hpack_literal
 from tests.fuzz.base import FakeTransport, Target, mutated
+from tests.fuzz.raw import Codec
+
+_SPLIT = Codec("bytes", (255,))  # the first byte: where the input is cut in two
 
 __all__ = ["H2_CLIENT", "H2_SERVER", "HTTP1"]
 
@@ -58,12 +66,11 @@ def check_h2_server(args: tuple[bytes, int]) -> None:
         assert conn.receive(b"\x00" * 9) == []  # and nothing more is read
 
 
-H2_SERVER = Target("h2-server", st.tuples(_h2_input, st.integers(0, 80)), check_h2_server)
+H2_SERVER = Target("h2-server", st.tuples(_h2_input, st.integers(0, 80)), check_h2_server,
+                   _SPLIT)
 
 
 def check_h2_client(args: tuple[bytes, int]) -> None:
-    from kvswitch.protocol import h2client
-
     data, split = args
 
     async def run() -> None:
@@ -90,7 +97,8 @@ def check_h2_client(args: tuple[bytes, int]) -> None:
     asyncio.run(run())
 
 
-H2_CLIENT = Target("h2-client", st.tuples(_h2_input, st.integers(0, 80)), check_h2_client)
+H2_CLIENT = Target("h2-client", st.tuples(_h2_input, st.integers(0, 80)), check_h2_client,
+                   _SPLIT)
 
 
 # ---- HTTP/1.1 requests (the frontend's server) ---------------------------------------------
@@ -112,9 +120,6 @@ _http_input = st.lists(mutated(_http_request), min_size=1, max_size=3).map(b"".j
 
 
 def check_http1(args: tuple[bytes, int]) -> None:
-    from kvswitch.frontend.http_server import HttpRequest, Reply, Server, _Connection
-    from kvswitch.limits import HttpLimits
-
     data, split = args
 
     class App:
@@ -147,4 +152,5 @@ def check_http1(args: tuple[bytes, int]) -> None:
             assert status in _REFUSALS | {100, 200}, line
 
 
-HTTP1 = Target("http1-requests", st.tuples(_http_input, st.integers(0, 200)), check_http1)
+HTTP1 = Target("http1-requests", st.tuples(_http_input, st.integers(0, 200)), check_http1,
+               _SPLIT)

@@ -248,7 +248,7 @@ def _instance(root: dict[str, Any], schema: Any, depth: int, budget: list[int]) 
 def json_schema_text(schema_json: str) -> str:
     try:
         schema = json.loads(schema_json)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's limit
         raise InvalidRequest(f"json_schema is not valid JSON: {exc}", param="json_schema") \
             from None
     root = schema if isinstance(schema, dict) else {}

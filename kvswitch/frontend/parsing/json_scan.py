@@ -60,7 +60,7 @@ def load_call(text: str) -> dict[str, Any] | None:
     """The call object `text` holds, or None when it is not one."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
