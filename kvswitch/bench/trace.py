@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvswitch.bench.workloads import BenchRequest, word_token_ids
-from kvswitch.epp.kvindex.index import chained_block_hashes
+from kvswitch.epp.kvindex.hashing import chained_block_hashes
 from kvswitch.tokenization import TokenizerBundle
 
 __all__ = [

@@ -37,7 +37,7 @@ from kvswitch.bench.oracle import OracleRouter
 from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 from kvswitch.engine.sim.profiles import SimProfile
 from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, KvBlockIndex, StoredBlock
-from kvswitch.epp.kvindex.index import chained_block_hashes
+from kvswitch.epp.kvindex.hashing import chained_block_hashes
 
 
 class FleetContext(Protocol):

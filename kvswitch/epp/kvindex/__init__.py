@@ -1,7 +1,8 @@
 """Precise prefix-cache index for the EPP, fed by the engines' KV events.
 
-- `KvBlockIndex` (sans-IO): per endpoint, the full blocks it holds under kvswitch's own chained
-  content hash; `match(hashes)` gives each endpoint's leading matched blocks.
+- `chained_block_hashes` (`hashing.py`): kvswitch's own chained content hash of a prompt's blocks.
+- `KvBlockIndex` (sans-IO): per endpoint, the full blocks it holds under that hash;
+  `match(hashes)` gives each endpoint's leading matched blocks.
 - `SequenceTracker` (sans-IO): sequence numbers of one stream -> apply / skip / resync verdicts.
 - `KvEventSubscriber` / `KvEventSubscriptions`: thin asyncio loops (over
   `kvswitch.protocol.h2client`) that feed the index and keep each engine's pushed `EngineLoad`
@@ -24,7 +25,8 @@ from kvswitch.epp.kvindex.events import (
     StoredBlock,
     batch_from_proto,
 )
-from kvswitch.epp.kvindex.index import ApplyStats, KvBlockIndex, chained_block_hashes, root_hash
+from kvswitch.epp.kvindex.hashing import chained_block_hashes, root_hash
+from kvswitch.epp.kvindex.index import ApplyStats, KvBlockIndex
 from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscriptions
 

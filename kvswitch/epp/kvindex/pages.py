@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from itertools import repeat
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
-from kvswitch.epp.kvindex.index import _block_pattern
+from kvswitch.epp.kvindex.hashing import block_pattern
 from kvswitch.protocol.packed import count_token_ids
 
 __all__ = ["PageRegrouper"]
@@ -100,7 +100,7 @@ class PageRegrouper:
         begin = chain.ends[blocks - 1] if blocks else 0
         if not rest:
             return key, b"", 0
-        match = _block_pattern(rest).match(chain.stream, begin)
+        match = block_pattern(rest).match(chain.stream, begin)
         return key, chain.stream[begin:match.end()] if match else b"", rest
 
     def _store(self, event: BlocksStored) -> BlocksStored | None:
@@ -118,7 +118,7 @@ class PageRegrouper:
         if count_token_ids(stream) != total:
             return None  # pages of another size than stated: cannot be placed
         size, first = self.block_size, pages[0][0]
-        cut = _block_pattern(size).match
+        cut = block_pattern(size).match
         keys: list[int] = []
         ends: list[int] = []
         blocks: list[tuple[int, bytes]] = []
