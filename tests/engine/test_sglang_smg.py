@@ -33,6 +33,20 @@ def _models(port: int) -> list[str]:
         return []
 
 
+def _answers(port: int) -> bool:
+    models = _models(port)
+    if not models:
+        return False
+    body = json.dumps({"model": models[0], "prompt": "ready", "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 @pytest.fixture(scope="module")
 def smg_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     smg = _smg()
@@ -50,8 +64,10 @@ def smg_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with running(engine, engine_port, tmp / "engine.log"), \
             running(gateway, smg_port, tmp / "smg.log", timeout=60.0):
         deadline = time.monotonic() + 60
-        while not _models(smg_port):  # the worker registers once SMG has its tokenizer
-            assert time.monotonic() < deadline, "SMG never listed the engine's model"
+        # SMG lists the worker's model before its tokenizer is registered (it answers
+        # "Tokenizer not yet registered" meanwhile): ready once a one-token completion succeeds.
+        while not _answers(smg_port):
+            assert time.monotonic() < deadline, "SMG never served the engine's model"
             time.sleep(0.1)
         yield f"http://127.0.0.1:{smg_port}/v1"
 
