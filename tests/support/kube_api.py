@@ -72,12 +72,14 @@ class KubeApiDouble:
         self.missing: set[str] = set()
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self._watches: list[_Watch] = []
+        self._stopped = False
         self.port = 0
         self._runner: web.AppRunner | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> int:
+        self._stopped = False
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/{ns}/{plural}", self._collection)
         app.router.add_get("/apis/{group}/{version}/namespaces/{ns}/{plural}", self._collection)
@@ -90,6 +92,7 @@ class KubeApiDouble:
 
     async def stop(self) -> None:
         """The API server goes away: open watches are cut, new connections refused."""
+        self._stopped = True
         self.drop_connections()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -232,6 +235,8 @@ class KubeApiDouble:
                                                    obj_plural, obj):
                 watch.queue.put_nowait({"type": kind, "object": obj})
         self._watches.append(watch)
+        if self._stopped:  # stop() ran while this watch was being set up: it ends at once
+            watch.queue.put_nowait(None)
         timeout = float(query.get("timeoutSeconds") or 0) or None
         try:
             async with asyncio.timeout(timeout):
