@@ -4,37 +4,23 @@ files before starting anything."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 from tests.support.processes import REPO, free_port
+from tests.support.up import kvswitch_up
 
 
 def test_up_with_self_signed_certificates(tmp_path: Path) -> None:
     port = free_port()
-    log = tmp_path / "up.log"
-    argv = [sys.executable, "-m", "kvswitch", "up", "--port", str(port), "--replicas", "1",
-            "--profile", "tiny", "--time-scale", "100", "--mode", "echo", "--grace-period", "1",
-            "--no-frontend", "--tls-self-signed", "--tls-handshake-timeout", "3",
-            "--log-dir", str(tmp_path / "state")]
-    with open(log, "wb") as out:
-        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                              start_new_session=True)
-    children: list[int] = []
-    try:
-        waited = threading.Event()
-        for _ in range(600):  # bounded: 600 x 0.1 s
-            if "Ctrl-C stops everything" in log.read_text() or up.poll() is not None:
-                break
-            waited.wait(0.1)
-        text = log.read_text()
-        children = [int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", text)]
+    args = ["--port", str(port), "--replicas", "1", "--profile", "tiny", "--time-scale", "100",
+            "--mode", "echo", "--grace-period", "1", "--no-frontend", "--tls-self-signed",
+            "--tls-handshake-timeout", "3"]
+    with kvswitch_up(args, tmp_path, ready="Ctrl-C stops everything") as up:
+        text = up.output()
         found = re.search(r"TLS on every hop, CA (\S+);", text)
         assert found is not None, text
         ca = Path(found.group(1))
@@ -47,16 +33,9 @@ def test_up_with_self_signed_certificates(tmp_path: Path) -> None:
                              capture_output=True, timeout=60, cwd=REPO)
         assert run.returncode == 0, run.stderr
         assert "complete {" in run.stdout, run.stdout
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0, log.read_text()
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=60) == 0, up.output()
         assert not ca.parent.exists()  # the self-signed files went with it
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait(timeout=10)
-        for pid in children:  # only if `up` could not stop them itself
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_up_refuses_an_incomplete_tls_dir(tmp_path: Path) -> None:
