@@ -170,8 +170,8 @@ def _tls_dir(args: argparse.Namespace) -> TlsDir | None:
                          "--tls-self-signed")
     else:
         return None
-    return TlsDir(directory.path, args.tls_server_name, args.tls_handshake_timeout,
-                  args.tls_client_auth)
+    return TlsDir(directory.path, sni=args.tls_server_name,
+                  handshake_timeout=args.tls_handshake_timeout, client_auth=args.tls_client_auth)
 
 
 def _run(args: argparse.Namespace, state_dir: Path, with_frontend: bool,
