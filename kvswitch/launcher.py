@@ -5,8 +5,9 @@ parallel), then Envoy, then the frontends, each waited for until ready. Its buil
 (`engine_spec`, `write_pool_file`, `epp_spec`, `envoy_spec`, `frontend_spec`) are what
 `kvswitch up`, `kvswitch bench`, the benchmarks and the e2e tests start pools with, so all of
 them start processes the same way. With `GatewaySpec.tls` every hop runs over TLS: the listener
-(server certificate only, for outside clients), and mTLS from Envoy to the EPPs, engines and
-frontends and from the EPPs to the engines; the frontends call the listener over TLS.
+(asking outside clients for a certificate only with `TlsDir.client_auth`), and mTLS from Envoy
+to the EPPs, engines and frontends and from the EPPs to the engines; the frontends call the
+listener over TLS, presenting client.crt.
 """
 
 from __future__ import annotations
@@ -328,7 +329,7 @@ def launch_gateway(supervisor: Supervisor, spec: GatewaySpec, state_dir: Path,
         admin_port=ports.admin, frontends=tuple(f"127.0.0.1:{p}" for p in ports.frontends),
         routing=spec.routing,  # type: ignore[arg-type]
         epp_headers=(*EPP_HEADERS, *session_headers(epp_config)),
-        tls=tls.server(client_certificates=False) if tls is not None else None,
+        tls=tls.listener() if tls is not None else None,
         epp_tls=tls.client() if tls is not None else None,
         engine_tls=tls.client() if tls is not None else None,
         frontend_tls=tls.client() if tls is not None else None,

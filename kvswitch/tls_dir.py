@@ -4,25 +4,37 @@
 every kvswitch server and Envoy's listener present; its names must include `sni`) and
 `client.crt` / `client.key` (what Envoy, the EPP and the frontend present to the servers they
 call, which require it: mTLS). `server(...)` and `client()` are those files as `TlsFiles` and
-`UpstreamTls`, and `server_flags(...)` / `client_flags(prefix)` the same as command-line flags of
-kvswitch's processes. `write_self_signed(path)` makes such a directory: a fresh CA (one day valid,
-P-256), a server certificate for `localhost` and 127.0.0.1, and a client certificate
-(`kvswitch up --tls-self-signed`).
+`UpstreamTls`, `listener()` what the public listener serves (asking clients for a certificate
+only with `client_auth`), and `server_flags(...)` / `client_flags(prefix)` the same as
+command-line flags of kvswitch's processes. `write_self_signed(path, sni)` makes such a
+directory: a fresh CA (one day valid, P-256), a server certificate for `sni` and 127.0.0.1, and
+a client certificate (`kvswitch up --tls-self-signed`). `check_server_name` says whether a name
+can be `sni`: a DNS name or an IPv4 address.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvswitch.tls import HANDSHAKE_TIMEOUT, TlsFiles, UpstreamTls
 
-__all__ = ["FILES", "TlsDir", "write_self_signed"]
+__all__ = ["FILES", "SNI", "TlsDir", "check_server_name", "write_self_signed"]
 
 FILES = ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")
 SNI = "localhost"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_SERVER_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
+
+
+def check_server_name(name: str) -> None:
+    """Raise ValueError unless `name` is a DNS name (letters, digits and hyphens in dot-separated
+    labels) or an IPv4 address, at most 253 characters."""
+    if len(name) > 253 or not _SERVER_NAME.fullmatch(name):
+        raise ValueError(f"server name {name!r} is not a DNS name or an IPv4 address")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +44,8 @@ class TlsDir:
     """The name callers verify the servers' certificate against."""
     handshake_timeout: float = HANDSHAKE_TIMEOUT
     """Seconds every server gives a client to finish its TLS handshake."""
+    client_auth: bool = False
+    """The public listener too requires a client certificate signed by `ca.crt`."""
 
     @property
     def ca(self) -> Path:
@@ -44,6 +58,10 @@ class TlsDir:
         """What a server presents; with `client_certificates`, it requires the client's."""
         return TlsFiles(self.path / "server.crt", self.path / "server.key",
                         self.ca if client_certificates else None, self.handshake_timeout)
+
+    def listener(self) -> TlsFiles:
+        """What the public listener serves."""
+        return self.server(client_certificates=self.client_auth)
 
     def client(self) -> UpstreamTls:
         """How a client calls the servers: verify them against `ca.crt`, present its own."""
@@ -64,8 +82,10 @@ class TlsDir:
                 f"--{prefix}-tls-key", str(tls.key), f"--{prefix}-tls-sni", tls.sni]
 
 
-def write_self_signed(path: Path) -> TlsDir:
-    """A fresh CA and the server and client certificates it signs, written into `path`."""
+def write_self_signed(path: Path, sni: str = SNI) -> TlsDir:
+    """A fresh CA and the server (for `sni` and 127.0.0.1) and client certificates it signs,
+    written into `path`."""
+    check_server_name(sni)
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -100,16 +120,20 @@ def write_self_signed(path: Path) -> TlsDir:
                         ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (x509.CertificateBuilder()
-                   .subject_name(name(SNI if stem == "server" else "kvswitch client"))
+                   .subject_name(name(sni if stem == "server" else "kvswitch client"))
                    .issuer_name(ca.subject).public_key(key.public_key())
                    .serial_number(x509.random_serial_number())
                    .not_valid_before(valid[0]).not_valid_after(valid[1])
                    .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
         if stem == "server":
-            builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName(SNI), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
+            names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            if sni != "127.0.0.1":
+                try:
+                    names.insert(0, x509.IPAddress(ipaddress.ip_address(sni)))
+                except ValueError:
+                    names.insert(0, x509.DNSName(sni))
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
         (path / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         write_key(key, f"{stem}.key")
-    return TlsDir(path)
+    return TlsDir(path, sni)

@@ -15,25 +15,28 @@ The processes are started by `kvswitch.launcher.launch_gateway`, as `kvswitch be
 benchmarks and the e2e tests start them.
 
 TLS: `--tls-dir DIR` (ca.crt, server.crt/key, client.crt/key; the server certificate names
-`localhost`) or `--tls-self-signed` (a fresh CA and certificates in a temporary directory,
-removed on exit) puts every hop on TLS (`kvswitch.launcher`); the listener then serves TLS
-without asking for client certificates, and the printed lines call it with ca.crt.
+`--tls-server-name`, default `localhost`) or `--tls-self-signed` (a fresh CA and certificates
+for that name in a temporary directory, removed on exit) puts every hop on TLS
+(`kvswitch.launcher`). The listener serves TLS, and with `--tls-client-auth` requires a client
+certificate signed by ca.crt. The printed lines connect to 127.0.0.1, verify the listener
+against ca.crt as the server name (which they send as SNI) and, with `--tls-client-auth`,
+present client.crt.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib.util
 import json
 import logging
 import shutil
 import signal
+import socket
 import ssl
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -42,7 +45,7 @@ from kvswitch.engine.sim.profiles import PROFILES
 from kvswitch.launcher import GatewaySpec, Ports, frontend_available, launch_gateway
 from kvswitch.supervisor import ChildExited, Supervisor
 from kvswitch.tls import HANDSHAKE_TIMEOUT
-from kvswitch.tls_dir import FILES, TlsDir, write_self_signed
+from kvswitch.tls_dir import FILES, SNI, TlsDir, check_server_name, write_self_signed
 
 __all__ = ["add_arguments", "run"]
 
@@ -61,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  kvswitch up                                  # 4 engines, port 8000\n"
         "  kvswitch up --replicas 8 --profile qwen3-32b-2xh100 --time-scale 10\n"
         "  kvswitch up --mode echo --epp-config my-epp.yaml --log-dir ./logs\n"
-        "  kvswitch up --tls-self-signed                # every hop on TLS")
+        "  kvswitch up --tls-self-signed                # every hop on TLS\n"
+        "  kvswitch up --tls-self-signed --tls-client-auth --tls-server-name gateway.test")
     parser.add_argument("--port", type=int, default=8000,
                         help="public port for gRPC and HTTP (default: %(default)s)")
     parser.add_argument("--admin-port", type=int, default=None,
@@ -113,10 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--tls-dir", type=Path, default=None, metavar="DIR",
                         help=f"PEM files {', '.join(FILES)}: the listener serves server.crt, "
                              "and every internal hop is mTLS with client.crt; server.crt must "
-                             "name localhost")
+                             "name the --tls-server-name")
     source.add_argument("--tls-self-signed", action="store_true",
                         help="make a CA and those files in a temporary directory (removed on "
                              "exit); the startup message shows its ca.crt")
+    tls.add_argument("--tls-client-auth", action="store_true",
+                     help="the listener requires a client certificate signed by ca.crt; the "
+                          "printed lines present client.crt")
+    tls.add_argument("--tls-server-name", default=SNI, metavar="NAME",
+                     help="the name server.crt carries (--tls-self-signed writes it), which "
+                          "every hop verifies and the printed lines send as SNI (default: "
+                          "%(default)s)")
     tls.add_argument("--tls-handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT,
                      metavar="SECONDS",
                      help="every TLS server drops a client that has not finished its handshake "
@@ -146,15 +157,21 @@ def run(args: argparse.Namespace) -> int:
 def _tls_dir(args: argparse.Namespace) -> TlsDir | None:
     if not args.tls_handshake_timeout > 0:
         raise ValueError("--tls-handshake-timeout must be positive")
+    check_server_name(args.tls_server_name)
     if args.tls_self_signed:
-        directory = write_self_signed(Path(tempfile.mkdtemp(prefix="kvswitch-tls-")))
+        directory = write_self_signed(Path(tempfile.mkdtemp(prefix="kvswitch-tls-")),
+                                      args.tls_server_name)
     elif args.tls_dir is not None:
         directory = TlsDir(args.tls_dir.resolve())
         if missing := directory.missing():
             raise ValueError(f"--tls-dir {args.tls_dir}: missing {', '.join(missing)}")
+    elif args.tls_client_auth or args.tls_server_name != SNI:
+        raise ValueError("--tls-client-auth and --tls-server-name need --tls-dir or "
+                         "--tls-self-signed")
     else:
         return None
-    return TlsDir(directory.path, handshake_timeout=args.tls_handshake_timeout)
+    return TlsDir(directory.path, sni=args.tls_server_name,
+                  handshake_timeout=args.tls_handshake_timeout, client_auth=args.tls_client_auth)
 
 
 def _run(args: argparse.Namespace, state_dir: Path, with_frontend: bool,
@@ -230,40 +247,59 @@ def _alive(supervisor: Supervisor, prefix: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _Caller:
-    """How the printed lines reach the gateway: plaintext, or TLS verified against ca.crt."""
+    """How the printed lines reach the gateway on 127.0.0.1: plaintext, or TLS verified against
+    ca.crt as the server name (sent as SNI), with client.crt when the listener asks for it."""
 
+    port: int
     address: str
     grpcurl: str
-    """grpcurl's transport flag."""
+    """grpcurl's transport flags."""
     channel: str
     """A Python expression making the grpc channel."""
     url: str
     """The OpenAI API's base URL."""
     curl: str = ""
-    """curl's TLS flag, with its trailing space (none for plaintext)."""
+    """curl's TLS flags, with a trailing space (none for plaintext)."""
     ssl: ssl.SSLContext | None = None
+    name: str = "127.0.0.1"
+    """The host the URL names: the server name with TLS."""
 
 
 def _caller(port: int, tls: TlsDir | None) -> _Caller:
+    address = f"127.0.0.1:{port}"
     if tls is None:
-        address = f"127.0.0.1:{port}"
-        return _Caller(address, "-plaintext", f"grpc.insecure_channel('{address}')",
+        return _Caller(port, address, "-plaintext", f"grpc.insecure_channel('{address}')",
                        f"http://{address}")
-    address, ca = f"{tls.sni}:{port}", tls.ca
-    return _Caller(address, f"-cacert {ca}",
-                   f"grpc.secure_channel('{address}', "
-                   f"grpc.ssl_channel_credentials(open('{ca}', 'rb').read()))",
-                   f"https://{address}", f"--cacert {ca} ", ssl.create_default_context(cafile=ca))
+    name, ca = tls.sni, tls.ca
+    context = ssl.create_default_context(cafile=ca)
+    grpcurl, curl, credentials = f"-cacert {ca}", f"--cacert {ca}", [f"open('{ca}', 'rb').read()"]
+    if tls.client_auth:
+        client = tls.client()
+        assert client.cert is not None and client.key is not None
+        context.load_cert_chain(client.cert, client.key)
+        grpcurl += f" -cert {client.cert} -key {client.key}"
+        curl += f" --cert {client.cert} --key {client.key}"
+        credentials += [f"open('{client.key}', 'rb').read()", f"open('{client.cert}', 'rb').read()"]
+    channel = (f"grpc.secure_channel('{address}', grpc.ssl_channel_credentials("
+               f"{', '.join(credentials)}), options=[('grpc.ssl_target_name_override', '{name}')])")
+    return _Caller(port, address, f"{grpcurl} -authority {name}", channel,
+                   f"https://{name}:{port}", f"{curl} --resolve {name}:{port}:127.0.0.1 ",
+                   context, name)
 
 
 def served_model(caller: _Caller) -> str:
     """The first model id the frontend lists (what the printed curl line must name)."""
+    connection = http.client.HTTPConnection(caller.name, caller.port, timeout=5.0)
     try:
-        with urllib.request.urlopen(f"{caller.url}/v1/models", timeout=5.0,
-                                    context=caller.ssl) as response:
-            return str(json.loads(response.read())["data"][0]["id"])
-    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError):
+        if caller.ssl is not None:  # to 127.0.0.1, whatever the server name resolves to
+            raw = socket.create_connection(("127.0.0.1", caller.port), timeout=5.0)
+            connection.sock = caller.ssl.wrap_socket(raw, server_hostname=caller.name)
+        connection.request("GET", "/v1/models")
+        return str(json.loads(connection.getresponse().read())["data"][0]["id"])
+    except (OSError, http.client.HTTPException, KeyError, IndexError, TypeError, ValueError):
         return "default"
+    finally:
+        connection.close()
 
 
 def _epp_metrics_urls(ports: Ports) -> str:
@@ -323,7 +359,9 @@ def startup_message(ports: Ports, with_frontend: bool, state_dir: Path,
         "EOF",
     ]
     lines.insert(0, "")
-    security = f"TLS on every hop, CA {tls.ca}" if tls is not None else "plaintext"
+    security = "plaintext" if tls is None else (
+        f"TLS on every hop{', client certificate required' if tls.client_auth else ''}, "
+        f"CA {tls.ca}")
     lines.insert(1, (f"kvswitch is up on 127.0.0.1:{ports.public}  ({security}; Envoy admin "
                      f"127.0.0.1:{ports.admin}, EPP metrics {_epp_metrics_urls(ports)}, "
                      f"logs {state_dir})"))

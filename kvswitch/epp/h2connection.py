@@ -43,7 +43,7 @@ from kvswitch.protocol.grpc_framing import (
     encode,
     trailers_block,
 )
-from kvswitch.protocol.h2state import ConnectionState
+from kvswitch.protocol.h2state import NO_EVENTS, ConnectionState, FrameInput
 from kvswitch.protocol.h2streams import StreamFlow
 from kvswitch.protocol.http2 import (
     ACK,
@@ -54,7 +54,6 @@ from kvswitch.protocol.http2 import (
     FLOW_CONTROL_ERROR,
     GOAWAY,
     HEADERS,
-    INTERNAL_ERROR,
     LAST_POSSIBLE_STREAM,
     MAX_IDLE_FRAMES,
     NO_ERROR,
@@ -104,9 +103,6 @@ _RESPONSE_HEADERS = b"\x88" + hpack_literal("content-type", "application/grpc")
 _DRAIN_PING = b"kvsdrain"  # the opaque data of the PING that follows a draining GOAWAY
 
 
-_NO_EVENTS: list[Event] = []  # never appended to: frames are handled only inside `receive()`
-
-
 class _Stream(StreamFlow):
     __slots__ = ("decoder", "headers_sent", "local_done", "remote_done")
 
@@ -124,7 +120,7 @@ def check_stream_limit(limit: int) -> None:
         raise ValueError(f"max_concurrent_streams {limit} is not in 1..2^32-1")
 
 
-class H2GrpcConnection:
+class H2GrpcConnection(FrameInput[Event]):
     """The server side of one HTTP/2 connection carrying gRPC calls; no I/O."""
 
     def __init__(self, *, max_message_bytes: int = 4 << 20, stream_window: int = _STREAM_WINDOW,
@@ -148,7 +144,7 @@ class H2GrpcConnection:
         self._decoder = HeaderDecoder(MAX_HEADER_LIST)
         self._connection = ConnectionState()
         self._blocked: dict[int, _Stream] = {}
-        self._events: list[Event] = _NO_EVENTS  # what the `receive()` under way returns
+        self._events: list[Event] = NO_EVENTS
 
     def initiate(self) -> None:
         """Queue our SETTINGS (no push, the stream limit, big stream window and frames) and open
@@ -165,28 +161,13 @@ class H2GrpcConnection:
 
     def receive(self, data: bytes) -> list[Event]:
         """Feed bytes read from the socket; never raises (bad input ends the connection)."""
-        if self.closed:
-            return []
-        events: list[Event] = []
-        self._events = events
-        try:
-            self._reader.feed(data)
-        except H2ProtocolError as exc:
-            self._fail(exc.code, exc.reason, events)
-        except Exception as exc:  # a parsing bug must cost this connection, not the server
-            logger.exception("HTTP/2 connection failed")
-            self._fail(INTERNAL_ERROR, f"internal error: {exc}", events)
-        self._events = _NO_EVENTS  # the caller's now: not kept past this call
-        connection = self._connection
-        if connection.recv_unacked >= connection.refill_at:
-            self._out.append(connection.refill())
-        return events
+        return [] if self.closed else self._read(data)
 
-    def _fail(self, code: int, reason: str, events: list[Event]) -> None:
+    def _fail(self, code: int, reason: str) -> None:
         logger.warning("HTTP/2 connection error %#x: %s", code, reason)
         self.goaway(code, reason)
         self.closed = True
-        events.append(ConnectionEnded(code, reason))
+        self._events.append(ConnectionEnded(code, reason))
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes,
                   length: int) -> None:

@@ -22,6 +22,7 @@ from urllib.parse import quote, unquote
 
 from kvswitch.errors import InvalidRequest, PayloadTooLarge
 from kvswitch.protocol.http2 import hpack_literal
+from kvswitch.protocol.pieces import Pieces
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -88,25 +89,22 @@ def _check_encoding(encoding: str | None) -> str | None:
 
 
 class FrameDecoder:
-    """Incremental decoder: `feed(bytes) -> [message, ...]`, then `close()` at end of stream.
-    A partial message is kept as the pieces received and joined once whole (a big message
-    arrives in many frames)."""
+    """Incremental decoder: `feed(bytes) -> [message, ...]`, then `close()` at end of stream;
+    a partial message is kept as `Pieces`."""
 
-    __slots__ = ("_encoding", "_have", "_max", "_need", "_partial")
+    __slots__ = ("_encoding", "_max", "_partial")
 
     def __init__(
         self, *, encoding: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ) -> None:
         self._encoding = _check_encoding(encoding)
         self._max = max_message_bytes
-        self._partial: list[bytes] = []
-        self._have = 0  # bytes in `_partial`
-        self._need = 0  # bytes that complete the message (or its prefix)
+        self._partial = Pieces()  # an incomplete message (or prefix)
 
     @property
     def pending(self) -> int:
         """Bytes held that do not yet make a complete message."""
-        return self._have
+        return self._partial.have
 
     def feed(self, data: bytes) -> list[bytes]:
         messages: list[bytes] = []
@@ -115,26 +113,20 @@ class FrameDecoder:
 
     def feed_into(self, data: bytes, messages: list[bytes]) -> None:
         """`feed()` appending to `messages`; those before a bad one are there when it raises."""
-        if self._partial:
-            self._partial.append(data)
-            self._have += len(data)
-            if self._have < self._need:
-                return
-            buffer = b"".join(self._partial)
-            self._partial, self._have = [], 0
-        else:
-            buffer = data
+        partial = self._partial
+        buffer = partial.add(data) if partial.have else data
+        if buffer is None:
+            return
         offset = _decode(buffer, self._encoding, self._max, messages)
         rest = len(buffer) - offset
         if rest:
-            self._partial, self._have = [buffer[offset:]], rest
-            self._need = (PREFIX_SIZE + _PREFIX.unpack_from(buffer, offset)[1]
-                          if rest >= PREFIX_SIZE else PREFIX_SIZE)
+            partial.keep(buffer[offset:], PREFIX_SIZE + _PREFIX.unpack_from(buffer, offset)[1]
+                         if rest >= PREFIX_SIZE else PREFIX_SIZE)
 
     def close(self) -> None:
         """The stream ended: anything still buffered is a truncated message."""
-        if self._have:
-            raise _truncated(self._have)
+        if self._partial.have:
+            raise _truncated(self._partial.have)
 
 
 def decode_all(

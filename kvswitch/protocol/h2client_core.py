@@ -30,7 +30,7 @@ from kvswitch.protocol.grpc_framing import (
     encode,
     http_status_code,
 )
-from kvswitch.protocol.h2state import REFILL_AT, ConnectionState
+from kvswitch.protocol.h2state import NO_EVENTS, REFILL_AT, ConnectionState, FrameInput
 from kvswitch.protocol.h2streams import StreamFlow
 from kvswitch.protocol.http2 import (
     ACK,
@@ -40,7 +40,6 @@ from kvswitch.protocol.http2 import (
     FLOW_CONTROL_ERROR,
     GOAWAY,
     HEADERS,
-    INTERNAL_ERROR,
     MAX_WINDOW,
     PING,
     PREFACE,
@@ -125,9 +124,6 @@ def timeout_header(seconds: float) -> str:
     return f"{millis}m" if millis < 10**8 else f"{min(math.ceil(seconds), 10**8 - 1)}S"
 
 
-_NO_EVENTS: list[ClientEvent] = []  # never appended to: frames are handled only in `receive()`
-
-
 class _Call(StreamFlow):
     __slots__ = ("decoder", "headers_seen")
 
@@ -137,7 +133,7 @@ class _Call(StreamFlow):
         self.headers_seen = False
 
 
-class H2ClientConnection:
+class H2ClientConnection(FrameInput[ClientEvent]):
     """The client side of one HTTP/2 connection carrying gRPC calls; no I/O."""
 
     def __init__(self, authority: str, *, scheme: str = "http",
@@ -153,7 +149,7 @@ class H2ClientConnection:
         self.failed = False  # a connection error: nothing more is read
         self._next_id = 1
         self._out: list[bytes] = []
-        self._events: list[ClientEvent] = _NO_EVENTS  # what the `receive()` under way returns
+        self._events: list[ClientEvent] = NO_EVENTS
         self._reader = FrameReader(self._on_data, self._on_frame,
                                    max_header_block=MAX_HEADER_BLOCK)
         # Plain DATA frames gathered per stream, cut into messages once per read.
@@ -233,31 +229,20 @@ class H2ClientConnection:
 
     def receive(self, data: bytes) -> list[ClientEvent]:
         """Feed bytes read from the transport; never raises (bad input ends the connection)."""
-        if self.failed:
-            return []
-        events: list[ClientEvent] = []
-        self._events = events
-        try:
-            self._reader.feed(data)
-            if self._gathered:
-                self._deliver()
-        except H2ProtocolError as exc:
-            self._fail(exc.code, exc.reason, events)
-        except Exception as exc:  # noqa: BLE001 - a parsing bug must cost this connection only
-            self._fail(INTERNAL_ERROR, f"internal error: {exc}", events)
-        self._events = _NO_EVENTS
-        connection = self._connection
-        if connection.recv_unacked >= connection.refill_at and not self.failed:
-            self._out.append(connection.refill())
-        return events
+        return [] if self.failed else self._read(data)
 
-    def _fail(self, code: int, reason: str, events: list[ClientEvent]) -> None:
+    def _read_done(self) -> None:
+        if self._gathered:
+            self._deliver()
+
+    def _fail(self, code: int, reason: str) -> None:
         if self._gathered:  # what arrived before the broken frame still counts
             try:
                 self._deliver()
             except H2ProtocolError:
                 pass  # over the window too: the connection fails all the same
         self._out.append(goaway_frame(0, code, reason))
+        events = self._events
         events.extend(self.lost(f"connection to {self.authority} failed: {reason}"))
         events.append(ConnectionEnded(code, reason))
 

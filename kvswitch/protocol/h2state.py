@@ -8,14 +8,23 @@ opened to 2^31-1 at once and topped up once `refill_at` bytes were used; DATA be
 FLOW_CONTROL_ERROR. Outbound, the window grows with the peer's WINDOW_UPDATEs (0 is a
 PROTOCOL_ERROR, past 2^31-1 a FLOW_CONTROL_ERROR). Methods return the frames to write; errors
 raise `H2ProtocolError`. Per-stream windows are `kvswitch.protocol.h2streams.StreamFlow`.
+
+`FrameInput` is what both connections do with bytes read: the frame reader's handlers append
+events to `_events` for the read under way; a broken rule, or any other error (a bug must cost
+this connection only, not the process), becomes `_fail(code, reason)` instead of an exception;
+after a read without error the connection window is topped up when due.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Any, Generic, TypeVar
 
 from kvswitch.protocol.http2 import (
     DEFAULT_MAX_FRAME,
     DEFAULT_WINDOW,
     FLOW_CONTROL_ERROR,
+    INTERNAL_ERROR,
     MAX_FRAME,
     MAX_WINDOW,
     PROTOCOL_ERROR,
@@ -27,13 +36,16 @@ from kvswitch.protocol.http2 import (
     SETTINGS_MAX_HEADER_LIST_SIZE,
     U32,
     WINDOW_UPDATE,
+    FrameReader,
     H2ProtocolError,
     frame,
     settings_entries,
     settings_payload,
 )
 
-__all__ = ["REFILL_AT", "ConnectionState"]
+__all__ = ["NO_EVENTS", "REFILL_AT", "ConnectionState", "FrameInput"]
+
+logger = logging.getLogger(__name__)
 
 REFILL_AT = 1 << 30
 """Inbound bytes after which the connection window is topped up (half of 2^31-1: one
@@ -109,3 +121,45 @@ class ConnectionState:
         self.recv_unacked = 0
         return frame(WINDOW_UPDATE, 0, 0, U32.pack(unacked))
 
+
+E = TypeVar("E")
+
+NO_EVENTS: list[Any] = []
+"""`_events` between reads; never appended to: frames are handled only inside a read."""
+
+
+class FrameInput(Generic[E]):
+    """The input side of a connection: `_read(data) -> [event]` (see the module docstring);
+    the subclass builds `_reader`, `_connection` and `_out`, and implements `_fail`."""
+
+    _reader: FrameReader
+    _connection: ConnectionState
+    _out: list[bytes]
+    _events: list[E]  # what the read under way returns
+
+    def _read(self, data: bytes) -> list[E]:
+        events: list[E] = []
+        self._events = events
+        try:
+            self._reader.feed(data)
+            self._read_done()
+        except H2ProtocolError as exc:
+            self._fail(exc.code, exc.reason)
+            return events
+        except Exception as exc:  # a bug must cost this connection only, not the process
+            logger.exception("HTTP/2 connection failed")
+            self._fail(INTERNAL_ERROR, f"internal error: {exc}")
+            return events
+        finally:
+            self._events = NO_EVENTS  # the caller's now: not kept past this call
+        connection = self._connection
+        if connection.recv_unacked >= connection.refill_at:
+            self._out.append(connection.refill())
+        return events
+
+    def _read_done(self) -> None:
+        """After the frames of a read were handed over (still inside its guard)."""
+
+    def _fail(self, code: int, reason: str) -> None:
+        """A connection error: GOAWAY `code`, the events that end the connection."""
+        raise NotImplementedError

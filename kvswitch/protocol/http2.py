@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 from hpack import Decoder, HPACKError, OversizedHeaderListError
 
+from kvswitch.protocol.pieces import Pieces
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
     CONTINUATION = range(10)
@@ -81,9 +83,8 @@ class FrameReader:
     frame must be SETTINGS, after the client's connection preface with `preface` (the server
     side; RFC 9113 §3.4)."""
 
-    __slots__ = ("_block", "_have", "_idle", "_need", "_partial", "_plain", "_preface",
-                 "_settings_seen", "max_frame", "max_header_block", "max_idle_frames", "on_data",
-                 "on_frame")
+    __slots__ = ("_block", "_idle", "_partial", "_plain", "_preface", "_settings_seen",
+                 "max_frame", "max_header_block", "max_idle_frames", "on_data", "on_frame")
 
     def __init__(self, on_data: DataHandler, on_frame: FrameHandler, *, max_header_block: int,
                  max_frame: int = MAX_FRAME, max_idle_frames: int = MAX_IDLE_FRAMES,
@@ -95,11 +96,7 @@ class FrameReader:
         self.max_header_block = max_header_block
         self._preface = preface
         self._settings_seen = False
-        # An incomplete frame as received (joined once whole: big frames arrive in many reads),
-        # its size so far and the size that completes it.
-        self._partial: list[bytes] = []
-        self._have = 0
-        self._need = 9
+        self._partial = Pieces()  # an incomplete frame (or preface)
         # An unfinished header block: (stream id, first frame's flags, fragments, size).
         self._block: tuple[int, int, list[bytes], int] | None = None
         self._plain = False  # SETTINGS seen, no header block open: the short way is safe
@@ -107,28 +104,23 @@ class FrameReader:
     def feed(self, data: bytes) -> None:
         """Hand over each whole frame in `data` (after what came before); raises
         `H2ProtocolError` at the first broken rule, after handing over the frames before it."""
-        if self._partial:
-            self._partial.append(data)
-            self._have += len(data)
-            if self._have < self._need:
-                return
-            buffer = b"".join(self._partial)
-            self._partial, self._have = [], 0
-        else:
-            buffer = data
+        partial = self._partial
+        buffer = partial.add(data) if partial.have else data
+        if buffer is None:
+            return
         offset = 0
         if self._preface:
             if len(buffer) < len(PREFACE):
                 if not PREFACE.startswith(buffer):
                     raise H2ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                self._partial, self._have, self._need = [buffer], len(buffer), len(PREFACE)
+                partial.keep(buffer, len(PREFACE))
                 return
             if not buffer.startswith(PREFACE):
                 raise H2ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
             self._preface = False
             offset = len(PREFACE)
         size = len(buffer)
-        self._need = 9
+        need = 9  # what completes the frame left over, if one is
         max_frame, on_data = self.max_frame, self.on_data
         while size - offset >= 9:
             high, low, kind, flags, stream_id = FRAME_HEADER.unpack_from(buffer, offset)
@@ -137,7 +129,7 @@ class FrameReader:
                 raise H2ProtocolError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
             end = offset + 9 + length
             if end > size:
-                self._need = 9 + length
+                need = 9 + length
                 break
             stream_id &= 0x7FFFFFFF
             payload = buffer[offset + 9:end]
@@ -170,7 +162,7 @@ class FrameReader:
                 else:
                     self.on_frame(kind, flags, stream_id, payload, length)
         if offset < size:
-            self._partial, self._have = [buffer[offset:]], size - offset
+            partial.keep(buffer[offset:], need)
 
     def _count_idle(self) -> None:
         self._idle += 1

@@ -28,7 +28,7 @@ def _summary(result: Any) -> Any:
 
 
 def test_same_seed_same_result(shared_prefix: Any) -> None:
-    for name in ("kvswitch", "random", "smg-cache-aware-model"):
+    for name in ("kvswitch", "random", "epp:random", "smg-cache-aware-model"):
         first = run_fleet(shared_prefix, make_router(name, seed=1), PROFILE, 4, seed=1)
         again = run_fleet(shared_prefix, make_router(name, seed=1), PROFILE, 4, seed=1)
         assert _summary(first) == _summary(again), name

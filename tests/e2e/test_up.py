@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -17,43 +15,22 @@ import httpx
 from kvswitch.launcher import frontend_available
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from tests.support.gateway import generate, prompt
-from tests.support.processes import REPO, free_port
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes only once reaped; `up` reaps its children.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"
+from tests.support.processes import free_port
+from tests.support.up import alive, kvswitch_up
 
 
 def test_up_serves_grpc_and_stops_every_child(tmp_path: Path) -> None:
     port = free_port()
-    log = tmp_path / "up.log"
-    argv = [sys.executable, "-m", "kvswitch", "up", "--port", str(port), "--replicas", "2",
-            "--profile", "tiny", "--time-scale", "100", "--mode", "echo",
-            "--grace-period", "1", "--log-dir", str(tmp_path / "state")]
+    args = ["--port", str(port), "--replicas", "2", "--profile", "tiny", "--time-scale", "100",
+            "--mode", "echo", "--grace-period", "1"]
     with_frontend = frontend_available()
     if not with_frontend:
-        argv.append("--no-frontend")
-    with open(log, "wb") as out:
-        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                              start_new_session=True)
-    children: list[int] = []
-    try:
-        waited = threading.Event()
-        for _ in range(600):  # bounded: 600 x 0.1 s
-            if "is up on" in log.read_text() or up.poll() is not None:
-                break
-            waited.wait(0.1)
-        text = log.read_text()
+        args.append("--no-frontend")
+    with kvswitch_up(args, tmp_path) as up:
+        text = up.output()
         assert "is up on" in text, text
-        children = [int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", text)]
         # two engines, the EPP, Envoy (and a frontend)
-        assert len(children) == 4 + int(with_frontend)
+        assert len(up.children) == 4 + int(with_frontend)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             complete = generate(rpc.VllmEngineStub(channel), prompt(1), max_tokens=4)
         assert complete.completion_tokens == 4
@@ -70,16 +47,12 @@ def test_up_serves_grpc_and_stops_every_child(tmp_path: Path) -> None:
         match = re.search(r"started epp \(pid (\d+)\)", text)
         assert match is not None, text
         os.kill(int(match.group(1)), signal.SIGKILL)
-        restarted = None
-        for _ in range(300):  # bounded: 300 x 0.1 s
-            restarted = re.search(r"epp \(pid \d+\) exited with -?\d+; restarted as pid (\d+)",
-                                  log.read_text())
-            if restarted or up.poll() is not None:
-                break
-            waited.wait(0.1)
-        assert restarted is not None, log.read_text()
-        children.append(int(restarted.group(1)))
+        restarted = up.wait_for(r"epp \(pid \d+\) exited with -?\d+; restarted as pid (\d+)",
+                                seconds=30)
+        assert restarted is not None, up.output()
+        up.children.append(int(restarted.group(1)))
         served = None
+        waited = threading.Event()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             for _ in range(150):  # bounded: 150 x 0.2 s
                 try:
@@ -89,17 +62,10 @@ def test_up_serves_grpc_and_stops_every_child(tmp_path: Path) -> None:
                     assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
                     waited.wait(0.2)
         assert served is not None and served.completion_tokens == 4
-        assert up.poll() is None  # still up
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=60) == 0
-        assert [pid for pid in children if _alive(pid)] == []
-    finally:
-        if up.poll() is None:
-            os.kill(up.pid, signal.SIGKILL)
-            up.wait(timeout=10)
-        for pid in children:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        assert up.proc.poll() is None  # still up
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=60) == 0
+        assert [pid for pid in up.children if alive(pid)] == []
 
 
 def test_up_api_sglang_serves_sglang_grpc_and_openai(tmp_path: Path) -> None:
@@ -107,23 +73,11 @@ def test_up_api_sglang_serves_sglang_grpc_and_openai(tmp_path: Path) -> None:
     from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as srpc
 
     port = free_port()
-    log = tmp_path / "up.log"
-    argv = [sys.executable, "-m", "kvswitch", "up", "--port", str(port), "--replicas", "2",
-            "--api", "sglang", "--page-size", "4", "--profile", "tiny", "--time-scale", "100",
-            "--mode", "echo", "--grace-period", "1", "--log-dir", str(tmp_path / "state")]
-    with open(log, "wb") as out:
-        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                              start_new_session=True)
-    children: list[int] = []
-    try:
-        waited = threading.Event()
-        for _ in range(600):  # bounded: 600 x 0.1 s
-            if "is up on" in log.read_text() or up.poll() is not None:
-                break
-            waited.wait(0.1)
-        text = log.read_text()
+    args = ["--port", str(port), "--replicas", "2", "--api", "sglang", "--page-size", "4",
+            "--profile", "tiny", "--time-scale", "100", "--mode", "echo", "--grace-period", "1"]
+    with kvswitch_up(args, tmp_path) as up:
+        text = up.output()
         assert "sglang.grpc.scheduler.SglangScheduler/Generate" in text, text
-        children = [int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", text)]
         assert "kvswitch.dev/engine-api: sglang" in (tmp_path / "state" / "pool.yaml").read_text()
         ids = prompt(1)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -139,13 +93,6 @@ def test_up_api_sglang_serves_sglang_grpc_and_openai(tmp_path: Path) -> None:
                 "model": model, "max_tokens": 3, "prompt": "one two three"})
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == "one two three"
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=60) == 0
-        assert [pid for pid in children if _alive(pid)] == []
-    finally:
-        if up.poll() is None:
-            os.kill(up.pid, signal.SIGKILL)
-            up.wait(timeout=10)
-        for pid in children:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=60) == 0
+        assert [pid for pid in up.children if alive(pid)] == []

@@ -1,9 +1,10 @@
-"""Fuzz targets for the engine's request handling: `GenerateRequest` protobufs (vLLM's and
-SGLang's) into the servicer's `Generate` over the simulator, as a direct gRPC client sends them.
-The check: the call streams its first answer or aborts with INVALID_ARGUMENT (or, for a
+"""Fuzz targets for the engine's request handling: `GenerateRequest` and `EmbedRequest`
+protobufs (vLLM's and SGLang's) into the servicer's `Generate` and `Embed` over the simulator,
+as a direct gRPC client sends them. The check: Generate streams its first answer, Embed answers
+an embedding of `embedding_dim` values, or the call aborts with INVALID_ARGUMENT (or, for a
 request the engine may refuse for load, RESOURCE_EXHAUSTED / UNAVAILABLE); an INTERNAL or
-UNKNOWN answer, or an exception out of the handler, is a finding. Only the first answer is
-read, then the call is closed (which aborts the request), so an input costs little.
+UNKNOWN answer, or an exception out of the handler, is a finding. Only Generate's first answer
+is read, then the call is closed (which aborts the request), so an input costs little.
 
 Requests are drawn field by field from the message descriptors, so every field is reached,
 then serialized and sometimes mutated.
@@ -27,7 +28,7 @@ from kvswitch.protocol.sglang import sglang_scheduler_pb2
 from kvswitch.tokenization import load_tokenizer
 from tests.fuzz.base import Target, mutated
 
-__all__ = ["ENGINE_SGLANG", "ENGINE_VLLM", "messages"]
+__all__ = ["ENGINE_SGLANG", "ENGINE_SGLANG_EMBED", "ENGINE_VLLM", "ENGINE_VLLM_EMBED", "messages"]
 
 _ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
             grpc.StatusCode.UNAVAILABLE}
@@ -147,12 +148,20 @@ class _Served:
 _served: dict[str, _Served] = {}
 
 
-def _check_generate(api: str, cls: type[Message], raw: bytes) -> None:
+def _decoded(api: str, cls: type[Message], raw: bytes) -> tuple[_Served, Any] | None:
+    """The engine serving `api` and the request, or None when `raw` does not decode (answered
+    INVALID_ARGUMENT before the handler runs: kvswitch.engine.registration)."""
     try:
         request = cls.FromString(raw)
     except DecodeError:
-        return  # answered INVALID_ARGUMENT before Generate runs (kvswitch.engine.registration)
-    served = _served.get(api) or _served.setdefault(api, _Served(api))
+        return None
+    return _served.get(api) or _served.setdefault(api, _Served(api)), request
+
+
+def _check_generate(api: str, cls: type[Message], raw: bytes) -> None:
+    if (decoded := _decoded(api, cls, raw)) is None:
+        return
+    served, request = decoded
 
     async def first_answer() -> None:
         call = served.servicer.Generate(request, _Context())
@@ -168,9 +177,31 @@ def _check_generate(api: str, cls: type[Message], raw: bytes) -> None:
     served.loop.run_until_complete(first_answer())
 
 
+def _check_embed(api: str, cls: type[Message], raw: bytes) -> None:
+    if (decoded := _decoded(api, cls, raw)) is None:
+        return
+    served, request = decoded
+
+    async def answer() -> None:
+        try:
+            reply = await served.servicer.Embed(request, _Context())
+        except _Aborted as exc:
+            assert exc.code in _ALLOWED, str(exc)
+            return
+        assert len(reply.embedding) == reply.embedding_dim > 0, reply
+
+    served.loop.run_until_complete(answer())
+
+
 ENGINE_VLLM = Target(
     "engine-vllm-generate", mutated(messages(vllm_engine_pb2.GenerateRequest)),
     lambda raw: _check_generate("vllm", vllm_engine_pb2.GenerateRequest, raw))
 ENGINE_SGLANG = Target(
     "engine-sglang-generate", mutated(messages(sglang_scheduler_pb2.GenerateRequest)),
     lambda raw: _check_generate("sglang", sglang_scheduler_pb2.GenerateRequest, raw))
+ENGINE_VLLM_EMBED = Target(
+    "engine-vllm-embed", mutated(messages(vllm_engine_pb2.EmbedRequest)),
+    lambda raw: _check_embed("vllm", vllm_engine_pb2.EmbedRequest, raw))
+ENGINE_SGLANG_EMBED = Target(
+    "engine-sglang-embed", mutated(messages(sglang_scheduler_pb2.EmbedRequest)),
+    lambda raw: _check_embed("sglang", sglang_scheduler_pb2.EmbedRequest, raw))

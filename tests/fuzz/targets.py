@@ -43,7 +43,13 @@ from kvswitch.protocol.grpc_framing import FrameDecoder, decode_all
 from kvswitch.protocol.sglang import SGLANG_EMBED_PATH, SGLANG_GENERATE_PATH
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as sglang_pb
 from tests.fuzz.base import Target, mutated
-from tests.fuzz.engine_targets import ENGINE_SGLANG, ENGINE_VLLM, messages
+from tests.fuzz.engine_targets import (
+    ENGINE_SGLANG,
+    ENGINE_SGLANG_EMBED,
+    ENGINE_VLLM,
+    ENGINE_VLLM_EMBED,
+    messages,
+)
 from tests.fuzz.h2client_core_targets import H2_CLIENT_CORE
 from tests.fuzz.h2core_targets import H2_FRAMES, HPACK_BLOCKS
 from tests.fuzz.output_targets import MODEL_OUTPUT
@@ -366,4 +372,5 @@ EXT_PROC = Target("ext-proc-stream", st.lists(_ext_proc_message, max_size=6), ch
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     GRPC_FRAMES, VLLMGRPC, SGLANGGRPC, OPENAI, CONFIG, KV_EVENTS, EXT_PROC, H2_FRAMES, HPACK_BLOCKS,
-    H2_SERVER, H2_CLIENT, HTTP1, H2_CLIENT_CORE, ENGINE_VLLM, ENGINE_SGLANG, MODEL_OUTPUT)}
+    H2_SERVER, H2_CLIENT, HTTP1, H2_CLIENT_CORE, ENGINE_VLLM, ENGINE_SGLANG, ENGINE_VLLM_EMBED,
+    ENGINE_SGLANG_EMBED, MODEL_OUTPUT)}

@@ -113,10 +113,10 @@ class EppRouter:
         pool = parse_pool(load_documents(static_pool(self.addresses), "pool"))
         router, _ = build_router(spec, pool, EppMetrics())
         self.router = router
-        # Pickers break ties with their own unseeded Random: seed them, so a run repeats.
+        # Pickers draw from their own unseeded Random (`rng`): seed them, so a run repeats.
         for k, plugin in enumerate(_all_plugins(router)):
-            if isinstance(getattr(plugin, "_rng", None), random.Random):
-                plugin._rng = random.Random(self.seed * 1_000 + k)
+            if isinstance(getattr(plugin, "rng", None), random.Random):
+                plugin.rng = random.Random(self.seed * 1_000 + k)
         dl = router.datalayer
         dl.clock = router.gate.clock = ctx.now
         dl.set_endpoints(pool.endpoints)

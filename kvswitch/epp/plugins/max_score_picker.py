@@ -31,7 +31,7 @@ class MaxScorePicker:
         self.name = name
         self.max_endpoints = max_endpoints
         self.tie_tolerance = tie_tolerance
-        self._rng = rng or random.Random()
+        self.rng = rng or random.Random()  # public: a simulation seeds it so a run repeats
 
     def _tied_pick(self, endpoints: Sequence[Endpoint], ties: list[int],
                    state: CycleState) -> int:
@@ -47,7 +47,7 @@ class MaxScorePicker:
                     return ties[0]
         least = min([endpoints[i].in_flight for i in ties])
         fewest = [i for i in ties if endpoints[i].in_flight == least]
-        return fewest[0] if len(fewest) == 1 else self._rng.choice(fewest)
+        return fewest[0] if len(fewest) == 1 else self.rng.choice(fewest)
 
     def pick(self, request: InferenceRequest, state: CycleState,
              endpoints: Sequence[Endpoint], scores: Sequence[float]) -> tuple[Endpoint, ...]:
@@ -74,7 +74,7 @@ class MaxScorePicker:
         if n == 1:
             return (endpoints[first],)
         # Fallbacks in score order, equal scores in random order.
-        rnd = self._rng.random
+        rnd = self.rng.random
         order = sorted((i for i in range(len(endpoints)) if i != first),
                        key=lambda i: (scores[i], rnd()), reverse=True)
         return (endpoints[first], *[endpoints[i] for i in order[: n - 1]])

@@ -20,13 +20,13 @@ class RandomPicker:
     def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None) -> None:
         self.name = name
         self.max_endpoints = max_endpoints
-        self._rng = rng or random.Random()
+        self.rng = rng or random.Random()  # public: a simulation seeds it so a run repeats
 
     def pick(self, request: InferenceRequest, state: CycleState,
              endpoints: Sequence[Endpoint], scores: Sequence[float]) -> tuple[Endpoint, ...]:
         if not endpoints:
             return ()
-        return tuple(self._rng.sample(list(endpoints), min(self.max_endpoints, len(endpoints))))
+        return tuple(self.rng.sample(list(endpoints), min(self.max_endpoints, len(endpoints))))
 
 
 def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> RandomPicker:

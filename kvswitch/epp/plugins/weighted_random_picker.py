@@ -23,11 +23,11 @@ class WeightedRandomPicker:
     def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None) -> None:
         self.name = name
         self.max_endpoints = max_endpoints
-        self._rng = rng or random.Random()
+        self.rng = rng or random.Random()  # public: a simulation seeds it so a run repeats
 
     def pick(self, request: InferenceRequest, state: CycleState,
              endpoints: Sequence[Endpoint], scores: Sequence[float]) -> tuple[Endpoint, ...]:
-        rnd = self._rng.random
+        rnd = self.rng.random
         keys = []
         for i, s in enumerate(scores):
             # Zero scores get keys in (-1, 0]: after every positive key, random among themselves.
