@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -88,6 +89,15 @@ def test_every_epp_routes_and_ends_the_requests_it_routed(three_epps: Gateway) -
     assert _wait_until(lambda: [_finished_ok(gw, e) for e in _epps(gw)] == routed), (
         [_finished_ok(gw, e) for e in _epps(gw)], routed)
     assert all(_in_flight(gw, epp) == 0 for epp in _epps(gw))
+
+
+def test_every_epp_answers_the_kubelets_probes_on_its_metrics_port(three_epps: Gateway) -> None:
+    # (the chart's probes: the ext_proc port may serve TLS, which the kubelet cannot probe)
+    for epp in _epps(three_epps):
+        port = three_epps.launched.ports.epp_metrics[epp]
+        for path, body in (("/health", b"ok\n"), ("/ready", b"ready\n")):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+                assert (reply.status, reply.read()) == (200, body)
 
 
 def test_a_prefix_group_stays_on_one_engine_whichever_epp_routes(three_epps: Gateway) -> None:
