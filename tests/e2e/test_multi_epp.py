@@ -15,6 +15,8 @@ import grpc
 import pytest
 
 from kvswitch.launcher import epp_name
+from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
+from tests.support.certs import tls_dir
 from tests.support.gateway import (
     BLOCK,
     CALL_TIMEOUT,
@@ -98,6 +100,27 @@ def test_every_epp_answers_the_kubelets_probes_on_its_metrics_port(three_epps: G
         for path, body in (("/health", b"ok\n"), ("/ready", b"ready\n")):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
                 assert (reply.status, reply.read()) == (200, body)
+
+
+def test_envoy_reaches_several_epps_over_mtls(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The shape the Helm chart runs with a TLS Secret and several EPPs: every hop to the EPPs
+    (ext_proc, Envoy's health checks, each EPP's access log) over mTLS."""
+    tls = tls_dir(tmp_path_factory.mktemp("epp-tls"))
+    with running_gateway(tmp_path_factory.mktemp("epps-tls"), replicas=2, profile="tiny",
+                         time_scale=100.0, mode="echo", grace_period=1.0, epp_replicas=2,
+                         tls=tls) as gw:
+        files = tls.client()
+        credentials = grpc.ssl_channel_credentials(files.ca.read_bytes())
+        with grpc.secure_channel(f"localhost:{gw.launched.ports.public}", credentials) as channel:
+            stub = rpc.VllmEngineStub(channel)
+            with ThreadPoolExecutor(4) as pool:
+                completes = list(pool.map(lambda seed: generate(stub, prompt(seed), max_tokens=2),
+                                          range(700, 740)))
+        assert all(c.completion_tokens == 2 for c in completes)
+        # Both EPPs pass Envoy's health checks and route; each receives its access-log entries.
+        routed = [_routed(gw, epp) for epp in _epps(gw)]
+        assert all(r > 0 for r in routed), routed
+        assert _wait_until(lambda: [_finished_ok(gw, e) for e in _epps(gw)] == routed)
 
 
 def test_a_prefix_group_stays_on_one_engine_whichever_epp_routes(three_epps: Gateway) -> None:
