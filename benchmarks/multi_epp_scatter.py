@@ -57,7 +57,7 @@ class SharedIndexRouter(MultiEppRouter):
             # Load records still reach every EPP's data layer (the streams' on_load).
             for subscribers in epp.subscribers:
                 for subscriber in subscribers.values():
-                    subscriber.index = _NoIndex()
+                    subscriber.index = _NoIndex()  # type: ignore[assignment]
 
 
 class SharedPendingRouter(MultiEppRouter):
