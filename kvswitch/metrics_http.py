@@ -1,7 +1,9 @@
 """The /metrics and /health HTTP server of the engine and the EPP: one small asyncio server.
 
 GET (or HEAD) /metrics answers `render()` as Prometheus text; /health answers 200 "ok" while
-`is_healthy()`, else 503; any other path is 404, any other method 405. One request per
+`is_healthy()`, else 503, and /ready the same with `is_ready()` (default: `is_healthy`; the
+kubelet's probes use them where its gRPC probe cannot go, e.g. a TLS port); any other path is
+404, any other method 405. One request per
 connection (`Connection: close`). The whole request head must arrive within
 `HttpLimits.head_timeout` in at most `max_headers` lines of at most 64 KiB (else the connection
 closes, or 431), so slow or endless clients cost a coroutine each, never a thread.
@@ -24,9 +26,11 @@ class MetricsHttpServer:
     connection; deliberately tiny so neither process carries a web framework."""
 
     def __init__(self, render_metrics: Callable[[], bytes], is_healthy: Callable[[], bool],
-                 limits: HttpLimits = HTTP_DEFAULTS):
+                 limits: HttpLimits = HTTP_DEFAULTS, *,
+                 is_ready: Callable[[], bool] | None = None):
         self._render = render_metrics
         self._healthy = is_healthy
+        self._ready = is_ready if is_ready is not None else is_healthy
         self._limits = limits
         self._server: asyncio.Server | None = None
         self.port = 0
@@ -80,4 +84,8 @@ class MetricsHttpServer:
             if self._healthy():
                 return "200 OK", "text/plain", b"ok\n"
             return "503 Service Unavailable", "text/plain", b"unhealthy\n"
+        if path == "/ready":
+            if self._ready():
+                return "200 OK", "text/plain", b"ready\n"
+            return "503 Service Unavailable", "text/plain", b"not ready\n"
         return "404 Not Found", "text/plain", b"not found\n"

@@ -65,3 +65,19 @@ async def test_a_head_that_never_ends_is_closed_at_the_deadline(port: int) -> No
         await asyncio.sleep(0.05)
     assert await closed == b"" and time.monotonic() - started < 3.0
     writer.close()
+
+
+async def test_health_and_ready_answer_their_own_checks() -> None:
+    ready = False
+    server = MetricsHttpServer(lambda: b"", lambda: True, is_ready=lambda: ready)
+    await server.start("127.0.0.1", 0)
+    try:
+        health = await exchange(server.port, b"GET /health HTTP/1.1\r\n\r\n")
+        assert health.startswith(b"HTTP/1.1 200")
+        assert (await exchange(server.port, b"GET /ready HTTP/1.1\r\n\r\n")).startswith(
+            b"HTTP/1.1 503")
+        ready = True
+        assert (await exchange(server.port, b"GET /ready HTTP/1.1\r\n\r\n")).startswith(
+            b"HTTP/1.1 200")
+    finally:
+        await server.stop()

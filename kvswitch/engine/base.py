@@ -190,6 +190,8 @@ class EngineCounters:
     preemptions: int
     requests_finished: dict[str, int]
     """Finished requests by finish reason."""
+    load_pushes: int = 0
+    """Load pushes made to the KV-event subscribers (each goes to every subscriber)."""
 
 
 @runtime_checkable

@@ -3,7 +3,8 @@
 Gauges and counters are read from the engine (`load()`, `counters()`) at scrape time, so the
 request path pays nothing for them; the latency histograms are observed by the servicer, once
 per request or per streamed update. Labels are `model_name` and `engine` ("0", vLLM's engine
-index), as vLLM labels them.
+index), as vLLM labels them. `kvswitch_engine_load_pushes_total`, kvswitch's own, counts the
+load pushes to several EPPs (docs/multi-epp.md).
 
 Latency histograms (TTFT, inter-token latency, e2e, queue time) are in the engine's seconds
 (`Engine.now`): SIMULATED seconds for the simulator, so that at any --time-scale they compare
@@ -62,6 +63,10 @@ class _EngineCollector(Collector):
                             counters.generation_tokens)
         yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the "
                             "engine.", counters.preemptions)
+        yield self._counter("kvswitch_engine_load_pushes",
+                            "Load-only records pushed to the KV-event subscribers after a "
+                            "request arrived (one push reaches every subscriber).",
+                            counters.load_pushes)
         success = CounterMetricFamily("vllm:request_success",
                                       "Count of successfully processed requests.",
                                       labels=[*_LABELS, "finished_reason"])

@@ -150,6 +150,7 @@ def build_picker(args: argparse.Namespace) -> EndpointPicker:
 
 async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
     from kvswitch.epp.server import EppServer
+    from kvswitch.epp.serving import READINESS, SERVING
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -165,7 +166,11 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
 
         from kvswitch.metrics_http import MetricsHttpServer
 
-        metrics = MetricsHttpServer(lambda: prometheus_client.generate_latest(), lambda: True)
+        # /health: the loop answers (liveness); /ready: the gRPC readiness service's status,
+        # for probes that cannot reach the ext_proc port (TLS).
+        metrics = MetricsHttpServer(
+            lambda: prometheus_client.generate_latest(), lambda: True,
+            is_ready=lambda: server.health_status(READINESS) == SERVING)
         await metrics.start(args.host, args.metrics_port)
         logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     await server.start()

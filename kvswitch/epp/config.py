@@ -57,7 +57,7 @@ from kvswitch.epp.framework import (
     Scorer,
     load_factory,
 )
-from kvswitch.epp.kvindex import KvBlockIndex
+from kvswitch.epp.kvindex import KvBlockIndex, KvEventSubscriptions
 from kvswitch.epp.metrics import EppMetrics, default_metrics
 from kvswitch.epp.router import EppRouter
 from kvswitch.tls import UpstreamTls
@@ -278,6 +278,8 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
     for plugin in plugins:
         if isinstance(index := getattr(plugin, "index", None), KvBlockIndex):
             metrics.indexed_blocks.watch(index)
+        if isinstance(streams := getattr(plugin, "subscriptions", None), KvEventSubscriptions):
+            metrics.load_records.watch(streams.subscribers)
     router = EppRouter(scheduler, datalayer, gate, refresher, objectives, metrics)
     if isinstance(discovery, SuppliesObjectives):
         # Watched InferenceObjectives win over the config file's, as a pool file's would.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import prometheus_client.metrics as _prometheus_metrics
@@ -159,6 +159,75 @@ class ReadyGauge(Collector):
         yield family
 
 
+class EndpointRequestsGauge(Collector):
+    """The requests each endpoint has as this EPP sees them, read at scrape time: `running` and
+    `waiting` from the engine's latest load report (pushed or polled), `unreported` the requests
+    this EPP sent there that no report covers yet. `track(pool)` (the router's gauge tick) sets
+    the endpoints exported."""
+
+    STATES = ("running", "waiting", "unreported")
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.endpoints: tuple[Endpoint, ...] = ()
+        registry.register(self)
+
+    def track(self, pool: Iterable[Endpoint]) -> None:
+        self.endpoints = tuple(pool)
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=["endpoint", "state"])]
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint", "state"])
+        for endpoint in self.endpoints:
+            metrics = endpoint.metrics
+            for state, value in zip(self.STATES, (metrics.running, metrics.waiting,
+                                                  endpoint.unreported_requests), strict=True):
+                family.add_metric((endpoint.address, state), float(value))
+        yield family
+
+
+class LoadRecordCounts(Protocol):
+    """What `LoadRecordsCounter` reads of one KV-event subscriber."""
+
+    batch_loads: int
+    load_only_records: int
+
+
+class LoadRecordsCounter(Collector):
+    """Load records received on the engines' KV-event streams, per endpoint and kind: `batch`
+    (carried by an event batch) or `load_only` (a heartbeat or a load push), read at scrape time
+    from the subscribers' own counts. A subscriber that left (its endpoint left the pool) takes
+    its series with it."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.sources: list[Mapping[str, LoadRecordCounts]] = []
+        registry.register(self)
+
+    def watch(self, subscribers: Mapping[str, LoadRecordCounts]) -> None:
+        """Export the counts of `subscribers` (address -> subscriber), a live mapping."""
+        self.sources.append(subscribers)
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=["endpoint", "kind"])]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=["endpoint", "kind"])
+        totals: dict[tuple[str, str], int] = {}
+        for subscribers in self.sources:
+            for address, subscriber in list(subscribers.items()):
+                for kind, count in (("batch", subscriber.batch_loads),
+                                    ("load_only", subscriber.load_only_records)):
+                    totals[address, kind] = totals.get((address, kind), 0) + count
+        for labels, count in totals.items():
+            family.add_metric(labels, float(count))
+        yield family
+
+
 class BlockCounts(Protocol):
     """What `IndexedBlocksGauge` reads of a prefix index."""
 
@@ -283,6 +352,14 @@ class EppMetrics:
         self.indexed_blocks = IndexedBlocksGauge(
             "kvswitch_epp_indexed_kv_blocks",
             "KV blocks the endpoint holds according to the EPP's prefix index (KV events).", r)
+        self.endpoint_requests = EndpointRequestsGauge(
+            "kvswitch_epp_endpoint_requests",
+            "Requests on the endpoint as the EPP sees them: running and waiting from the "
+            "engine's latest load report, unreported = sent by this EPP and in no report yet.", r)
+        self.load_records = LoadRecordsCounter(
+            "kvswitch_epp_load_records",
+            "Load records received on the endpoint's KV-event stream, by kind: batch (with "
+            "KV events) or load_only (a heartbeat, or a load push after a request arrived).", r)
         self.ready_endpoints = Gauge(
             "kvswitch_epp_pool_ready_endpoints", "Endpoints eligible for scheduling.", registry=r)
         self.loop_lag_seconds = Histogram(

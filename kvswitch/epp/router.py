@@ -324,6 +324,7 @@ class EppRouter:
         # Every pool endpoint has an in-flight series from the first tick (at start), picked or
         # not; one that left the pool keeps it until its requests end.
         self.metrics.in_flight.track(pool)
+        self.metrics.endpoint_requests.track(pool)
         self.metrics.ready_endpoints.set(len(ready))
         self.metrics.queue_size.clear()
         for (priority, flow), size in self.gate.queues.sizes().items():

@@ -64,6 +64,8 @@ MODES: dict[str, dict[str, Any]] = {
     "standalone-tls-frontend-simulated": {
         "tls": {"secretName": "qwen3-tls", "handshakeTimeout": 5},
         "router": {"frontend": {"enabled": True}}, "modelServers": {"enabled": True}},
+    "standalone-tls-3-epps": {"tls": {"secretName": "qwen3-tls"}, "router": {"epp": {"replicas": 3}},
+                              "modelServers": {"enabled": True}},
 }
 # Where the chart mounts `tls.secretName`; the tests put certificates of their own there.
 TLS_DIR = "/etc/kvswitch-tls"
@@ -249,9 +251,11 @@ def test_standalone_is_one_deployment_and_service_wired_like_kvswitch_up() -> No
     images = {c["image"] for c in [*pod["containers"], *pod["initContainers"]]}
     assert images == {"ghcr.io/kvswitch/kvswitch:0.1.0"}
     assert pod["securityContext"]["runAsNonRoot"] is True
-    # Probes on the EPP's grpc.health.v1 services.
-    assert containers["epp"]["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
-    assert containers["epp"]["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    # The EPP's probes are on its metrics port (/ready: its readiness service's status), so they
+    # work whatever the ext_proc port serves.
+    assert containers["epp"]["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 9090}
+    assert containers["epp"]["livenessProbe"]["httpGet"] == {"path": "/health", "port": 9090}
+    assert containers["epp"]["startupProbe"]["httpGet"] == {"path": "/health", "port": 9090}
     assert all("resources" in c for c in pod["containers"])
     service = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"] == "qwen3-epp")
     assert service["spec"]["selector"] == epp["spec"]["template"]["metadata"]["labels"]
@@ -388,3 +392,56 @@ def test_several_epps_behind_another_gateway_stay_a_deployment() -> None:
     assert epps["spec"]["replicas"] == 2
     (epp,) = epps["spec"]["template"]["spec"]["containers"]
     assert not _flag(epp["args"], "replica-name")  # that gateway's Envoy sends no access log
+
+
+def test_several_epps_with_tls_serve_and_are_called_over_mtls(tmp_path: Path) -> None:
+    docs = render(MODES["standalone-tls-3-epps"])
+    (epps,) = by_kind(docs, "StatefulSet")
+    pod = epps["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    # Every EPP serves mTLS on its ext_proc port with the Secret...
+    epp = _parse("epp", containers["epp"]["args"][1:])
+    assert tls_from_args(epp) == TlsFiles(Path(f"{TLS_DIR}/tls.crt"), Path(f"{TLS_DIR}/tls.key"),
+                                          Path(f"{TLS_DIR}/ca.crt"), 10.0)
+    for name in ("epp", "envoy"):
+        assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in \
+            containers[name]["volumeMounts"], name
+    # ...and is probed on its plaintext metrics port, which the kubelet can reach.
+    assert containers["epp"]["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 9090}
+    assert "grpc" not in yaml.safe_dump(containers["epp"]["livenessProbe"])
+    # Every pod's Envoy calls every EPP (ext_proc with its health checks, and each EPP's own
+    # access-log cluster) over mTLS, verifying the Secret's server name.
+    init = pod["initContainers"][0]["args"]
+    client = UpstreamTls(Path(f"{TLS_DIR}/ca.crt"), Path(f"{TLS_DIR}/tls.crt"),
+                         Path(f"{TLS_DIR}/tls.key"), "qwen3-pool.llm.svc")
+    assert upstream_tls_from_args(_parse_envoy_config(init[1:]), "epp") == client
+    secret = _secret(tmp_path)
+    out, config = tmp_path / "envoy.yaml", tmp_path / "epp.yaml"
+    config.write_text("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n")
+    argv = [a.replace(TLS_DIR, str(secret)) for a in init
+            if not a.startswith(("--output=", "--epp-config="))]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert kvswitch_main([*argv, f"--epp-config={config}", f"--output={out}"]) == 0
+    clusters = {c["name"]: c for c in yaml.safe_load(out.read_text())["static_resources"]["clusters"]}
+    epp_clusters = [c for name, c in clusters.items() if name.startswith("kvswitch_epp")]
+    assert len(epp_clusters) == 4  # ext_proc, and one access-log cluster per EPP
+    for cluster in epp_clusters:
+        tls = cluster["transport_socket"]["typed_config"]
+        assert tls["sni"] == "qwen3-pool.llm.svc"
+        assert tls["common_tls_context"]["tls_certificates"][0]["certificate_chain"] == {
+            "filename": str((secret / "tls.crt").resolve())}
+    checked = validate_config(out)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # One EPP is Envoy's loopback neighbour in its pod: that hop stays h2c; so does every hop to
+    # the EPPs with tls.epps off.
+    for values in ({"tls": {"secretName": "qwen3-tls"}},
+                   {"tls": {"secretName": "qwen3-tls", "epps": False},
+                    "router": {"epp": {"replicas": 3}}}):
+        docs = render(values)
+        (deployment,) = [*by_kind(docs, "StatefulSet"),
+                         *[d for d in by_kind(docs, "Deployment")
+                           if d["metadata"]["name"] == "qwen3-epp"]]
+        pod = deployment["spec"]["template"]["spec"]
+        assert not _flag(pod["initContainers"][0]["args"], "epp-tls-ca"), values
+        epp_args = next(c for c in pod["containers"] if c["name"] == "epp")["args"]
+        assert not _flag(epp_args, "tls-cert"), values

@@ -1,23 +1,31 @@
 """Several EPPs behind one Envoy, active-active: any of them routes any request, each ends the
-requests it routed from its own access-log entries, and a killed one costs no request."""
+requests it routed from its own access-log entries, a killed one costs no request, and each
+learns of the others' sends from the engines' load pushes."""
 
 from __future__ import annotations
 
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import grpc
 import pytest
 
 from kvswitch.launcher import epp_name
+from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
+from tests.support.certs import tls_dir
 from tests.support.gateway import (
     BLOCK,
     CALL_TIMEOUT,
     Gateway,
     cached_on,
+    epp_metrics,
     epp_samples,
     generate,
+    generate_request,
     kill,
     prompt,
     running_gateway,
@@ -83,6 +91,36 @@ def test_every_epp_routes_and_ends_the_requests_it_routed(three_epps: Gateway) -
     assert _wait_until(lambda: [_finished_ok(gw, e) for e in _epps(gw)] == routed), (
         [_finished_ok(gw, e) for e in _epps(gw)], routed)
     assert all(_in_flight(gw, epp) == 0 for epp in _epps(gw))
+
+
+def test_every_epp_answers_the_kubelets_probes_on_its_metrics_port(three_epps: Gateway) -> None:
+    # (the chart's probes: the ext_proc port may serve TLS, which the kubelet cannot probe)
+    for epp in _epps(three_epps):
+        port = three_epps.launched.ports.epp_metrics[epp]
+        for path, body in (("/health", b"ok\n"), ("/ready", b"ready\n")):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+                assert (reply.status, reply.read()) == (200, body)
+
+
+def test_envoy_reaches_several_epps_over_mtls(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The shape the Helm chart runs with a TLS Secret and several EPPs: every hop to the EPPs
+    (ext_proc, Envoy's health checks, each EPP's access log) over mTLS."""
+    tls = tls_dir(tmp_path_factory.mktemp("epp-tls"))
+    with running_gateway(tmp_path_factory.mktemp("epps-tls"), replicas=2, profile="tiny",
+                         time_scale=100.0, mode="echo", grace_period=1.0, epp_replicas=2,
+                         tls=tls) as gw:
+        files = tls.client()
+        credentials = grpc.ssl_channel_credentials(files.ca.read_bytes())
+        with grpc.secure_channel(f"localhost:{gw.launched.ports.public}", credentials) as channel:
+            stub = rpc.VllmEngineStub(channel)
+            with ThreadPoolExecutor(4) as pool:
+                completes = list(pool.map(lambda seed: generate(stub, prompt(seed), max_tokens=2),
+                                          range(700, 740)))
+        assert all(c.completion_tokens == 2 for c in completes)
+        # Both EPPs pass Envoy's health checks and route; each receives its access-log entries.
+        routed = [_routed(gw, epp) for epp in _epps(gw)]
+        assert all(r > 0 for r in routed), routed
+        assert _wait_until(lambda: [_finished_ok(gw, e) for e in _epps(gw)] == routed)
 
 
 def test_a_prefix_group_stays_on_one_engine_whichever_epp_routes(three_epps: Gateway) -> None:
@@ -155,3 +193,86 @@ def test_a_killed_epp_loses_no_request_and_its_restart_rejoins(doomed_epps: Gate
         return _routed(gw, 0) > 0
 
     assert _wait_until(routed_by_the_restarted_epp)
+
+
+class LoadView(NamedTuple):
+    """What one EPP knows of an engine's load, from one scrape of its metrics."""
+
+    reported: float
+    """Running + waiting requests in the engine's latest load report."""
+    unreported: float
+    """Requests this EPP sent there that no report covers yet."""
+    batch_records: float
+    load_only_records: float
+
+
+def _view(gw: Gateway, epp: int, engine: str) -> LoadView:
+    samples = epp_metrics(gw, epp)
+    requests = {s.labels["state"]: s.value for s in samples
+                if s.name == "kvswitch_epp_endpoint_requests" and s.labels["endpoint"] == engine}
+    records = {s.labels["kind"]: s.value for s in samples
+               if s.name == "kvswitch_epp_load_records_total" and s.labels["endpoint"] == engine}
+    return LoadView(requests["running"] + requests["waiting"], requests["unreported"],
+                    records["batch"], records["load_only"])
+
+
+PUSH_DEADLINE = 0.5
+"""Seconds the EPPs get to see a send: half the heartbeat period (1 s), far less than the
+engine's coalescing window here, and a hundred times the push delay (5 ms)."""
+
+
+@pytest.fixture
+def pushing_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """One engine on a slow clock (a request runs for seconds) whose KV-event batches coalesce
+    over ten minutes, behind two EPPs: within the test only a load push (or a heartbeat, 1 s
+    after the stream's last record) can bring an arrival's load on the stream."""
+    with running_gateway(tmp_path_factory.mktemp("load-push"), replicas=1, profile="tiny",
+                         time_scale=0.005, mode="echo", grace_period=1.0, epp_replicas=2,
+                         engine_args=("--kv-events-coalesce-ms", "600000")) as gw:
+        yield gw
+
+
+def test_every_epp_learns_of_another_epps_send_from_the_engines_load_push(
+        pushing_engine: Gateway) -> None:
+    gw = pushing_engine
+    (engine,) = gw.engines
+    epps = _epps(gw)
+
+    def views() -> list[LoadView]:
+        return [_view(gw, e, engine) for e in epps]
+
+    # Each EPP follows the engine's stream (its opening record, then a heartbeat a second
+    # later: by then the engine counts both subscribers and pushes).
+    assert _wait_until(lambda: all(v.load_only_records >= 2 for v in views()))
+    calls = []
+    try:
+        # The first request opens the engine's coalescing window (a quiet engine's first batch
+        # goes out at once): both EPPs receive that batch and see the request.
+        calls.append(gw.stub.Generate(generate_request(prompt(500), max_tokens=900),
+                                      timeout=CALL_TIMEOUT))
+        assert _wait_until(lambda: all(v.batch_records == 1 and v.reported == 1
+                                       for v in views()))
+        routed = [_routed(gw, e) for e in epps]
+        before = views()
+        # The second request arrives inside the window: no batch can bring its load now, and
+        # the streams' next heartbeat is a second after that batch.
+        sent = time.monotonic()
+        calls.append(gw.stub.Generate(generate_request(prompt(501), max_tokens=900),
+                                      timeout=CALL_TIMEOUT))
+
+        def every_epp_saw_it(now: list[LoadView]) -> bool:
+            return all(v.reported == 2 and v.unreported == 0
+                       and v.load_only_records > b.load_only_records
+                       for v, b in zip(now, before, strict=True))
+
+        waiter = threading.Event()
+        while not every_epp_saw_it(now := views()) and time.monotonic() - sent < PUSH_DEADLINE:
+            waiter.wait(0.01)
+        # One EPP routed it; the other learnt of it from a load-only record (the push), and the
+        # sender's own account of it was settled by the same record, within the deadline.
+        assert every_epp_saw_it(now), (time.monotonic() - sent, before, now)
+        assert sum(_routed(gw, e) for e in epps) == sum(routed) + 1
+        assert [v.batch_records for v in now] == [1, 1]
+    finally:
+        for call in calls:
+            call.cancel()

@@ -5,12 +5,10 @@ all over mTLS; a shared prefix is still routed to the replica whose KV events an
 
 from __future__ import annotations
 
-import shutil
 import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
@@ -21,7 +19,7 @@ from kvswitch.launcher import GatewaySpec, LaunchedGateway, launch_gateway
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
 from kvswitch.supervisor import Supervisor
 from kvswitch.tls_dir import TlsDir
-from tests.support.certs import make_certs
+from tests.support.certs import tls_dir
 from tests.support.gateway import epp_samples, generate, prompt
 from tests.support.processes import free_port
 
@@ -47,16 +45,6 @@ class TlsGateway:
 
     def engines(self) -> tuple[str, ...]:
         return self.launched.endpoints[: self.launched.spec.replicas]
-
-
-def tls_dir(directory: Path) -> TlsDir:
-    """The test's own certificates (tests.support.certs) laid out as `--tls-dir` wants them."""
-    certs = make_certs(directory)
-    for source, name in ((certs.ca, "ca.crt"), (certs.server_cert, "server.crt"),
-                         (certs.server_key, "server.key"), (certs.client_cert, "client.crt"),
-                         (certs.client_key, "client.key")):
-        shutil.copy(source, directory / name)
-    return TlsDir(directory)
 
 
 @pytest.fixture(scope="module")

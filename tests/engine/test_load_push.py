@@ -54,6 +54,10 @@ async def test_two_subscribers_learn_of_an_arrival_from_a_push(
         for push in pushes:
             assert push.sequence_number == 0 and not push.load.HasField("cache_hit_rate")
         assert engine._events.load_pushes == 1
+        # Served as kvswitch_engine_load_pushes_total, what an e2e test waits on.
+        (served,) = [line for line in server.metrics.render().decode().splitlines()
+                     if line.startswith("kvswitch_engine_load_pushes_total{")]
+        assert served.endswith(" 1.0"), served
         generate.cancel()
         for call in calls:
             call.cancel()

@@ -127,3 +127,41 @@ def test_the_in_flight_gauge_tracks_the_pool_and_busy_leavers() -> None:
     leaver.in_flight = 0
     metrics.in_flight.track([idle, busy])
     assert metrics.in_flight.endpoints == {e.address: e for e in (idle, busy)}
+
+
+def test_the_endpoint_requests_gauge_reads_reports_and_unreported_sends_at_scrape_time() -> None:
+    from kvswitch.epp.datalayer import Datalayer
+
+    metrics = EppMetrics()
+    datalayer = Datalayer()
+    datalayer.set_endpoints([EndpointSpec("10.0.0.1:8000")])
+    (endpoint,) = datalayer.all()
+    metrics.endpoint_requests.track([endpoint])
+    datalayer.push("10.0.0.1:8000", running=2, waiting=1, kv_usage=0.5, waiting_tokens=None,
+                   ttl=2.5)
+    datalayer.record_sent(endpoint, 100)
+    text = generate_latest(metrics.registry).decode()
+    for state, value in (("running", 2.0), ("waiting", 1.0), ("unreported", 1.0)):
+        assert (f'kvswitch_epp_endpoint_requests{{endpoint="10.0.0.1:8000",state="{state}"}} '
+                f"{value}") in text
+    metrics.endpoint_requests.track([])  # the endpoint left the pool: its series go
+    assert "10.0.0.1:8000" not in generate_latest(metrics.registry).decode()
+
+
+def test_load_records_are_counted_per_engine_and_kind() -> None:
+    from kvswitch.epp.kvindex import EventBatch, KvBlockIndex, KvEventSubscriber, LoadRecord
+
+    metrics = EppMetrics()
+    subscribers = {"10.0.0.1:8000": KvEventSubscriber("10.0.0.1:8000", KvBlockIndex())}
+    metrics.load_records.watch(subscribers)
+    load = LoadRecord(1, 0, None, 0.1, 0.0, 8, 1)
+    subscriber = subscribers["10.0.0.1:8000"]
+    for batch in (EventBatch(0, load=load, load_only=True), EventBatch(0, load=load),
+                  EventBatch(1, load=load), EventBatch(1, load=load, load_only=True),
+                  EventBatch(2)):  # (a batch without a load record counts nowhere)
+        subscriber.handle(batch)
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvswitch_epp_load_records_total{endpoint="10.0.0.1:8000",kind="batch"} 2.0' in text
+    assert 'kvswitch_epp_load_records_total{endpoint="10.0.0.1:8000",kind="load_only"} 2.0' in text
+    subscribers.clear()  # the subscription ended: its series go
+    assert "10.0.0.1:8000" not in generate_latest(metrics.registry).decode()

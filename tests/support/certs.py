@@ -1,10 +1,12 @@
 """Certificates for TLS tests, made with `cryptography`: a CA, a server certificate for
-127.0.0.1 / localhost and a client certificate, all signed by the CA, written as PEM files."""
+127.0.0.1 / localhost and a client certificate, all signed by the CA, written as PEM files
+(`make_certs`), or laid out as `kvswitch up --tls-dir` wants them (`tls_dir`)."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvswitch.tls_dir import TlsDir
 
 
 @dataclass(frozen=True)
@@ -66,3 +70,13 @@ def make_certs(directory: Path) -> Certs:
     server_cert, server_key = leaf("localhost", ExtendedKeyUsageOID.SERVER_AUTH, "server")
     client_cert, client_key = leaf("client", ExtendedKeyUsageOID.CLIENT_AUTH, "client")
     return Certs(directory / "ca.pem", server_cert, server_key, client_cert, client_key)
+
+
+def tls_dir(directory: Path) -> TlsDir:
+    """`make_certs`' certificates laid out as `--tls-dir` wants them."""
+    certs = make_certs(directory)
+    for source, name in ((certs.ca, "ca.crt"), (certs.server_cert, "server.crt"),
+                         (certs.server_key, "server.key"), (certs.client_cert, "client.crt"),
+                         (certs.client_key, "client.key")):
+        shutil.copy(source, directory / name)
+    return TlsDir(directory)

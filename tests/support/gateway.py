@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from kvswitch.launcher import GatewaySpec, LaunchedGateway, launch_gateway
 from kvswitch.protocol import vllm_engine_pb2 as pb
@@ -68,14 +69,19 @@ def running_gateway(tmp: Path, **spec: object) -> Iterator[Gateway]:
         supervisor.stop_all()
 
 
-def epp_samples(gateway: Gateway, name: str, *, epp: int = 0, **labels: str) -> list[float]:
-    """The values of EPP number `epp`'s Prometheus samples `name` whose labels include
-    `labels`."""
+def epp_metrics(gateway: Gateway, epp: int = 0) -> list[Sample]:
+    """Every Prometheus sample EPP number `epp` serves, from one scrape."""
     url = f"http://127.0.0.1:{gateway.launched.ports.epp_metrics[epp]}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
-    return [sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples
+    return [sample for family in text_string_to_metric_families(text)
+            for sample in family.samples]
+
+
+def epp_samples(gateway: Gateway, name: str, *, epp: int = 0, **labels: str) -> list[float]:
+    """The values of EPP number `epp`'s Prometheus samples `name` whose labels include
+    `labels`."""
+    return [sample.value for sample in epp_metrics(gateway, epp)
             if sample.name == name and labels.items() <= sample.labels.items()]
 
 

@@ -375,6 +375,7 @@ class SimEngine:
             prefix_cache_hits=s.prefix_hits,
             preemptions=s.preemptions,
             requests_finished=dict(self._finished),
+            load_pushes=self._events.load_pushes,
         )
 
     def kv_events(self, start_sequence_number: int = 0) -> AsyncIterator[KvEventBatchData]:

@@ -15,7 +15,8 @@ resubscribes at once on a gap, and after a dropped stream or a failed call with 
 exponential backoff (reset once a stream delivers again); an error applying a batch (a bug) is
 logged with its traceback, clears the endpoint's index and resubscribes from scratch, backing
 off the same way. It keeps the latest
-`EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback).
+`EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback), and counts
+the records by kind (`batch_loads`, `load_only_records`: the EPP's `kvswitch_epp_load_records`).
 
 `KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set. With an
 `UpstreamTls` the streams run over TLS (mTLS with a client certificate).
@@ -80,6 +81,10 @@ class KvEventSubscriber:
         """The latest load record the engine pushed."""
         self.load_at = 0.0
         """time.monotonic() when `load` arrived."""
+        self.batch_loads = 0
+        """Load records received on event batches."""
+        self.load_only_records = 0
+        """Load records received alone (heartbeats, load pushes)."""
         self.connected = False
         self.compatible = True
         """False when the engine's block size differs from the index's (never indexed)."""
@@ -187,6 +192,10 @@ class KvEventSubscriber:
         if batch.load is not None:
             self.load = batch.load
             self.load_at = time.monotonic()
+            if batch.load_only:
+                self.load_only_records += 1
+            else:
+                self.batch_loads += 1
             if self.on_load is not None:
                 self.on_load(self.address, batch.load)
         verdict = self.tracker.receive(batch)
