@@ -215,9 +215,14 @@ OUTPUT_HISTOGRAMS = {
         27, 21, 15, 15, 13, 5, 9, 5, 4, 3, 5, 6, 1, 5, 1, 2, 0, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0, 0,
         4)),
 }
-PROMPT_TOKENS = {"lm-arena-chat": 250, "gpqa": 300}
-"""Assumed mean prompt tokens (not published): an LMArena conversation so far (one or more
-turns), a GPQA question with its four choices. Either is small beside the generated context."""
+PROMPT_TOKENS = {"lm-arena-chat": 250, "gpqa": 190}
+"""Mean prompt tokens (ML.ENERGY does not publish them). GPQA: its prompt is
+"What is the correct answer to the following question: {question}\n\nChoices:" and four
+"\n(X) {choice}" lines (ml-energy/benchmark `mlenergy/benchmark/llm/datasets.py`); GPQA Diamond's
+question and choices average 602 characters (EvalScope's dataset statistics: 841 characters with
+its own 239-character frame), so ~686 characters, 160-200 tokens at 3.5-4.3 characters per token,
+plus Qwen3's chat template. LMArena: assumed, a conversation so far (one or more turns, earlier
+answers included). Either is small beside the generated context."""
 MAX_SAMPLED_STEPS = 4000
 """Steps kept per run for costing (evenly spaced, each standing for the ones it skips)."""
 FIT_GRID = {

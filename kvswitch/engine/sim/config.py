@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvswitch.engine.sim.events import COALESCE_SECONDS, LOAD_PUSH_SECONDS, MAX_EVENTS
-from kvswitch.engine.sim.profiles import SimProfile, get_profile
+from kvswitch.engine.sim.profiles import SimProfile, derived_blocks, get_profile
 
 __all__ = ["FAILURE_KINDS", "MODES", "SimConfig"]
 
@@ -72,6 +72,9 @@ class SimConfig:
             if v is not None
         }
         p = dataclasses.replace(base, **overrides)
+        if p.kv_from_memory and self.num_gpu_blocks is None and overrides:
+            # vLLM sizes its blocks and its profiling pass from these limits: re-derive.
+            p = dataclasses.replace(p, num_gpu_blocks=derived_blocks(p))
         if min(p.block_size, p.num_gpu_blocks, p.max_num_seqs, p.max_num_batched_tokens) < 1:
             raise ValueError(
                 "block_size, num_gpu_blocks, max_num_seqs, max_num_batched_tokens must be >= 1"

@@ -5,7 +5,9 @@ A profile's step-time model is one of `STEP_MODELS`:
 - "roofline" (the default where a profile names a model and GPU): `roofline.Roofline`, built from
   the configs in `catalog`; a step's time grows with the decoding sequences' contexts and with
   the context each prefill chunk attends to. Its KV capacity (`num_gpu_blocks`) is derived from
-  memory the same way vLLM's profiler does (see `roofline`).
+  memory the same way vLLM's profiler does (see `roofline`): from the block size, `max_num_seqs`
+  (the sampler's logits) and `max_num_batched_tokens` (the forward pass) it is served with, so
+  `derived_blocks` recomputes it when a config overrides any of them.
 - "linear": `step_s = (base_us + prefill_us·p + decode_us·d) / 1e6` for `p` uncached prefill
   tokens and `d` decode tokens, whatever their contexts. The coefficients are inference-sim's
   (llm-d's simulator) fit for Llama-3.1-8B on one H100 with vLLM 0.8.4 (5,753 µs, 17.25 µs,
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from kvswitch.engine.sim.catalog import EFFICIENCY, GPUS, MODELS
 from kvswitch.engine.sim.roofline import Roofline
 
-__all__ = ["PROFILES", "STEP_MODELS", "SimProfile", "get_profile"]
+__all__ = ["PROFILES", "STEP_MODELS", "SimProfile", "derived_blocks", "get_profile"]
 
 STEP_MODELS = ("roofline", "linear")
 
@@ -48,6 +50,8 @@ class SimProfile:
     roofline: Roofline | None = None
     step_model: str = "linear"
     """One of STEP_MODELS ("roofline" needs `roofline`)."""
+    kv_from_memory: bool = False
+    """`num_gpu_blocks` follows from `roofline`'s memory (see `derived_blocks`)."""
 
     def __post_init__(self) -> None:
         if self.step_model not in STEP_MODELS:
@@ -87,6 +91,19 @@ class SimProfile:
         return self.block_size * self.num_gpu_blocks
 
 
+def derived_blocks(profile: SimProfile) -> int:
+    """KV blocks vLLM's profiler leaves for `profile`'s model, GPUs and limits: the memory
+    formula in `roofline`, divided into blocks of `block_size` tokens."""
+    if profile.roofline is None:
+        raise ValueError(f"profile {profile.name!r} has no model/GPU config to derive KV from")
+    tokens = profile.roofline.kv_capacity_tokens(
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        max_num_batched_tokens=profile.max_num_batched_tokens,
+        max_num_seqs=profile.max_num_seqs,
+    )
+    return tokens // profile.block_size
+
+
 def _deployment(
     name: str,
     description: str,
@@ -100,26 +117,23 @@ def _deployment(
 ) -> SimProfile:
     """A roofline profile whose KV blocks follow from memory (vLLM V1's server defaults for
     the limits on an 80 GB GPU)."""
-    tokens = roofline.kv_capacity_tokens(
-        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-    )
     base_us, prefill_us, decode_us = linear_us
-    return SimProfile(
+    profile = SimProfile(
         name=name,
         description=description,
         base_us=base_us,
         prefill_us=prefill_us,
         decode_us=decode_us,
         block_size=block_size,
-        num_gpu_blocks=tokens // block_size,
+        num_gpu_blocks=0,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         roofline=roofline,
         step_model="roofline",
+        kv_from_memory=True,
     )
+    return dataclasses.replace(profile, num_gpu_blocks=derived_blocks(profile))
 
 
 _H100 = GPUS["h100-sxm"]

@@ -130,6 +130,24 @@ def test_kv_capacity_follows_from_memory() -> None:
             gpu_memory_utilization=0.9, **kw)
 
 
+def test_kv_capacity_follows_the_limits_the_engine_is_served_with() -> None:
+    qwen = get_profile(QWEN)
+    per_token = MODELS["qwen3-32b"].kv_bytes_per_token / 2
+    # vLLM divides the same memory into blocks of the size asked for: bigger blocks, fewer.
+    big = SimConfig(profile=QWEN, block_size=64).resolved_profile()
+    assert big.kv_capacity_tokens == pytest.approx(qwen.kv_capacity_tokens, abs=64)
+    # Its profiling pass samples max_num_seqs rows of fp32 logits: fewer rows, more KV.
+    few = SimConfig(profile=QWEN, max_num_seqs=64).resolved_profile()
+    gained = (1024 - 64) * MODELS["qwen3-32b"].vocab_size * 4 / per_token
+    assert few.kv_capacity_tokens - qwen.kv_capacity_tokens == pytest.approx(gained, abs=16)
+    smaller_pass = SimConfig(profile=QWEN, max_num_batched_tokens=2048).resolved_profile()
+    assert smaller_pass.num_gpu_blocks > qwen.num_gpu_blocks
+    # An explicit block count wins, and a profile without a memory model keeps its own.
+    pinned = SimConfig(profile=QWEN, block_size=64, num_gpu_blocks=100).resolved_profile()
+    assert pinned.num_gpu_blocks == 100
+    assert SimConfig(profile="tiny", block_size=32).resolved_profile().num_gpu_blocks == 64
+
+
 def test_the_linear_option_reproduces_the_old_fit() -> None:
     old = {"llama3-8b-h100": (5753.0, 17.25, 6.0), QWEN: (12_500.0, 38.0, 9.0)}
     for name, (base, prefill, decode) in old.items():

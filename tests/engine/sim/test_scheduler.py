@@ -106,3 +106,43 @@ def test_abort_frees_blocks_at_once() -> None:
     assert engine.kv.pool.num_used == 0 and not engine.scheduler.has_work()
     assert seqs[0].finish_reason == "abort"
     assert engine.scheduler.abort(seqs[0]) is False
+
+
+def test_kv_pressure_preempts_the_newest_running_sequence_only_when_a_block_is_missing() -> None:
+    # vLLM V1: a running sequence that cannot get its next block preempts the last admitted one.
+    engine = make_engine()
+    seqs = [add(engine, f"r{i}", [i + 1] * 200, max_tokens=200)[0] for i in range(4)]
+    free_before = []
+    while not engine.scheduler.preemptions:
+        free_before.append(engine.kv.pool.num_free)
+        engine.scheduler.step()
+    assert free_before[-1] == 0  # nobody was preempted while a block was free
+    assert engine.scheduler.waiting[0] is seqs[3]
+    assert [s.status for s in seqs[:3]] == [SeqStatus.RUNNING] * 3
+
+
+def test_sequences_are_admitted_without_reserving_their_whole_length() -> None:
+    # 2 x (100 prompt + 540 output) tokens need 80 blocks in the end; the cache has 64, and
+    # vLLM admits both anyway (it allocates blocks as tokens arrive).
+    engine = make_engine()
+    a = add(engine, "a", [1] + PROMPT[1:], max_tokens=540)[0]
+    b = add(engine, "b", [2] + PROMPT[1:], max_tokens=540)[0]
+    for _ in range(4):
+        engine.scheduler.step()
+    assert a.status is SeqStatus.RUNNING and b.status is SeqStatus.RUNNING
+    # Each holds the blocks of the tokens it has, not of the 640 it will have.
+    assert [len(s.blocks) for s in (a, b)] == [-(-len(s.token_ids) // 16) for s in (a, b)]
+    assert engine.kv.pool.num_used < 20
+
+
+def test_free_blocks_holding_cached_prefixes_count_as_free() -> None:
+    engine = make_engine()
+    # Four finished requests leave 4 x 12 cached blocks, all free (reference count 0).
+    for i in range(4):
+        add(engine, f"old{i}", [50 + i] * 190, max_tokens=2)
+    run_until_done(engine)
+    assert engine.kv.pool.num_free == 64 and len(engine.kv.pool.cached) >= 44
+    # A new prompt needing 60 blocks evicts them instead of waiting.
+    new = add(engine, "new", [7] * 950, max_tokens=2)[0]
+    engine.scheduler.step()
+    assert new.status is SeqStatus.RUNNING and engine.scheduler.preemptions == 0
