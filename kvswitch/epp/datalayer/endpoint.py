@@ -18,7 +18,9 @@ and stays in the endpoint's account (`unreported_requests`, `unreported_tokens`)
 that covers it arrives: one the engine sampled at least `transit` seconds (the proxy's hop to
 the engine) after the request was sent. A pushed record's sampling time is its arrival minus
 its age (the engine's batch timestamp against the wall clock, capped at the record TTL); a
-polled one's is when the poll started. Load scorers add the account to the reported load.
+polled one's is when the poll started, or until the request ends (`Datalayer.forget_sent`:
+a finished request is no load, and the next report may be up to a KV-event window away). Load
+scorers add the account to the reported load.
 """
 
 from __future__ import annotations
@@ -173,11 +175,25 @@ class Datalayer:
             if endpoint.sent:  # the poll started at updated_at: it covers what was sent before
                 settle(endpoint, metrics.updated_at - self.transit)
 
-    def record_sent(self, endpoint: Endpoint, uncached_tokens: int) -> None:
-        """The EPP routed a request with this much prefill work to `endpoint` just now."""
-        endpoint.sent.append((self.clock(), uncached_tokens))
+    def record_sent(self, endpoint: Endpoint, uncached_tokens: int) -> tuple[float, int]:
+        """The EPP routed a request with this much prefill work to `endpoint` just now; the
+        record, for `forget_sent` when the request ends."""
+        record = (self.clock(), uncached_tokens)
+        endpoint.sent.append(record)
         endpoint.unreported_requests += 1
         endpoint.unreported_tokens += uncached_tokens
+        return record
+
+    @staticmethod
+    def forget_sent(endpoint: Endpoint, record: tuple[float, int]) -> None:
+        """The request `record_sent` recorded has ended: drop it from the unreported account if
+        no report has covered it yet. (An equal record is as good as its own: equal records
+        share a send time, so a report covers all of them or none.)"""
+        sent = endpoint.sent
+        if sent and record in sent:
+            sent.remove(record)
+            endpoint.unreported_requests = len(sent)
+            endpoint.unreported_tokens -= record[1]
 
     def push(self, address: str, *, running: int, waiting: int, kv_usage: float,
              waiting_tokens: int | None, ttl: float, age: float = 0.0) -> None:
