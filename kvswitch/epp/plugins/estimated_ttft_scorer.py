@@ -6,8 +6,7 @@ work queued ahead of it plus its own uncached prefill. Per endpoint e, in prompt
 replica and cancels out):
 
     P        = the prompt's tokens (token ids; else full blocks x block size)
-    m(e)     = matched leading blocks / prompt blocks   (the prefix index's `PrefixMatch`),
-               0 when below minPrefixFraction
+    m(e)     = matched leading blocks / prompt blocks   (the prefix index's `PrefixMatch`)
     Wq(e)    = queued uncached prefill tokens the engine reports (waiting_tokens), or
                waiting(e) x P when the engine does not report tokens
     Ws(e)    = uncached prompt tokens the EPP routed to e that no report covers yet
@@ -46,9 +45,7 @@ prefill token in the step model, over a few steps of a queued prefill). uncached
 (float >= 1, default 1): what a token of the request's own uncached prefill counts against a
 queued one; 1 is the request's own TTFT alone, above 1 a cache miss also pays for the prefill
 it spends, which later requests of the same prefix would otherwise get from the cache (keeps
-prefix groups together at moderate load). minPrefixFraction (float in [0, 1], default 0): a
-match covering less of the prompt counts as none, so a short shared prefix (a system prompt
-before a long question) does not hold requests on its replicas against load.
+prefix groups together at moderate load).
 """
 
 from __future__ import annotations
@@ -66,11 +63,10 @@ TYPE = "estimated-ttft-scorer"
 
 class EstimatedTtftScorer:
     def __init__(self, name: str, running_tokens: float = 16.0,
-                 uncached_weight: float = 1.0, min_prefix_fraction: float = 0.0) -> None:
+                 uncached_weight: float = 1.0) -> None:
         self.name = name
         self.running_tokens = running_tokens
         self.uncached_weight = uncached_weight
-        self.min_prefix_fraction = min_prefix_fraction
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
@@ -82,7 +78,6 @@ class EstimatedTtftScorer:
         prefilling = match.prefilling if match is not None else None
         running_tokens = self.running_tokens
         own = self.uncached_weight * prompt
-        least_held = self.min_prefix_fraction * blocks
         work = []
         # est(e) of the module docstring, inline (a helper call per endpoint cost ~0.3 us).
         for e in endpoints:
@@ -100,8 +95,6 @@ class EstimatedTtftScorer:
                         if charged > 0:
                             running -= charged
             held = matched.get(e.address, 0) if matched else 0
-            if held < least_held:
-                held = 0
             work.append(queued + (1.0 - held / blocks if held else 1.0) * own
                         + (running_tokens * running if running > 0 else 0.0))
         least = min(work) + 1.0
@@ -116,8 +109,4 @@ def create(name: str, parameters: Mapping[str, Any],
     uncached_weight = param(parameters, "uncachedWeight", float, 1.0)
     if uncached_weight < 1:
         raise ConfigError(f"parameters.uncachedWeight: must be >= 1, got {uncached_weight}")
-    min_prefix_fraction = param(parameters, "minPrefixFraction", float, 0.0)
-    if not 0 <= min_prefix_fraction <= 1:
-        raise ConfigError("parameters.minPrefixFraction: must be in [0, 1], got "
-                          f"{min_prefix_fraction}")
-    return EstimatedTtftScorer(name, running_tokens, uncached_weight, min_prefix_fraction)
+    return EstimatedTtftScorer(name, running_tokens, uncached_weight)

@@ -142,20 +142,3 @@ def test_a_request_charged_as_prefill_in_progress_is_not_charged_as_running_too(
     load(eps[0], running=2, waiting=4, waiting_tokens=4 * 1200 + 100)
     load(eps[1], waiting=4, waiting_tokens=4 * 1200 + 100 + 320)
     assert scorer.score(request, state, eps) == [1.0, 1.0]
-
-
-def test_a_match_under_min_prefix_fraction_counts_as_none() -> None:
-    eps = endpoints(2)
-    load(eps[0], running=8)  # holds 1,200 of the 7,200 tokens, and runs 8 requests
-    matched = {"e0:1": 75}
-    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
-
-    def scores(fraction: float) -> list[float]:
-        scorer = create("t", {"uncachedWeight": 2, "runningRequestTokens": 160,
-                              "minPrefixFraction": fraction}, PluginHandle(Datalayer()))
-        return scorer.score(request, {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), matched)},
-                            eps)
-
-    assert scores(0.0)[0] == 1.0 > scores(0.0)[1]  # 2,400 saved > 8 x 160 more load
-    assert scores(0.2)[1] == 1.0 > scores(0.2)[0]  # a sixth of the prompt: no match
-    assert scores(1 / 6)[0] == 1.0  # exactly at the fraction: it counts
