@@ -116,6 +116,31 @@ async def test_a_report_before_the_end_leaves_nothing_to_release() -> None:
     assert (holder.unreported_requests, holder.unreported_tokens) == (1, TAIL)
 
 
+async def test_an_end_after_a_report_counted_it_running_is_off_the_running_count() -> None:
+    # The holder's last report (sampled after the send) shows the request running; the engine,
+    # idle after it, sends no other before its heartbeat. The next request still stays.
+    router, scorer, addresses = default_router()
+    holder = endpoint(router, addresses[0])
+    datalayer = router.datalayer
+    clock = datalayer.clock
+    first = request(1)
+    await router.route(first, None)
+    scorer.index.apply(addresses[0], [stored(list(prompt(1)))])
+    datalayer.clock = lambda: clock() + 1.0
+    datalayer.update(addresses[0], Metrics(running=1, max_tokens=500_000, block_size=16,
+                                           updated_at=datalayer.clock()))
+    assert holder.unreported_requests == 0
+    datalayer.clock = lambda: clock() + 2.0
+    router.request_finished(first, RequestOutcome(endpoint=addresses[0], ok=True))
+    assert holder.unreported_ends == 1
+    second = request(2)
+    assert (await router.route(second, None)).endpoints[0] == addresses[0]
+    datalayer.clock = lambda: clock() + 3.0  # a report sampled after the end: it shows it gone
+    datalayer.update(addresses[0], Metrics(running=1, max_tokens=500_000, block_size=16,
+                                           updated_at=datalayer.clock()))
+    assert holder.unreported_ends == 0
+
+
 def test_forget_sent_drops_only_an_unsettled_record() -> None:
     now = [10.0]
     datalayer = Datalayer(clock=lambda: now[0])
@@ -125,12 +150,17 @@ def test_forget_sent_drops_only_an_unsettled_record() -> None:
     a = datalayer.record_sent(e, 100)
     now[0] = 11.0
     b = datalayer.record_sent(e, 200)
-    datalayer.update("e:1", Metrics(updated_at=10.5))  # covers a, not b
+    datalayer.update("e:1", Metrics(running=1, updated_at=10.5))  # covers a, not b
     assert (e.unreported_requests, e.unreported_tokens) == (1, 200)
-    datalayer.forget_sent(e, a)  # settled already: nothing left to drop
-    assert (e.unreported_requests, e.unreported_tokens) == (1, 200)
+    now[0] = 12.0
+    datalayer.forget_sent(e, a)  # covered already: its end waits for a report instead
+    assert (e.unreported_requests, e.unreported_tokens, e.unreported_ends) == (1, 200, 1)
     datalayer.forget_sent(e, b)
-    assert (e.unreported_requests, e.unreported_tokens) == (0, 0)
+    assert (e.unreported_requests, e.unreported_tokens, e.unreported_ends) == (0, 0, 1)
+    datalayer.update("e:1", Metrics(updated_at=11.9))  # sampled before the end
+    assert e.unreported_ends == 1
+    datalayer.update("e:1", Metrics(updated_at=12.1))
+    assert e.unreported_ends == 0
 
 
 def test_end_prefill_drops_one_request_of_a_shared_last_block() -> None:

@@ -14,9 +14,11 @@ replica and cancels out):
     Wp(e)    = uncached prompt tokens the EPP routed to e whose prefill has not ended, by the
                KV events (`PrefixMatch.pending_prefill`; 0 without the precise index): unlike
                Wq it counts requests the engine admitted that are still prefilling
-    R(e)     = max(0, running(e) - unreported_requests(e) - C(e)): a request just sent is in
-               Ws(e) until a report covers it, and may already show in running(e) (a report
-               sampled within the proxy's hop of the send does not settle it); counted once
+    R(e)     = max(0, running(e) - unreported_requests(e) - unreported_ends(e) - C(e)): a
+               request just sent is in Ws(e) until a report covers it, and may already show
+               in running(e) (a report sampled within the proxy's hop of the send does not
+               settle it); counted once. One that ended since the last report is no longer
+               running (`Endpoint.unreported_ends`)
     C(e)     = when Wp(e) is the larger term, the requests in it the report shows running
                (at least prefilling(e) - unreported_requests(e) - waiting(e), from
                `PrefixMatch.prefilling`; else 0): charged as prefill, not as running too
@@ -84,7 +86,7 @@ class EstimatedTtftScorer:
             m = e.metrics
             queued = (m.waiting_tokens if m.waiting_tokens else m.waiting * prompt) \
                 + e.unreported_tokens
-            running = m.running - e.unreported_requests
+            running = m.running - e.unreported_requests - e.unreported_ends
             if pending:
                 in_progress = pending.get(e.address, 0)
                 if in_progress > queued:
