@@ -55,10 +55,9 @@ def test_embed(gateway: Gateway) -> None:
 
 
 def test_same_prefix_lands_on_the_same_replica(gateway: Gateway) -> None:
-    """The shared prefix (512 tokens) is worth more than what the default profile charges for
-    a request the EPP cannot yet know has ended (its access-log entry and the engine's next load
-    report are up to 50 ms behind the response): back-to-back requests of a prefix group stay."""
-    shared = prompt(10, blocks=32)
+    """Back-to-back requests of a prefix group stay where the prefix is, however short it is
+    (64 tokens): a request that ended no longer counts as load on its replica."""
+    shared = prompt(10, blocks=4)
     first = generate(gateway.stub, [*shared, *prompt(11, blocks=1)])
     assert first.cached_tokens == 0
     for suffix_seed in (12, 13, 14):
