@@ -11,7 +11,7 @@ with the engines' clock slip near 0. Modes:
   SMG model and kvswitch's default; deterministic, no lock;
 - `--render FLEET`: the Markdown table per member and router: engine-side TTFT p90 (real run and
   fleet simulator), client-side TTFT p50/p90, client inter-token latency p50/p90 (per request,
-  (e2e - TTFT) / (output tokens - 1)), engine-side output tok/s, cache hit, clock slip; written
+  (e2e - TTFT) / (output tokens - 1)), engine-side output tok/s, clock slip, per QPS step; written
   between the table markers of docs/benchmarks/routing-panel/streamed.md, and a bar plot of
   client TTFT p90 beside it.
 """
@@ -124,8 +124,10 @@ def _ms(value: Any) -> str:
 
 
 def table(fleet_runs: dict[str, Any]) -> tuple[str, dict[str, dict[str, float]]]:
-    head = ("| member | router | engine TTFT p90 (fleet sim) | client TTFT p50 | client TTFT "
-            "p90 | ITL p50 | ITL p90 | output tok/s | cache hit | requests ok | clock slip |\n"
+    """One row per member, QPS step and router; and the client TTFT p90 of each member's
+    last step per router (for the plot)."""
+    head = ("| member | QPS | router | engine TTFT p90 (fleet sim) | client TTFT p50 | client "
+            "TTFT p90 | ITL p50 | ITL p90 | output tok/s | requests ok | clock slip |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     client_p90: dict[str, dict[str, float]] = {}
@@ -135,22 +137,25 @@ def table(fleet_runs: dict[str, Any]) -> tuple[str, dict[str, dict[str, float]]]
             continue
         report = json.loads(path.read_text())
         sim = fleet_runs.get(member, {}).get("routers", {})
-        for t in report["targets"]:
-            name = t["target"]
-            if "unavailable" in t:
-                lines.append(f"| {member} | {name} | unavailable: {t['unavailable'][:80]} |"
-                             + " |" * 8)
-                continue
-            engine, client = t["engine"]["overall"], t["overall"]
-            fleet_p90 = sim.get(name, {}).get("overall", {}).get("ttft_p90")
-            client_p90.setdefault(member, {})[name] = client["ttft_p90"]
-            lines.append(
-                f"| {member} | {name} | {_fmt(engine['ttft_p90'])} ({_fmt(fleet_p90)}) | "
-                f"{_fmt(client['ttft_p50'])} | {_fmt(client['ttft_p90'])} | "
-                f"{_ms(client['itl_p50'])} | {_ms(client['itl_p90'])} | "
-                f"{_fmt(engine['output_tok_s'])} | {_fmt(t['engine_cache_hit_rate'], 2)} | "
-                f"{client['succeeded']}/{client['requests']} | "
-                f"{_fmt(t['engine']['clock_slip_max_fraction'], 2)} |")
+        for i, rate in enumerate(report["meta"]["qps"]):
+            for t in report["targets"]:
+                name = t["target"]
+                if "unavailable" in t:
+                    lines.append(f"| {member} | {rate:.3g} | {name} | unavailable: "
+                                 f"{t['unavailable'][:80]} |" + " |" * 7)
+                    continue
+                engine, client = t["engine"]["steps"][i], t["steps"][i]
+                fleet_steps = sim.get(name, {}).get("steps", [])
+                fleet_p90 = fleet_steps[i]["ttft_p90"] if i < len(fleet_steps) else None
+                if i == len(report["meta"]["qps"]) - 1:
+                    client_p90.setdefault(member, {})[name] = client["ttft_p90"]
+                lines.append(
+                    f"| {member} | {rate:.3g} | {name} | {_fmt(engine['ttft_p90'])} "
+                    f"({_fmt(fleet_p90)}) | {_fmt(client['ttft_p50'])} | "
+                    f"{_fmt(client['ttft_p90'])} | {_ms(client['itl_p50'])} | "
+                    f"{_ms(client['itl_p90'])} | {_fmt(engine['output_tok_s'])} | "
+                    f"{client['succeeded']}/{client['requests']} | "
+                    f"{_fmt(engine['clock_slip_max_fraction'], 2)} |")
     return "\n".join(lines), client_p90
 
 
@@ -171,7 +176,8 @@ def plot(client_p90: dict[str, dict[str, float]], out: Path) -> None:
     ax.set_xticks([j + width * (len(targets) - 1) / 2 for j in range(len(members))], members)
     ax.set_yscale("log")
     ax.set_ylabel("client-side TTFT p90 (simulated s, log)")
-    ax.set_title("streamed real-process runs, 8 replicas: client-side TTFT p90", fontsize=9)
+    ax.set_title("streamed real-process runs, 8 replicas: client-side TTFT p90 at each "
+                 "member's last QPS step", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
