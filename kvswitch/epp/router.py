@@ -9,8 +9,10 @@ route(request, subset):
   5. one scheduling cycle -> the pick and fallbacks; the pick's in-flight count goes up, and
      the datalayer records the request's uncached prompt tokens (the prefix match's, when a
      prefix scorer ran) as sent there and not yet reported
-request_finished(): releases the in-flight count, records the outcome (status, duration and
-  token usage by model, objective, fairness id and endpoint), lets plugins observe.
+request_finished(): releases the in-flight count and the request's unreported record (a load
+  report that came before its end leaves nothing to release), records the outcome (status,
+  duration and token usage by model, objective, fairness id and endpoint), lets plugins observe
+  (the precise scorer stops counting its prefill in progress).
   A request whose ext_proc stream closed before its response ended (`seen_end` False), from a
   gateway that logs it to the EPP (`InferenceRequest.access_logged`), waits for its log entry:
   request_logged() finishes it then (kvswitch.epp.access_log). It waits at most
@@ -77,7 +79,8 @@ class EppRouter:
         self.gauge_interval = gauge_interval
         self.lag_interval = lag_interval
         self._lag_max = 0.0
-        self._routed: dict[str, Endpoint] = {}
+        # Routed, unfinished requests: id -> (endpoint, its `Datalayer.record_sent` record).
+        self._routed: dict[str, tuple[Endpoint, tuple[float, int]]] = {}
         self.access_log_wait = access_log_wait
         # Routed requests waiting for their access-log entry: id -> (request, since when).
         self._awaiting_log: dict[str, tuple[InferenceRequest, float]] = {}
@@ -167,9 +170,8 @@ class EppRouter:
             return self._count(request, FILTERED)
         pick = result.endpoints[0]
         pick.in_flight += 1
-        self.datalayer.record_sent(
-            pick, uncached_tokens(request, state.get(PREFIX_STATE_KEY), pick.address))
-        self._routed[request.request_id] = pick
+        self._routed[request.request_id] = (pick, self.datalayer.record_sent(
+            pick, uncached_tokens(request, state.get(PREFIX_STATE_KEY), pick.address)))
         decision = self._decisions.get(result.endpoints)
         if decision is None:
             decision = self._decision(result.endpoints)
@@ -236,10 +238,10 @@ class EppRouter:
         # else: not routed by this EPP (answered here, or another gateway's), or ended already
 
     def _logged_outcome(self, request: InferenceRequest, end: LoggedEnd) -> RequestOutcome:
-        endpoint = self._routed.get(request.request_id)
+        routed = self._routed.get(request.request_id)
         usage = end.usage
         return RequestOutcome(
-            endpoint=endpoint.address if endpoint is not None else "",
+            endpoint=routed[0].address if routed is not None else "",
             ok=response_ok(request.protocol == "grpc", end.grpc_status, end.http_status),
             grpc_status=end.grpc_status,
             http_status=end.http_status,
@@ -277,15 +279,17 @@ class EppRouter:
             logger.warning("%d requests ended without an access-log entry", len(stale))
         for request_id in stale:
             request, _ = self._awaiting_log.pop(request_id)
-            endpoint = self._routed.get(request_id)
+            routed = self._routed.get(request_id)
             self._finish(request, RequestOutcome(
-                endpoint=endpoint.address if endpoint is not None else "", ok=False,
+                endpoint=routed[0].address if routed is not None else "", ok=False,
                 seen_end=False))
 
     def _finish(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
-        endpoint = self._routed.pop(request.request_id, None)
-        if endpoint is not None:  # once per routed request
+        routed = self._routed.pop(request.request_id, None)
+        if routed is not None:  # once per routed request
+            endpoint, sent = routed
             endpoint.in_flight = max(0, endpoint.in_flight - 1)
+            self.datalayer.forget_sent(endpoint, sent)
             self._record(request, outcome)
         if self.scheduler.response_complete:  # (none in the default profile)
             self.scheduler.finished(request, outcome)

@@ -18,7 +18,12 @@ and stays in the endpoint's account (`unreported_requests`, `unreported_tokens`)
 that covers it arrives: one the engine sampled at least `transit` seconds (the proxy's hop to
 the engine) after the request was sent. A pushed record's sampling time is its arrival minus
 its age (the engine's batch timestamp against the wall clock, capped at the record TTL); a
-polled one's is when the poll started. Load scorers add the account to the reported load.
+polled one's is when the poll started, or until the request ends (`Datalayer.forget_sent`:
+a finished request is no load, and the next report may be up to a KV-event window away). Load
+scorers add the account to the reported load. Symmetrically, a request that ends after a report
+covered it is counted in `unreported_ends` until a report sampled after its end arrives: the
+last report still shows it running (an engine idle after it sends its next record only with
+its heartbeat, 1 s later), and load scorers take it off the reported running count.
 """
 
 from __future__ import annotations
@@ -70,8 +75,9 @@ class Metrics:
 class Endpoint:
     """One replica. Mutated only by the datalayer (metrics, health) and the router (in-flight)."""
 
-    __slots__ = ("address", "api", "app_protocol", "failures", "healthy", "in_flight",
-                 "live_until", "metrics", "sent", "unreported_requests", "unreported_tokens")
+    __slots__ = ("address", "api", "app_protocol", "ended", "failures", "healthy", "in_flight",
+                 "live_until", "metrics", "sent", "unreported_ends", "unreported_requests",
+                 "unreported_tokens")
 
     def __init__(self, spec: EndpointSpec) -> None:
         self.address = spec.address
@@ -91,6 +97,10 @@ class Endpoint:
         """len(sent): requests sent here that no load report covers yet."""
         self.unreported_tokens = 0
         """Uncached prompt tokens of `sent`: prefill work the engine's load does not show yet."""
+        # Datalayer clock at the end of requests a report counted and no later report covers.
+        self.ended: deque[float] = deque()
+        self.unreported_ends = 0
+        """len(ended): requests the last report may still count as running, ended since."""
 
     def fresh(self, now: float, staleness: float) -> bool:
         """Metrics current at `now`: pushed records still flowing, or refreshed recently."""
@@ -108,11 +118,17 @@ TRANSIT_SECONDS = 0.005
 
 
 def settle(endpoint: Endpoint, cutoff: float) -> None:
-    """Drop from the unreported account the requests sent at or before `cutoff`."""
+    """Drop from the unreported account the requests sent, and the ends, at or before
+    `cutoff`."""
     sent = endpoint.sent
     while sent and sent[0][0] <= cutoff:
         endpoint.unreported_tokens -= sent.popleft()[1]
     endpoint.unreported_requests = len(sent)
+    ended = endpoint.ended
+    if ended:
+        while ended and ended[0] <= cutoff:
+            ended.popleft()
+        endpoint.unreported_ends = len(ended)
 
 
 class Datalayer:
@@ -170,14 +186,31 @@ class Datalayer:
             endpoint.metrics = metrics
             endpoint.healthy = True
             endpoint.failures = 0
-            if endpoint.sent:  # the poll started at updated_at: it covers what was sent before
+            if endpoint.sent or endpoint.ended:  # the poll started at updated_at
                 settle(endpoint, metrics.updated_at - self.transit)
 
-    def record_sent(self, endpoint: Endpoint, uncached_tokens: int) -> None:
-        """The EPP routed a request with this much prefill work to `endpoint` just now."""
-        endpoint.sent.append((self.clock(), uncached_tokens))
+    def record_sent(self, endpoint: Endpoint, uncached_tokens: int) -> tuple[float, int]:
+        """The EPP routed a request with this much prefill work to `endpoint` just now; the
+        record, for `forget_sent` when the request ends."""
+        record = (self.clock(), uncached_tokens)
+        endpoint.sent.append(record)
         endpoint.unreported_requests += 1
         endpoint.unreported_tokens += uncached_tokens
+        return record
+
+    def forget_sent(self, endpoint: Endpoint, record: tuple[float, int]) -> None:
+        """The request `record_sent` recorded has ended: drop it from the unreported account if
+        no report has covered it yet (an equal record is as good as its own: equal records
+        share a send time, so a report covers all of them or none), else count its end until
+        a report sampled after it arrives."""
+        sent = endpoint.sent
+        if sent and record in sent:
+            sent.remove(record)
+            endpoint.unreported_requests = len(sent)
+            endpoint.unreported_tokens -= record[1]
+        else:
+            endpoint.ended.append(self.clock())
+            endpoint.unreported_ends += 1
 
     def push(self, address: str, *, running: int, waiting: int, kv_usage: float,
              waiting_tokens: int | None, ttl: float, age: float = 0.0) -> None:
@@ -187,7 +220,7 @@ class Datalayer:
         if endpoint is None:
             return
         now = self.clock()
-        if endpoint.sent:
+        if endpoint.sent or endpoint.ended:
             settle(endpoint, now - (age if 0.0 <= age <= ttl else min(max(age, 0.0), ttl))
                    - self.transit)
         old = endpoint.metrics

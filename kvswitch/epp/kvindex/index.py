@@ -30,12 +30,14 @@ Cost per request: O(blocks not already held), a few dict operations each, and at
 O(blocks of the speculation) in C.
 
 Prefill in progress: `await_prefill(endpoint, last_hash, tokens, ttl)` counts a routed
-prompt's uncached tokens in `pending_prefill(endpoint)` until the prompt's last full block is
-stored there (the engine stores a block once the step computing it ends, and the step that
-computes a prompt's last block ends its prefill), or `ttl` passes. The engine's own load report
-counts only waiting requests' prefill; this also covers requests admitted and still
-prefilling (chunked prefill of a long prompt). One dict test per newly real block. An endpoint
-whose events cannot be indexed (another block size, `set_indexed`) awaits nothing.
+prompt's uncached tokens in `pending_prefill(endpoint)` (and the request in
+`prefilling_requests(endpoint)`) until the prompt's last full block is stored there (the engine
+stores a block once the step computing it ends, and the step that computes a prompt's last
+block ends its prefill), the request ends (`end_prefill`: its response may come before the
+KV-event batch that stores the block), or `ttl` passes. The engine's own load report counts
+only waiting requests' prefill; this also covers requests admitted and still prefilling
+(chunked prefill of a long prompt). One dict test per newly real block. An endpoint whose
+events cannot be indexed (another block size, `set_indexed`) awaits nothing.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class _EndpointBlocks:
     29k blocks: ~4 MB less), and no second copy of the same fact to keep in step."""
 
     __slots__ = ("awaiting", "bit", "by_engine", "extra_copies", "extra_owns", "indexed",
-                 "pending", "real", "speculative")
+                 "pending", "prefilling", "real", "speculative")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -86,10 +88,12 @@ class _EndpointBlocks:
         self.extra_owns: dict[int, int] = {}
         self.speculative: dict[int, float] = {}
         self.real = 0
-        # Prefill in progress: a routed prompt's last block -> its uncached tokens, until the
-        # block is stored (the step that computes a prompt's last block ends its prefill).
-        self.awaiting: dict[int, int] = {}
+        # Prefill in progress: a routed prompt's last block -> [its uncached tokens, requests],
+        # until the block is stored (the step that computes a prompt's last block ends its
+        # prefill).
+        self.awaiting: dict[int, list[int]] = {}
         self.pending = 0
+        self.prefilling = 0
         # False while the endpoint's events cannot be indexed (another block size): no
         # prefill is awaited there, as no BlockStored would end it.
         self.indexed = True
@@ -121,6 +125,8 @@ class KvBlockIndex:
         self._awaiting: deque[tuple[float, str, _EndpointBlocks, int, int]] = deque()
         self.pending: dict[str, int] = {}
         """endpoint -> `pending_prefill(endpoint)` (absent: 0), for per-endpoint reads."""
+        self.prefilling: dict[str, int] = {}
+        """endpoint -> requests counted in `pending` (absent: 0)."""
 
     # -- endpoints -----------------------------------------------------------------------------
 
@@ -158,8 +164,9 @@ class KvBlockIndex:
         state.speculative.clear()
         state.real = 0
         state.awaiting.clear()
-        state.pending = 0
+        state.pending = state.prefilling = 0
         self.pending.pop(endpoint, None)
+        self.prefilling.pop(endpoint, None)
 
     def _release(self, owns: Iterable[int], bit: int) -> None:
         """The endpoint with `bit` no longer holds these blocks (real or speculative)."""
@@ -217,6 +224,7 @@ class KvBlockIndex:
         confirmed = speculative - len(state.speculative)
         if state.awaiting or endpoint in self.pending:
             self.pending[endpoint] = state.pending
+            self.prefilling[endpoint] = state.prefilling
         return ApplyStats(stored, unplaced, removed, cleared, confirmed)
 
     def _store(self, state: _EndpointBlocks, blocks: Sequence[tuple[int, bytes]],
@@ -261,12 +269,16 @@ class KvBlockIndex:
                 holders[parent] = held | bit
                 real += 1
                 if awaiting and parent in awaiting:
-                    state.pending -= awaiting.pop(parent)
+                    tokens, requests = awaiting.pop(parent)
+                    state.pending -= tokens
+                    state.prefilling -= requests
             elif parent in speculative:
                 del speculative[parent]  # confirmed: its bit is set already
                 real += 1
                 if awaiting and parent in awaiting:
-                    state.pending -= awaiting.pop(parent)
+                    tokens, requests = awaiting.pop(parent)
+                    state.pending -= tokens
+                    state.prefilling -= requests
             else:  # real already, under another engine hash
                 owns = state.extra_owns
                 owns[parent] = owns.get(parent, 0) + 1
@@ -348,8 +360,8 @@ class KvBlockIndex:
 
     def await_prefill(self, endpoint: str, last_hash: int, tokens: int, ttl: float) -> None:
         """A prompt whose last full block is `last_hash` was routed to `endpoint` with `tokens`
-        to prefill: count them in `pending_prefill` until that block is stored there (or `ttl`
-        seconds pass: the request failed, or its events were lost)."""
+        to prefill: count them in `pending_prefill` until that block is stored there, the
+        request ends (`end_prefill`), or `ttl` seconds pass (its events were lost)."""
         state = self._endpoints.get(endpoint)
         if state is None or tokens <= 0 or not state.indexed:
             return
@@ -357,19 +369,43 @@ class KvBlockIndex:
         expired = self._awaiting
         while expired and expired[0][0] <= now:
             _, name, old, block, count = expired.popleft()
-            left = old.awaiting.get(block, 0)
-            if left:  # (0: stored already)
-                take = min(left, count)
-                old.pending -= take
-                self.pending[name] = old.pending
-                if left > take:
-                    old.awaiting[block] = left - take
-                else:
-                    del old.awaiting[block]
-        state.awaiting[last_hash] = state.awaiting.get(last_hash, 0) + tokens
+            self._drop_awaited(name, old, block, count)
+        entry = state.awaiting.get(last_hash)
+        if entry is None:
+            state.awaiting[last_hash] = [tokens, 1]
+        else:
+            entry[0] += tokens
+            entry[1] += 1
         state.pending += tokens
+        state.prefilling += 1
         self.pending[endpoint] = state.pending
+        self.prefilling[endpoint] = state.prefilling
         expired.append((now + ttl, endpoint, state, last_hash, tokens))
+
+    def end_prefill(self, endpoint: str, last_hash: int, tokens: int) -> None:
+        """The request `await_prefill(endpoint, last_hash, tokens, ...)` counted has ended:
+        its prefill is over, whether or not the block's BlockStored has come yet."""
+        state = self._endpoints.get(endpoint)
+        if state is not None:
+            self._drop_awaited(endpoint, state, last_hash, tokens)
+
+    def _drop_awaited(self, endpoint: str, state: _EndpointBlocks, block: int,
+                      tokens: int) -> None:
+        """Stop counting one request awaiting `block` with `tokens` (none: stored already)."""
+        entry = state.awaiting.get(block)
+        if entry is None:
+            return
+        if entry[1] > 1 and entry[0] > tokens:
+            entry[0] -= tokens
+            entry[1] -= 1
+            state.pending -= tokens
+            state.prefilling -= 1
+        else:
+            del state.awaiting[block]
+            state.pending -= entry[0]
+            state.prefilling -= entry[1]
+        self.pending[endpoint] = state.pending
+        self.prefilling[endpoint] = state.prefilling
 
     def set_indexed(self, endpoint: str, indexed: bool) -> None:
         """Whether `endpoint`'s KV events are indexed (its block size is the index's)."""
@@ -383,6 +419,11 @@ class KvBlockIndex:
         """Uncached prompt tokens routed to `endpoint` whose prefill has not ended yet."""
         state = self._endpoints.get(endpoint)
         return 0 if state is None else state.pending
+
+    def prefilling_requests(self, endpoint: str) -> int:
+        """Requests counted in `pending_prefill(endpoint)`."""
+        state = self._endpoints.get(endpoint)
+        return 0 if state is None else state.prefilling
 
     def expire(self) -> None:
         """Drop the speculative entries whose time is up (`match` does it too)."""

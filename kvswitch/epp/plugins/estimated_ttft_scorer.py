@@ -14,9 +14,14 @@ replica and cancels out):
     Wp(e)    = uncached prompt tokens the EPP routed to e whose prefill has not ended, by the
                KV events (`PrefixMatch.pending_prefill`; 0 without the precise index): unlike
                Wq it counts requests the engine admitted that are still prefilling
-    R(e)     = max(0, running(e) - unreported_requests(e)): a request just sent is in Ws(e)
-               until a report covers it, and may already show in running(e) (a report
-               sampled within the proxy's hop of the send does not settle it); counted once
+    R(e)     = max(0, running(e) - unreported_requests(e) - unreported_ends(e) - C(e)): a
+               request just sent is in Ws(e) until a report covers it, and may already show
+               in running(e) (a report sampled within the proxy's hop of the send does not
+               settle it); counted once. One that ended since the last report is no longer
+               running (`Endpoint.unreported_ends`)
+    C(e)     = when Wp(e) is the larger term, the requests in it the report shows running
+               (at least prefilling(e) - unreported_requests(e) - waiting(e), from
+               `PrefixMatch.prefilling`; else 0): charged as prefill, not as running too
     est(e)   = max(Wq(e) + Ws(e), Wp(e)) + uncachedWeight x (1 - m(e)) x P
                + runningRequestTokens x R(e)
     score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
@@ -34,7 +39,8 @@ equals the extra queue, measured in the same unit, instead of fixed ratios (0.5,
 The ratio normalisation keeps scale: twice the work scores 0.5, whatever the prompt length.
 Inputs: `state["prefix-index"]` (written by precise-prefix-cache-scorer or prefix-cache-scorer,
 either must be configured), `Metrics.waiting_tokens/waiting/running`,
-`Endpoint.unreported_tokens/unreported_requests`, `PrefixMatch.pending_prefill`.
+`Endpoint.unreported_tokens/unreported_requests` (a request leaves them when a report covers
+it or it ends), `PrefixMatch.pending_prefill/prefilling` (likewise until it ends).
 Parameters: runningRequestTokens (float >= 0, default 16): prefill-token equivalent of one
 running request (decode steps interleave with prefill; 6 us per decode token vs 17 us per
 prefill token in the step model, over a few steps of a queued prefill). uncachedWeight
@@ -71,6 +77,7 @@ class EstimatedTtftScorer:
         blocks = len(match.hashes) if match is not None else 0
         matched = match.matched if match is not None and blocks else {}
         pending = match.pending_prefill if match is not None else None
+        prefilling = match.prefilling if match is not None else None
         running_tokens = self.running_tokens
         own = self.uncached_weight * prompt
         work = []
@@ -79,12 +86,17 @@ class EstimatedTtftScorer:
             m = e.metrics
             queued = (m.waiting_tokens if m.waiting_tokens else m.waiting * prompt) \
                 + e.unreported_tokens
+            running = m.running - e.unreported_requests - e.unreported_ends
             if pending:
                 in_progress = pending.get(e.address, 0)
-                if in_progress > queued:  # noqa: PLR1730 (no max() call per endpoint)
+                if in_progress > queued:
                     queued = in_progress
+                    if prefilling:
+                        charged = (prefilling.get(e.address, 0) - e.unreported_requests
+                                   - m.waiting)
+                        if charged > 0:
+                            running -= charged
             held = matched.get(e.address, 0) if matched else 0
-            running = m.running - e.unreported_requests
             work.append(queued + (1.0 - held / blocks if held else 1.0) * own
                         + (running_tokens * running if running > 0 else 0.0))
         least = min(work) + 1.0

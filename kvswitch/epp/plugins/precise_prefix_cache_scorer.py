@@ -32,7 +32,11 @@ speculated, so a hot prefix costs O(unique suffix blocks) per request.
 Prefill in progress: the same hook counts the request's uncached prompt tokens in the index's
 `pending_prefill` for the picked endpoint until the engine stores the prompt's last full block
 (`KvBlockIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables) passes; the
-`PrefixMatch` it produces carries `pending_prefill` for estimated-ttft-scorer.
+`PrefixMatch` it produces carries `pending_prefill` (and `prefilling`, the requests it counts)
+for estimated-ttft-scorer. As a `ResponseComplete` hook it stops counting a request when the
+request ends (`KvBlockIndex.end_prefill`): a short answer can end before the KV-event batch that
+stores its last block arrives (batches are coalesced over 50 ms), and its prefill must not hold
+its endpoint back from the next request of the conversation meanwhile.
 Lifecycle: the router calls `start()` (one HTTP/2 stream per endpoint of the datalayer) and
 `stop()`; afterwards subscriptions follow the endpoint set as scheduling cycles see it change.
 Push-based load: every `EngineLoad` record on a stream goes into the endpoint's metrics
@@ -49,7 +53,7 @@ import operator
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
-from kvswitch.epp.contracts import InferenceRequest
+from kvswitch.epp.contracts import InferenceRequest, RequestOutcome
 from kvswitch.epp.datalayer import Endpoint
 from kvswitch.epp.framework import (
     ConfigError,
@@ -81,6 +85,9 @@ class PrecisePrefixCacheScorer:
         self.index = index
         self.prefill_ttl = prefill_ttl
         self._pending = index.pending
+        self._prefilling = index.prefilling
+        # request id -> (endpoint, last block hash, tokens) of the prefill it awaits there.
+        self._awaited: dict[str, tuple[str, int, int]] = {}
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
@@ -210,7 +217,8 @@ class PrecisePrefixCacheScorer:
         # The prompt's length as its full blocks: counting a packed prompt's tokens walks its
         # bytes (~1.5 us per 1k tokens), and a partial last block is a few tokens of prefill.
         size = self.index.block_size
-        state[STATE_KEY] = PrefixMatch(hashes, matched, size, self._pending, len(hashes) * size)
+        state[STATE_KEY] = PrefixMatch(hashes, matched, size, self._pending, len(hashes) * size,
+                                       self._prefilling)
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
@@ -233,8 +241,16 @@ class PrecisePrefixCacheScorer:
         if self.speculative_ttl > 0:
             self.index.speculate(address, match.hashes, self.speculative_ttl, held=held)
         if held < len(match.hashes) and self.prefill_ttl > 0:
-            self.index.await_prefill(address, match.hashes[-1],
-                                     uncached_tokens(request, match, address), self.prefill_ttl)
+            tokens = uncached_tokens(request, match, address)
+            self.index.await_prefill(address, match.hashes[-1], tokens, self.prefill_ttl)
+            if tokens > 0:
+                self._awaited[request.request_id] = (address, match.hashes[-1], tokens)
+
+    def response_complete(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
+        """The request ended: its prefill is no longer in progress."""
+        awaited = self._awaited.pop(request.request_id, None)
+        if awaited is not None:
+            self.index.end_prefill(*awaited)
 
 
 def create(name: str, parameters: Mapping[str, Any],

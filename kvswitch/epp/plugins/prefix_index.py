@@ -47,6 +47,8 @@ class PrefixMatch:
     (the precise index's, from KV events; absent: 0); None when the producer cannot tell."""
     prompt_tokens: int = -1
     """The prompt's length in tokens as the producer counted it (-1: not counted)."""
+    prefilling: Mapping[str, int] | None = None
+    """endpoint address -> requests counted in `pending_prefill` there (absent: 0)."""
 
 
 def prompt_tokens(request: InferenceRequest, match: PrefixMatch | None) -> int:

@@ -121,3 +121,24 @@ def test_a_sent_request_the_report_shows_running_counts_once() -> None:
     # below 0, and e1's 2 running requests still weigh.
     load(eps[0], running=0)
     assert scorer.score(request, state, eps) == scores
+
+
+def test_a_request_charged_as_prefill_in_progress_is_not_charged_as_running_too() -> None:
+    eps = endpoints(2)
+    # e0: 4 requests (1,200 uncached tokens each) admitted and still prefilling: the report
+    # shows them running, the KV events as prefill in progress. e1: the same work, waiting.
+    load(eps[0], running=4)
+    load(eps[1], waiting=4, waiting_tokens=4 * 1200)
+    scorer = create("t", {"runningRequestTokens": 160}, PluginHandle(Datalayer()))
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {}, pending_prefill={"e0:1": 4800},
+                                    prefilling={"e0:1": 4})}
+    assert scorer.score(request, state, eps) == [1.0, 1.0]
+    # Two of e0's four are still waiting: only the two running are in both terms.
+    load(eps[0], running=2, waiting=2, waiting_tokens=2 * 1200)
+    assert scorer.score(request, state, eps) == [1.0, 1.0]
+    # A longer reported queue than the prefill in progress: the running ones are not in it,
+    # and count as running (2 x 160 more than e1).
+    load(eps[0], running=2, waiting=4, waiting_tokens=4 * 1200 + 100)
+    load(eps[1], waiting=4, waiting_tokens=4 * 1200 + 100 + 320)
+    assert scorer.score(request, state, eps) == [1.0, 1.0]
