@@ -22,6 +22,7 @@ import argparse
 import json
 import re
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ TARGETS = "kvswitch,round-robin,oracle,smg-cache-aware"
 FLEET_ROUTER = {"kvswitch": "kvswitch", "round-robin": "round-robin", "oracle": "oracle",
                 "smg-cache-aware": "smg-cache-aware-model"}
 TRACE = "benchmarks/traces/mooncake_conversation_30min.jsonl"
-COMMON = ("--replicas 8 --stream --seed 0 --targets " + TARGETS)
+COMMON = "--replicas 8 --stream --seed 0"
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Member:
     panel_row: str
     """The routing panel's row this member stands for (README.md's members)."""
     args: str
-    """`kvswitch bench` arguments besides COMMON."""
+    """`kvswitch bench` arguments besides COMMON and --targets."""
+    targets: str = TARGETS
 
 
 MEMBERS: dict[str, Member] = {
@@ -71,11 +73,19 @@ MEMBERS: dict[str, Member] = {
         panel_row="mt-1000-30",
         args=("--preset multi-turn-6x1000-1000-30-1000 --qps 5,12,20 --duration 20 "
               "--time-scale 0.5 --drain-timeout 240")),
+    # kvswitch alone again on the trace, after the EPP changes of the routing2 branch (0b07caf:
+    # a request that ended stops counting as load); the other targets do not run the EPP.
+    "trace-0-x1.5-0b07caf": Member(
+        description="trace-0-x1.5 again, kvswitch only, with the EPP of 0b07caf",
+        panel_row="trace-0-x1.5",
+        args=(f"--trace {TRACE} --trace-start 0 --trace-duration 180 --speedup 1.5 "
+              "--profile qwen3-32b-2xh100-128k --time-scale 1.25 --drain-timeout 150"),
+        targets="kvswitch"),
 }
 
 
 def bench_argv(member: str) -> list[str]:
-    return shlex.split(MEMBERS[member].args + " " + COMMON)
+    return shlex.split(f"{MEMBERS[member].args} {COMMON} --targets {MEMBERS[member].targets}")
 
 
 def commands() -> None:
@@ -98,14 +108,16 @@ def fleet(out: Path, members: list[str]) -> None:
         workload = cli._workload(args)  # the bench's own builder: the very same requests
         profile = get_profile(args.profile)
         rows = {}
-        for target in TARGETS.split(","):
+        for target in MEMBERS[member].targets.split(","):
             router = make_router(FLEET_ROUTER[target], seed=args.seed)
             result = run_fleet(workload, router, profile, args.replicas, seed=args.seed)
             rows[target] = result.to_json()
             print(f"{member} {target}: TTFT p90 {result.overall['ttft_p90']:.3g} "
                   f"({result.wall_seconds:.0f} s wall)", flush=True)
+        tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=False,
+                              capture_output=True, text=True).stdout.strip()
         saved[member] = {"command": "python benchmarks/streamed_panel.py --fleet "
-                                    f"{out.name} --members {member}",
+                                    f"{out.name} --members {member}", "tree": tree,
                          "bench_args": shlex.join(bench_argv(member)),
                          "requests": len(workload.requests), "routers": rows}
         out.write_text(json.dumps(saved, indent=1))
