@@ -3,17 +3,18 @@
 `MEMBERS` holds each member's `kvswitch bench` arguments: a ladder and time scale chosen so that
 8 replicas, Envoy, the EPP or a peer, and a client receiving every token fit a 2-core machine
 with the engines' clock slip near 0. Modes:
-- `--commands`: print each member's bench command (run each under the shared real-time lock,
-  `flock /work/wt/realtime.lock ...`); the bench writes results.json, copied to
-  benchmarks/results/streamed_<member>.json;
+- `--commands`: print each member's bench command (run one at a time, alone on the machine if
+  possible: other load shows as clock slip and client-side latency); the bench writes
+  results.json, copied to benchmarks/results/streamed_<member>.json;
 - `--fleet OUT`: the fleet simulator on exactly the workload each bench command builds (the
   bench's own argument parser and workload builder, same seed) for round robin, the oracle, the
   SMG model and kvswitch's default; deterministic, no lock;
 - `--render FLEET`: the Markdown table per member and router: engine-side TTFT p90 (real run and
   fleet simulator), client-side TTFT p50/p90, client inter-token latency p50/p90 (per request,
-  (e2e - TTFT) / (output tokens - 1)), engine-side output tok/s, clock slip, per QPS step; written
-  between the table markers of docs/benchmarks/routing-panel/streamed.md, and a bar plot of
-  client TTFT p90 beside it.
+  (e2e - TTFT) / (output tokens - 1)), engine-side output tok/s, clock slip, per QPS step, and
+  the machine's mean 1-min load average over the target's run; written between the table
+  markers of docs/benchmarks/routing-panel/streamed.md, and a bar plot of client TTFT p90
+  beside it.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def bench_argv(member: str) -> list[str]:
 
 def commands() -> None:
     for member in MEMBERS:
-        print(f"flock /work/wt/realtime.lock kvswitch bench {shlex.join(bench_argv(member))} "
+        print(f"kvswitch bench {shlex.join(bench_argv(member))} "
               f"--out /tmp/streamed/{member} && cp /tmp/streamed/{member}/results.json "
               f"benchmarks/results/streamed_{member}.json")
 
@@ -139,8 +140,8 @@ def table(fleet_runs: dict[str, Any]) -> tuple[str, dict[str, dict[str, float]]]
     """One row per member, QPS step and router; and the client TTFT p90 of each member's
     last step per router (for the plot)."""
     head = ("| member | QPS | router | engine TTFT p90 (fleet sim) | client TTFT p50 | client "
-            "TTFT p90 | ITL p50 | ITL p90 | output tok/s | requests ok | clock slip |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+            "TTFT p90 | ITL p50 | ITL p90 | output tok/s | requests ok | clock slip | load avg |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     client_p90: dict[str, dict[str, float]] = {}
     for member in MEMBERS:
@@ -154,7 +155,7 @@ def table(fleet_runs: dict[str, Any]) -> tuple[str, dict[str, dict[str, float]]]
                 name = t["target"]
                 if "unavailable" in t:
                     lines.append(f"| {member} | {rate:.3g} | {name} | unavailable: "
-                                 f"{t['unavailable'][:80]} |" + " |" * 7)
+                                 f"{t['unavailable'][:80]} |" + " |" * 8)
                     continue
                 engine, client = t["engine"]["steps"][i], t["steps"][i]
                 fleet_steps = sim.get(name, {}).get("steps", [])
@@ -167,7 +168,8 @@ def table(fleet_runs: dict[str, Any]) -> tuple[str, dict[str, dict[str, float]]]
                     f"{_fmt(client['ttft_p90'])} | {_ms(client['itl_p50'])} | "
                     f"{_ms(client['itl_p90'])} | {_fmt(engine['output_tok_s'])} | "
                     f"{client['succeeded']}/{client['requests']} | "
-                    f"{_fmt(engine['clock_slip_max_fraction'], 2)} |")
+                    f"{_fmt(engine['clock_slip_max_fraction'], 2)} | "
+                    f"{_fmt(t['cpu'].get('load_avg_1m_mean'), 2)} |")
     return "\n".join(lines), client_p90
 
 
@@ -202,8 +204,8 @@ def render(fleet_path: Path) -> None:
     text, client_p90 = table(fleet_runs)
     print(text)
     page = PAGE.read_text()
-    page = re.sub(r"(<!-- streamed table -->\n).*?(\n<!-- /streamed table -->)",
-                  lambda m: m.group(1) + text + m.group(2), page, flags=re.DOTALL)
+    page = re.sub(r"(<!-- streamed table -->\n).*?(<!-- /streamed table -->)",
+                  lambda m: m.group(1) + text + "\n" + m.group(2), page, flags=re.DOTALL)
     PAGE.write_text(page)
     if client_p90:
         plot(client_p90, PAGE.parent / "streamed_ttft_p90.png")
