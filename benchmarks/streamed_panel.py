@@ -74,8 +74,7 @@ MEMBERS: dict[str, Member] = {
         panel_row="mt-1000-30",
         args=("--preset multi-turn-6x1000-1000-30-1000 --qps 5,12,20 --duration 20 "
               "--time-scale 0.5 --drain-timeout 240")),
-    # kvswitch alone again on the trace, after the EPP changes of the routing2 branch (0b07caf:
-    # a request that ended stops counting as load); the other targets do not run the EPP.
+    # The trace again on a later EPP tree: kvswitch alone, as the other targets run no EPP.
     "trace-0-x1.5-0b07caf": Member(
         description="trace-0-x1.5 again, kvswitch only, with the EPP of 0b07caf",
         panel_row="trace-0-x1.5",
