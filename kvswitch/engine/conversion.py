@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from kvswitch.engine import logprobs
 from kvswitch.engine.base import (
     GenerationUpdate,
     ModelCard,
@@ -179,40 +180,13 @@ def check_kv_transfer(request: pb.GenerateRequest) -> None:
 def output_logprobs(items: Sequence[TokenLogprob] | None, num_top: int | None
                     ) -> pb.OutputLogProbs | None:
     """vLLM's OutputLogProbs: one entry per token; top alternatives only when num_top > 0."""
-    if not items:
-        return None
-    top_n = num_top if num_top is not None and num_top > 0 else 0
-    proto = pb.OutputLogProbs(
-        token_logprobs=[lp.logprob for lp in items], token_ids=[lp.token_id for lp in items]
-    )
-    if top_n:
-        for lp in items:
-            alts = lp.top[:top_n]
-            proto.top_logprobs.append(
-                pb.TopLogProbs(values=[v for _, v in alts], token_ids=[t for t, _ in alts])
-            )
-    return proto
+    return logprobs.output_logprobs(pb.OutputLogProbs, items, num_top)
 
 
 def input_logprobs(items: Sequence[TokenLogprob | None] | None, prompt_ids: Sequence[int],
                    num_top: int | None) -> pb.InputLogProbs | None:
     """vLLM's InputLogProbs: every prompt position, the first one without a value."""
-    if not items:
-        return None
-    top_n = num_top if num_top is not None and num_top > 0 else 0
-    proto = pb.InputLogProbs()
-    for token_id, lp in zip(prompt_ids, items, strict=False):
-        entry = pb.InputTokenLogProb()
-        top = pb.TopLogProbs()
-        if lp is not None:
-            entry.value = lp.logprob
-            for alt_id, alt_value in lp.top[:top_n]:
-                top.token_ids.append(alt_id)
-                top.values.append(alt_value)
-        proto.token_logprobs.append(entry)
-        proto.token_ids.append(token_id)
-        proto.top_logprobs.append(top)
-    return proto
+    return logprobs.input_logprobs(pb.InputLogProbs, items, prompt_ids, num_top)
 
 
 def complete_message(index: int, token_ids: list[int], finish_reason: str | None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvswitch.engine import logprobs
 from kvswitch.engine.base import (
     GenerationUpdate,
     ModelCard,
@@ -136,40 +137,6 @@ def _require(ok: bool, field: str, message: str) -> None:
 
 # ---- responses ------------------------------------------------------------------------------
 
-def output_logprobs(items: Sequence[TokenLogprob] | None, num_top: int | None
-                    ) -> pb.OutputLogProbs | None:
-    if not items:
-        return None
-    proto = pb.OutputLogProbs(token_logprobs=[lp.logprob for lp in items],
-                              token_ids=[lp.token_id for lp in items])
-    if num_top:
-        for lp in items:
-            alts = lp.top[:num_top]
-            proto.top_logprobs.append(pb.TopLogProbs(values=[v for _, v in alts],
-                                                     token_ids=[t for t, _ in alts]))
-    return proto
-
-
-def input_logprobs(items: Sequence[TokenLogprob | None] | None, prompt_ids: Sequence[int],
-                   num_top: int | None, start: int) -> pb.InputLogProbs | None:
-    """Prompt positions from `start` on; the prompt's first token has no value."""
-    if not items:
-        return None
-    proto = pb.InputLogProbs()
-    for token_id, lp in list(zip(prompt_ids, items, strict=False))[max(start, 0):]:
-        entry = pb.InputTokenLogProb()
-        top = pb.TopLogProbs()
-        if lp is not None:
-            entry.value = lp.logprob
-            for alt_id, alt_value in lp.top[:num_top or 0]:
-                top.token_ids.append(alt_id)
-                top.values.append(alt_value)
-        proto.token_logprobs.append(entry)
-        proto.token_ids.append(token_id)
-        proto.top_logprobs.append(top)
-    return proto
-
-
 class SglangResponseBuilder:
     """Turns one request's `GenerationUpdate`s into SGLang `GenerateResponse`s."""
 
@@ -222,7 +189,7 @@ class SglangResponseBuilder:
     def _stream(self, seq: SequenceDelta, ids: list[int], lps: list[TokenLogprob] | None,
                 first: bool) -> list[pb.GenerateResponse]:
         in_lp = self._input_lp() if first else None
-        out_lp = output_logprobs(lps, self.num_logprobs)
+        out_lp = self._output_lp(lps)
         chunk = pb.GenerateStreamChunk(
             token_ids=ids, prompt_tokens=self.prompt_tokens,
             completion_tokens=self._counts[seq.index], cached_tokens=self.cached_tokens,
@@ -235,8 +202,7 @@ class SglangResponseBuilder:
     def _finish_all(self) -> list[pb.GenerateResponse]:
         in_lp = self._input_lp()
         return [self._complete(index, self._tokens.get(index, []), self._final.get(index),
-                               output_logprobs(self._logprobs.get(index), self.num_logprobs),
-                               in_lp)
+                               self._output_lp(self._logprobs.get(index)), in_lp)
                 for index in sorted(self._tokens.keys() | self._final.keys())]
 
     def _complete(self, index: int, ids: list[int], final: SequenceDelta | None,
@@ -259,11 +225,14 @@ class SglangResponseBuilder:
             complete.matched_token_id = matched
         return pb.GenerateResponse(request_id=self.request_id, complete=complete)
 
+    def _output_lp(self, items: Sequence[TokenLogprob] | None) -> pb.OutputLogProbs | None:
+        return logprobs.output_logprobs(pb.OutputLogProbs, items, self.num_logprobs)
+
     def _input_lp(self) -> pb.InputLogProbs | None:
         if self._prompt_lp is None or self.num_prompt_logprobs is None:
             return None
-        return input_logprobs(self._prompt_lp, self.prompt_ids, self.num_prompt_logprobs,
-                              self.logprob_start_len)
+        return logprobs.input_logprobs(pb.InputLogProbs, self._prompt_lp, self.prompt_ids,
+                                       self.num_prompt_logprobs, self.logprob_start_len)
 
     def usage_trailer(self) -> str:
         return (f"prompt_tokens={self.prompt_tokens};completion_tokens={self.completion_tokens};"

@@ -94,7 +94,29 @@ class CountedCounter(_Labelled):
         yield family
 
 
-class InFlightGauge(Collector):
+class _EndpointGauge(Collector):
+    """A gauge labelled by endpoint, registered in `registry`, whose values subclasses give at
+    scrape time (`snapshot`: endpoint address -> value)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        registry.register(self)
+
+    def snapshot(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])]
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])
+        for address, value in self.snapshot().items():
+            family.add_metric((address,), value)
+        yield family
+
+
+class InFlightGauge(_EndpointGauge):
     """The per-endpoint in-flight gauge, read at scrape time from the endpoints' own
     `in_flight` counts (the router keeps them): nothing to update per request. `track(pool)`
     (the router's gauge tick) exports every pool endpoint, 0 until picked; an endpoint that
@@ -102,10 +124,8 @@ class InFlightGauge(Collector):
     after they end. `show` adds one endpoint at once (a pick between ticks)."""
 
     def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
-        self.name = name
-        self.documentation = documentation
         self.endpoints: dict[str, Endpoint] = {}
-        registry.register(self)
+        super().__init__(name, documentation, registry)
 
     def show(self, endpoint: Endpoint) -> None:
         self.endpoints[endpoint.address] = endpoint
@@ -120,26 +140,18 @@ class InFlightGauge(Collector):
         endpoint = self.endpoints.get(address)
         return 0.0 if endpoint is None else float(endpoint.in_flight)
 
-    def describe(self) -> list[Metric]:
-        return [GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])]
-
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])
-        for address, endpoint in self.endpoints.copy().items():
-            family.add_metric((address,), float(endpoint.in_flight))
-        yield family
+    def snapshot(self) -> dict[str, float]:
+        return {address: float(e.in_flight) for address, e in self.endpoints.copy().items()}
 
 
-class ReadyGauge(Collector):
+class ReadyGauge(_EndpointGauge):
     """The per-endpoint readiness gauge (1 eligible for scheduling, else 0). `track(pool, ready)`
     (the router's gauge tick) sets it whole: exactly `pool`'s endpoints are exported, so one that
     left the pool goes at the next tick instead of keeping its last value."""
 
     def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
-        self.name = name
-        self.documentation = documentation
         self.values: dict[str, float] = {}
-        registry.register(self)
+        super().__init__(name, documentation, registry)
 
     def track(self, pool: Iterable[Endpoint], ready: Container[str]) -> None:
         """Export `pool`'s endpoints: 1 for those whose address is in `ready`, else 0."""
@@ -149,14 +161,8 @@ class ReadyGauge(Collector):
     def value(self, address: str) -> float:
         return self.values.get(address, 0.0)
 
-    def describe(self) -> list[Metric]:
-        return [GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])]
-
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])
-        for address, value in self.values.copy().items():
-            family.add_metric((address,), value)
-        yield family
+    def snapshot(self) -> dict[str, float]:
+        return self.values.copy()
 
 
 class EndpointRequestsGauge(Collector):

@@ -55,7 +55,7 @@ class TokenizerBundle:
             return (configured,)
         if isinstance(configured, list) and configured:
             return tuple(int(i) for i in configured)
-        eos = _token_text(self.config.get("eos_token"))
+        eos = special_token_text(self.config.get("eos_token"))
         eos_id = self.token_id(eos)
         return () if eos_id is None else (eos_id,)
 
@@ -81,8 +81,9 @@ class TokenizerBundle:
         return text
 
 
-def _token_text(token: Any) -> str | None:
-    # tokenizer_config.json stores special tokens either as a string or as {"content": ...}.
+def special_token_text(token: Any) -> str | None:
+    """A special token's text as tokenizer_config.json stores it: a string or
+    {"content": ...}; None for anything else."""
     if isinstance(token, dict):
         content = token.get("content")
         return content if isinstance(content, str) else None

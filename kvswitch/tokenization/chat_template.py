@@ -20,7 +20,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvswitch.errors import InvalidRequest
-from kvswitch.tokenization.bundle import TokenizerBundle
+from kvswitch.tokenization.bundle import TokenizerBundle, special_token_text
 
 __all__ = ["ChatTemplate", "TemplateError"]
 
@@ -58,13 +58,6 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _token_text(token: Any) -> str | None:
-    if isinstance(token, dict):
-        content = token.get("content")
-        return content if isinstance(content, str) else None
-    return token if isinstance(token, str) else None
-
-
 class ChatTemplate:
     """A compiled chat template and the special-token variables of its tokenizer."""
 
@@ -81,10 +74,10 @@ class ChatTemplate:
         if source is None:
             raise InvalidRequest("the tokenizer has no chat template; pass one as chat_template")
         config = bundle.config
-        variables: dict[str, Any] = {k: _token_text(config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+        variables: dict[str, Any] = {k: special_token_text(config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
         extra = config.get("additional_special_tokens")
         if isinstance(extra, list):
-            variables["additional_special_tokens"] = [_token_text(t) for t in extra]
+            variables["additional_special_tokens"] = [special_token_text(t) for t in extra]
         return cls(source, variables)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,

@@ -5,12 +5,7 @@ truncated gRPC frames INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +20,8 @@ from kvswitch.launcher import frontend_available
 from kvswitch.protocol import GENERATE_PATH, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from tests.support import raw_grpc
-from tests.support.processes import REPO, free_port
+from tests.support.processes import free_port
+from tests.support.up import kvswitch_up
 
 pytestmark = pytest.mark.skipif(not frontend_available(), reason="needs the frontend")
 
@@ -50,28 +46,11 @@ def engine_active_requests(up: Up) -> int:
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     tmp = tmp_path_factory.mktemp("hostile")
     port = free_port()
-    log = tmp / "up.log"
-    argv = [sys.executable, "-m", "kvswitch", "up", "--port", str(port), "--replicas", "1",
-            "--profile", "tiny", "--time-scale", "1", "--mode", "echo",
-            "--grace-period", "1", "--log-dir", str(tmp / "state")]
-    with open(log, "wb") as out:
-        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                              start_new_session=True)
-    try:
-        waited = threading.Event()
-        for _ in range(600):  # bounded: 600 x 0.1 s
-            if "is up on" in log.read_text() or up.poll() is not None:
-                break
-            waited.wait(0.1)
-        assert "is up on" in log.read_text(), log.read_text()
+    args = ["--port", str(port), "--replicas", "1", "--profile", "tiny", "--time-scale", "1",
+            "--mode", "echo", "--grace-period", "1"]
+    with kvswitch_up(args, tmp) as up:
+        assert "is up on" in up.output(), up.output()
         yield Up(port, tmp / "state")
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait(timeout=10)
 
 
 def test_a_body_over_the_limit_is_413(gateway: Up) -> None:

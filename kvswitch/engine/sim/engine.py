@@ -410,8 +410,8 @@ class SimEngine:
 
 
 def _id_or(bundle: object, token: object) -> int:
-    from kvswitch.tokenization.bundle import _token_text  # the bundle's own special-token parsing
+    from kvswitch.tokenization.bundle import special_token_text
 
-    text = _token_text(token)
+    text = special_token_text(token)
     tid = bundle.token_id(text) if text else None  # type: ignore[attr-defined]
     return -1 if tid is None else int(tid)

@@ -99,6 +99,15 @@ class _EndpointBlocks:
         self.indexed = True
 
 
+def _drop_copy(counts: dict[int, int], key: int) -> None:
+    """One extra copy of `key` fewer in `extra_copies` / `extra_owns` (absent = none extra)."""
+    copies = counts[key]
+    if copies > 1:
+        counts[key] = copies - 1
+    else:
+        del counts[key]
+
+
 class KvBlockIndex:
     """Blocks held per endpoint, by own chained hash. Not thread-safe; one event loop owns it."""
 
@@ -267,21 +276,17 @@ class KvBlockIndex:
             held = holders.get(parent, 0)
             if not held & bit:
                 holders[parent] = held | bit
-                real += 1
-                if awaiting and parent in awaiting:
-                    tokens, requests = awaiting.pop(parent)
-                    state.pending -= tokens
-                    state.prefilling -= requests
             elif parent in speculative:
                 del speculative[parent]  # confirmed: its bit is set already
-                real += 1
-                if awaiting and parent in awaiting:
-                    tokens, requests = awaiting.pop(parent)
-                    state.pending -= tokens
-                    state.prefilling -= requests
             else:  # real already, under another engine hash
                 owns = state.extra_owns
                 owns[parent] = owns.get(parent, 0) + 1
+                continue
+            real += 1
+            if awaiting and parent in awaiting:
+                tokens, requests = awaiting.pop(parent)
+                state.pending -= tokens
+                state.prefilling -= requests
         state.real += real
         return placed
 
@@ -295,21 +300,13 @@ class KvBlockIndex:
             own = pop_engine(engine_hash, None)
             if extra and engine_hash in extra:
                 by_engine[engine_hash] = own  # another physical copy still holds it
-                copies = extra[engine_hash]
-                if copies > 1:
-                    extra[engine_hash] = copies - 1
-                else:
-                    del extra[engine_hash]
+                _drop_copy(extra, engine_hash)
                 continue
             if own is None:
                 continue
             removed += 1
             if owns and own in owns:  # placed under another engine hash too: still held
-                copies = owns[own]
-                if copies > 1:
-                    owns[own] = copies - 1
-                else:
-                    del owns[own]
+                _drop_copy(owns, own)
                 continue
             gone += 1
             held = pop_holders(own) & mask  # (another endpoint's bits go back)

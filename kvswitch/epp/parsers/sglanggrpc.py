@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from google.protobuf.message import DecodeError
-
 from kvswitch.epp.contracts import ParsedBody
-from kvswitch.epp.parsers.vllmgrpc import DEFAULT_MAX_MESSAGE_BYTES, request_message
-from kvswitch.errors import InvalidRequest
+from kvswitch.epp.parsers.vllmgrpc import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    decode,
+    max_message_bytes,
+    request_message,
+)
 from kvswitch.protocol.packed import (
     PackedTokenIds,
     SglangEmbedRequestView,
@@ -45,24 +47,17 @@ class SglangGrpcParser:
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> ParsedBody:
         message = request_message(path, headers, body, self.max_message_bytes)
         if path == SGLANG_EMBED_PATH:
-            embed = _decode(pb.EmbedRequest, message, "EmbedRequest")
+            embed = decode(pb.EmbedRequest, message)
             ids, text = _prompt(SglangEmbedRequestView, message, embed)
             return ParsedBody(prompt_token_ids=ids, prompt_text=text,
                               request_id=embed.request_id or None)
-        request = _decode(pb.GenerateRequest, message, "GenerateRequest")
+        request = decode(pb.GenerateRequest, message)
         ids, text = _prompt(SglangGenerateRequestView, message, request)
         params = request.sampling_params
         return ParsedBody(
             prompt_token_ids=ids, prompt_text=text, stream=request.stream,
             max_tokens=params.max_new_tokens if params.HasField("max_new_tokens") else None,
             request_id=request.request_id or None)
-
-
-def _decode(cls: Any, message: bytes, name: str) -> Any:
-    try:
-        return cls.FromString(message)
-    except DecodeError as exc:
-        raise InvalidRequest(f"malformed {name}: {exc}") from exc
 
 
 def _prompt(view: Any, message: bytes, request: Any) -> tuple[PackedTokenIds | None, str | None]:
@@ -77,7 +72,4 @@ def _prompt(view: Any, message: bytes, request: Any) -> tuple[PackedTokenIds | N
 
 
 def create(name: str, parameters: Mapping[str, Any], handle: Any) -> SglangGrpcParser:
-    limit = parameters.get("maxMessageBytes", DEFAULT_MAX_MESSAGE_BYTES)
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
-        raise ValueError(f"{name}: maxMessageBytes must be a positive integer, got {limit!r}")
-    return SglangGrpcParser(name, max_message_bytes=limit)
+    return SglangGrpcParser(name, max_message_bytes=max_message_bytes(name, parameters))

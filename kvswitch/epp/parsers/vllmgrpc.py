@@ -12,9 +12,9 @@ Parameters: `maxMessageBytes` (default 16 MiB) bounds one decompressed message.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from kvswitch.epp.contracts import ParsedBody
 from kvswitch.errors import InvalidRequest
@@ -28,6 +28,7 @@ __all__ = ["TYPE", "VllmGrpcParser", "create"]
 TYPE = "vllmgrpc-parser"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 _IDENTITY = (None, "", "identity")
+M = TypeVar("M", bound=Message)
 
 
 class VllmGrpcParser:
@@ -63,12 +64,17 @@ def request_message(path: str, headers: Mapping[str, str], body: bytes,
     return message
 
 
-def _parse_generate(message: bytes) -> ParsedBody:
-    request = vllm_engine_pb2.GenerateRequest()
+def decode(cls: type[M], message: bytes) -> M:
+    """`message` parsed as `cls`; `InvalidRequest` naming the message type if it does not
+    decode."""
     try:
-        request.ParseFromString(message)
+        return cls.FromString(message)
     except DecodeError as exc:
-        raise InvalidRequest(f"malformed GenerateRequest: {exc}") from exc
+        raise InvalidRequest(f"malformed {cls.DESCRIPTOR.name}: {exc}") from exc
+
+
+def _parse_generate(message: bytes) -> ParsedBody:
+    request = decode(vllm_engine_pb2.GenerateRequest, message)
     kind = request.WhichOneof("input")
     params = request.sampling_params
     return ParsedBody(
@@ -83,11 +89,7 @@ def _parse_generate(message: bytes) -> ParsedBody:
 
 
 def _parse_embed(message: bytes) -> ParsedBody:
-    request = vllm_engine_pb2.EmbedRequest()
-    try:
-        request.ParseFromString(message)
-    except DecodeError as exc:
-        raise InvalidRequest(f"malformed EmbedRequest: {exc}") from exc
+    request = decode(vllm_engine_pb2.EmbedRequest, message)
     return ParsedBody(
         prompt_token_ids=_prompt(EmbedRequestView, message, request),
         request_id=request.request_id or None,
@@ -103,8 +105,13 @@ def _prompt(view: Any, message: bytes, request: Any) -> PackedTokenIds:
     return PackedTokenIds.of(request.tokenized.input_ids)  # sent unpacked: the view saw none
 
 
-def create(name: str, parameters: Mapping[str, Any], handle: Any) -> VllmGrpcParser:
+def max_message_bytes(name: str, parameters: Mapping[str, Any]) -> int:
+    """The `maxMessageBytes` parameter of a gRPC parser, checked."""
     limit = parameters.get("maxMessageBytes", DEFAULT_MAX_MESSAGE_BYTES)
     if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
         raise ValueError(f"{name}: maxMessageBytes must be a positive integer, got {limit!r}")
-    return VllmGrpcParser(name, max_message_bytes=limit)
+    return limit
+
+
+def create(name: str, parameters: Mapping[str, Any], handle: Any) -> VllmGrpcParser:
+    return VllmGrpcParser(name, max_message_bytes=max_message_bytes(name, parameters))
