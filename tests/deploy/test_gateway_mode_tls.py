@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
+import ssl
 import threading
 import urllib.parse
 import urllib.request
@@ -109,19 +111,50 @@ def test_without_a_secret_tls_is_self_signed_and_secure_serving_false_is_plainte
     assert rule["spec"]["trafficPolicy"]["tls"] == {"mode": "DISABLE"}
 
 
+def test_the_self_signed_epp_serves_tls_a_gateway_accepts_unverified(tmp_path: Path) -> None:
+    """What the chart runs without a Secret: ext_proc over TLS (ALPN h2) with a certificate
+    nobody can verify, which a gateway that does not verify (upstream's default) accepts."""
+    (_, container) = _epp(render_chart({**GATEWAY_TLS, "tls": {}}))
+    flags = [a for a in container["args"] if a.startswith("--tls-")]
+    pool = write_pool_file(tmp_path / "pool.yaml", [f"127.0.0.1:{free_port()}"])
+    config = tmp_path / "epp.yaml"
+    config.write_text("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n")
+    supervisor = Supervisor(tmp_path)
+    try:
+        port = free_port()
+        supervisor.start(epp_spec(config, pool, port, free_port(), flags))
+        unverified = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
+        unverified.set_alpn_protocols(["h2"])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+                unverified.wrap_socket(raw, server_hostname="qwen3-epp.llm.svc") as tls:
+            assert tls.selected_alpn_protocol() == "h2"
+            assert tls.getpeercert(binary_form=True)
+        verifying = ssl.create_default_context()
+        verifying.set_alpn_protocols(["h2"])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+                pytest.raises(ssl.SSLCertVerificationError):
+            verifying.wrap_socket(raw, server_hostname="localhost")
+    finally:
+        supervisor.stop_all()
+
+
+def _rule_with(tls: dict[str, Any]) -> dict[str, Any]:
+    (rule,) = by_kind(render_chart({**GATEWAY_TLS, "provider": {"name": "istio", "istio": {
+        "destinationRule": {"trafficPolicy": {"tls": tls}}}}}), "DestinationRule")
+    return rule
+
+
 def test_the_destination_rule_is_checked_against_istios_schema() -> None:
-    values = {**GATEWAY_TLS, "provider": {"name": "istio", "istio": {"destinationRule": {
-        "trafficPolicy": {"tls": {"mode": "SIMPLE", "credentialName": "qwen3-epp-ca",
-                                  "sni": "qwen3-epp.llm.svc"}}}}}}
-    (rule,) = by_kind(render_chart(values), "DestinationRule")
-    assert rule["spec"]["trafficPolicy"]["tls"]["credentialName"] == "qwen3-epp-ca"
+    # trafficPolicy.tls replaces the chart's: here, verifying the EPP against a CA.
+    verifying = {"mode": "SIMPLE", "credentialName": "qwen3-epp-ca", "sni": "qwen3-epp.llm.svc"}
+    rule = _rule_with(verifying)
+    assert rule["spec"]["trafficPolicy"]["tls"] == verifying
     validate([rule])
     # A misspelt field or an unknown mode is refused, as the API server would.
     for tls in ({"mode": "SIMPLE", "insecureSkipVerfy": True}, {"mode": "TLS"}):
-        values["provider"]["istio"]["destinationRule"]["trafficPolicy"]["tls"] = tls
-        (rule,) = by_kind(render_chart(values), "DestinationRule")
         with pytest.raises(jsonschema.ValidationError):
-            validate([rule])
+            validate([_rule_with(tls)])
 
 
 # --- A real Envoy configured as a GAIE gateway configures its EPP, two EPPs with the chart's TLS.
