@@ -139,6 +139,15 @@ def test_the_self_signed_epp_serves_tls_a_gateway_accepts_unverified(tmp_path: P
         supervisor.stop_all()
 
 
+def test_a_self_signed_epp_refuses_certificate_files_too(tmp_path: Path) -> None:
+    files = secret(tmp_path)
+    argv = ["--pool", str(write_pool_file(tmp_path / "pool.yaml", ["127.0.0.1:1"])),
+            "--metrics-port", "0", "--tls-self-signed"]
+    for extra in (["--tls-cert", str(files / "tls.crt"), "--tls-key", str(files / "tls.key")],
+                  ["--tls-client-ca", str(files / "ca.crt")]):
+        assert epp_cli.main([*argv, *extra]) == 2
+
+
 def _rule_with(tls: dict[str, Any]) -> dict[str, Any]:
     (rule,) = by_kind(render_chart({**GATEWAY_TLS, "provider": {"name": "istio", "istio": {
         "destinationRule": {"trafficPolicy": {"tls": tls}}}}}), "DestinationRule")
