@@ -232,8 +232,7 @@ def gateway_over_two_tls_epps(tmp_path: Path) -> Iterator[tuple[int, int, list[E
         port, admin = free_port(), free_port()
         bootstrap = build_bootstrap(GatewayOptions(
             pool=PoolTarget(()), routing="original-dst", epp_failure_mode="FailClose",
-            epps=tuple(f"127.0.0.1:{epp.port}" for epp in epps), port=port, admin_port=admin,
-            epp_tls=UpstreamTls(files / "ca.crt", sni="localhost")))
+            epps=tuple(f"127.0.0.1:{epp.port}" for epp in epps), port=port, admin_port=admin))
         envoy = tmp_path / "envoy.yaml"
         envoy.write_text(render(_gaie_gateway(bootstrap, files / "ca.crt")))
         supervisor.start(envoy_spec(envoy, admin))
@@ -254,6 +253,7 @@ def test_a_gaie_gateway_routes_through_every_tls_epp(
     assert all(c.completion_tokens == 2 for c in completes)
     routed = [_samples(epp, "kvswitch_epp_requests_total", status="200") for epp in epps]
     assert all(r > 0 for r in routed) and sum(routed) == 40, routed
+
     # Each EPP ends the requests it routed at the end of their ext_proc streams (no access log).
     def finished() -> list[float]:
         return [_samples(e, "kvswitch_epp_requests_finished_total", ok="true") for e in epps]
