@@ -7,9 +7,9 @@ call, which require it: mTLS). `server(...)` and `client()` are those files as `
 `UpstreamTls`, `listener()` what the public listener serves (asking clients for a certificate
 only with `client_auth`), and `server_flags(...)` / `client_flags(prefix)` the same as
 command-line flags of kvswitch's processes. `write_self_signed(path, sni)` makes such a
-directory: a fresh CA (one day valid, P-256), a server certificate for `sni` and 127.0.0.1, and
-a client certificate (`kvswitch up --tls-self-signed`). `check_server_name` says whether a name
-can be `sni`: a DNS name or an IPv4 address.
+directory: a fresh CA (valid a day unless told otherwise, P-256), a server certificate for
+`sni` and 127.0.0.1, and a client certificate (`kvswitch up --tls-self-signed`).
+`check_server_name` says whether a name can be `sni`: a DNS name or an IPv4 address.
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ class TlsDir:
                 f"--{prefix}-tls-key", str(tls.key), f"--{prefix}-tls-sni", tls.sni]
 
 
-def write_self_signed(path: Path, sni: str = SNI) -> TlsDir:
+def write_self_signed(path: Path, sni: str = SNI, *, valid_days: int = 1) -> TlsDir:
     """A fresh CA and the server (for `sni` and 127.0.0.1) and client certificates it signs,
-    written into `path`."""
+    valid `valid_days`, written into `path`."""
     check_server_name(sni)
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -102,7 +102,7 @@ def write_self_signed(path: Path, sni: str = SNI) -> TlsDir:
                                              serialization.NoEncryption()))
 
     now = datetime.datetime.now(datetime.UTC)
-    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
+    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=valid_days))
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(name("kvswitch self-signed CA"))
           .issuer_name(name("kvswitch self-signed CA")).public_key(ca_key.public_key())

@@ -9,8 +9,9 @@ FULL_DUPLEX_STREAMED (or BUFFERED), response_body NONE, and route on the
 request ended comes from the response headers and trailers (SEND), or, as kvswitch's bootstrap
 does it, from Envoy's gRPC access log streamed to this same port (for requests whose forwarded
 `kvswitch` filter metadata says `access_logged: true`; kvswitch.epp.access_log).
-`--tls-cert` serves ext_proc over TLS; `--engine-tls-ca` calls the engines (load polls, KV
-events) over TLS.
+`--tls-cert` serves ext_proc over TLS (`--tls-self-signed`: with a certificate made at start,
+which gateways that call the EPP without verifying it accept); `--engine-tls-ca` calls the
+engines (load polls, KV events) over TLS.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvswitch.cli import DefaultsHelpFormatter
 from kvswitch.epp.contracts import EndpointPicker
 from kvswitch.limits import add_sampling_flags, sampling_from_args
 from kvswitch.tls import (
+    TlsFiles,
     add_tls_flags,
     add_upstream_tls_flags,
     tls_from_args,
@@ -36,6 +40,9 @@ from kvswitch.tls import (
 __all__ = ["add_arguments", "run"]
 
 logger = logging.getLogger("kvswitch.epp")
+
+SELF_SIGNED_DAYS = 3650
+"""`--tls-self-signed`'s certificate outlives the pod: nobody verifies it, so nothing renews it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "it routes with it, so the gateway's access log sends it the entries "
                              "of its own requests (kvswitch up sets it)")
     add_tls_flags(parser)
+    parser.add_argument("--tls-self-signed", action="store_true",
+                        help="serve ext_proc over TLS with a certificate made at start (in a "
+                             "temporary directory, removed on exit), for gateways that call the "
+                             "EPP over TLS without verifying it (a GAIE gateway's default)")
     add_upstream_tls_flags(parser, "engine", "engines")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
@@ -148,7 +159,25 @@ def build_picker(args: argparse.Namespace) -> EndpointPicker:
                                replica_name=args.replica_name)
 
 
+def serving_tls(args: argparse.Namespace, directory: Path) -> TlsFiles | None:
+    """What ext_proc serves: the `--tls-*` files, or with `--tls-self-signed` a certificate
+    written into `directory` now (no client certificate asked for)."""
+    if not args.tls_self_signed:
+        return tls_from_args(args)
+    from kvswitch.tls_dir import write_self_signed
+
+    files = write_self_signed(directory, valid_days=SELF_SIGNED_DAYS)
+    return TlsFiles(files.path / "server.crt", files.path / "server.key", None,
+                    args.tls_handshake_timeout)
+
+
 async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvswitch-epp-tls-") as directory:
+        await _serve(picker, args, serving_tls(args, Path(directory)))
+
+
+async def _serve(picker: EndpointPicker, args: argparse.Namespace,
+                 tls: TlsFiles | None) -> None:
     from kvswitch.epp.server import EppServer
     from kvswitch.epp.serving import READINESS, SERVING
 
@@ -157,7 +186,7 @@ async def serve(picker: EndpointPicker, args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = EppServer(picker, host=args.host, port=args.port, transport=args.transport,
-                       tls=tls_from_args(args))
+                       tls=tls)
     metrics = None
     if args.metrics_port:
         # prometheus_client's own server spends a thread per connection with no head deadline,
@@ -193,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     for noisy in ("grpc", "asyncio"):  # their debug output drowns the per-request lines
         logging.getLogger(noisy).setLevel(logging.INFO)
     try:
+        if args.tls_self_signed and tls_from_args(args) is not None:
+            raise ValueError("--tls-self-signed excludes --tls-cert, --tls-key and --tls-client-ca")
         picker = build_picker(args)
     except Exception as exc:  # noqa: BLE001 - config errors name the field; no traceback
         logger.error("cannot build the endpoint picker: %s", exc)

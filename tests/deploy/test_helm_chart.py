@@ -9,14 +9,11 @@ import argparse
 import contextlib
 import io
 import shlex
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import helm_python
-import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -27,17 +24,9 @@ from kvswitch.epp import cli as epp_cli
 from kvswitch.epp.datalayer import kube_discovery
 from kvswitch.frontend import cli as frontend_cli
 from kvswitch.tls import TlsFiles, UpstreamTls, tls_from_args, upstream_tls_from_args
-from tests.support.certs import make_certs
+from tests.support.chart import CHART, TLS_DIR, by_kind, render, validate
+from tests.support.chart import secret as _secret
 from tests.support.processes import REPO
-
-CHART = REPO / "deploy" / "helm" / "kvswitch"
-CRDS = Path(__file__).parent / "crds"
-KUBE_VERSION = "1.33"
-# Kinds from other projects' CRDs not copied here: checked for their fields by the tests below.
-OTHER_CRDS = {("gateway.networking.k8s.io/v1", "HTTPRoute"),
-              ("networking.istio.io/v1", "DestinationRule"),
-              ("networking.gke.io/v1", "HealthCheckPolicy"),
-              ("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 MODES: dict[str, dict[str, Any]] = {
     "standalone": {},
@@ -66,51 +55,27 @@ MODES: dict[str, dict[str, Any]] = {
         "router": {"frontend": {"enabled": True}}, "modelServers": {"enabled": True}},
     "standalone-tls-3-epps": {"tls": {"secretName": "qwen3-tls"}, "router": {"epp": {"replicas": 3}},
                               "modelServers": {"enabled": True}},
+    "gateway-tls-2-epps-istio": {
+        "mode": "gateway", "tls": {"secretName": "qwen3-tls"}, "router": {"epp": {"replicas": 2}},
+        "provider": {"name": "istio", "istio": {"destinationRule": {"trafficPolicy": {
+            "connectionPool": {"http": {"maxRequestsPerConnection": 256000}}}}}},
+        "modelServers": {"enabled": True}},
+    "gateway-tls-gke": {"mode": "gateway", "tls": {"secretName": "qwen3-tls"},
+                        "provider": {"name": "gke"}},
+    "gateway-plaintext-istio": {"mode": "gateway", "provider": {"name": "istio"},
+                                "router": {"epp": {"flags": {"secure-serving": False}}}},
+    "gateway-istio-verifying": {"mode": "gateway", "tls": {"secretName": "qwen3-tls"},
+                                "provider": {"name": "istio", "istio": {"destinationRule": {
+                                    "trafficPolicy": {"tls": {
+                                        "mode": "SIMPLE", "credentialName": "qwen3-epp-ca",
+                                        "sni": "qwen3-epp.llm.svc"}}}}}},
 }
-# Where the chart mounts `tls.secretName`; the tests put certificates of their own there.
-TLS_DIR = "/etc/kvswitch-tls"
-
-
-def render(values: Mapping[str, Any], name: str = "qwen3",
-           namespace: str = "llm") -> list[dict[str, Any]]:
-    chart = helm_python.Chart.load(str(CHART))
-    files = chart.render(dict(values), name=name, namespace=namespace)
-    return [doc for name, text in sorted(files.items()) if name.endswith(".yaml")
-            for doc in yaml.safe_load_all(text) if doc]
-
-
-def _crd_schema(file: str) -> dict[str, Any]:
-    crd = yaml.safe_load((CRDS / file).read_text())
-    return dict(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
-
-
-CRD_SCHEMAS = {
-    ("inference.networking.k8s.io/v1", "InferencePool"):
-        _crd_schema("inference.networking.k8s.io_inferencepools.yaml"),
-    ("llm-d.ai/v1alpha2", "InferenceObjective"): _crd_schema("llm-d.ai_inferenceobjectives.yaml"),
-}
-
-
-def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [d for d in docs if d["kind"] == kind]
 
 
 def test_lint() -> None:
     assert helm_python.lint(str(CHART))["errors"] == []
     for values in MODES.values():
         assert helm_python.lint(str(CHART), values)["errors"] == []
-
-
-def validate(docs: list[dict[str, Any]], namespace: str = "llm") -> None:
-    assert docs
-    for doc in docs:
-        key = (doc["apiVersion"], doc["kind"])
-        if key in CRD_SCHEMAS:
-            jsonschema.validate(doc, CRD_SCHEMAS[key])
-        elif key in OTHER_CRDS:
-            assert doc["metadata"]["namespace"] == namespace and doc["spec"], doc
-        else:
-            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -176,18 +141,6 @@ def test_containers_run_kvswitch_commands_that_parse(mode: str, tmp_path: Path) 
                 assert checked.returncode == 0, checked.stdout + checked.stderr
             else:
                 assert args[0] in ("engine", "frontend"), args
-
-
-def _secret(directory: Path) -> Path:
-    """A TLS Secret's files as the chart mounts them (cert-manager's layout)."""
-    secret = directory / "secret"
-    if not secret.exists():
-        secret.mkdir()
-        certs = make_certs(directory)
-        for source, name in ((certs.ca, "ca.crt"), (certs.server_cert, "tls.crt"),
-                             (certs.server_key, "tls.key")):
-            shutil.copy(source, secret / name)
-    return secret
 
 
 def _parse(command: str, args: list[str]) -> argparse.Namespace:
@@ -323,6 +276,8 @@ def test_gateway_modes() -> None:
     ({"mode": "gateway", "router": {"frontend": {"enabled": True}}}, "standalone mode only"),
     ({"provider": {"name": "aws"}}, "provider.name"),
     ({"router": {"epp": {"replicas": 0}}}, "router.epp.replicas: expected at least 1"),
+    ({"router": {"epp": {"flags": {"secure-serving": False}}}},
+     "router.epp.flags.secure-serving: gateway mode only"),
 ])
 def test_bad_values_fail_naming_the_value(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmError, match=message):

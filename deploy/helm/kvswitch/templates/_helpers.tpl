@@ -9,6 +9,15 @@ pods' stable DNS names are the EPP addresses Envoy lists and each EPP's --replic
 {{- if and (eq .Values.mode "standalone") (gt (int .Values.router.epp.replicas) 1) -}}true{{- end -}}
 {{- end -}}
 
+{{/* Gateway mode: the EPP serves ext_proc over TLS, as upstream's EPP does and GAIE gateways
+expect, unless router.epp.flags.secure-serving (upstream's flag, read here) is false. */}}
+{{- define "kvswitch.gatewayTls" -}}
+{{- if eq .Values.mode "gateway" -}}
+{{- $flag := index (.Values.router.epp.flags | default dict) "secure-serving" -}}
+{{- if or (kindIs "invalid" $flag) (ne (toString $flag) "false") -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The headless Service naming each EPP pod of the StatefulSet. */}}
 {{- define "kvswitch.peersName" -}}
 {{- printf "%s-peers" (include "kvswitch.name" .) | trunc 63 | trimSuffix "-" -}}
@@ -105,6 +114,9 @@ app.kubernetes.io/component: epp
 {{- end -}}
 {{- if and .Values.router.frontend.enabled (ne .Values.router.modelServers.protocol "grpc") -}}
 {{- fail "router.frontend.enabled: the frontend needs a grpc pool" -}}
+{{- end -}}
+{{- if and (hasKey (.Values.router.epp.flags | default dict) "secure-serving") (ne .Values.mode "gateway") -}}
+{{- fail "router.epp.flags.secure-serving: gateway mode only (standalone: tls.secretName and tls.epps)" -}}
 {{- end -}}
 {{- if lt (int .Values.router.epp.replicas) 1 -}}
 {{- fail (printf "router.epp.replicas: expected at least 1, got %v" .Values.router.epp.replicas) -}}
