@@ -80,7 +80,8 @@ _FILTER_CONFIG = _T + "envoy.config.route.v3.FilterConfig"
 _SET_METADATA = _T + "envoy.extensions.filters.http.set_metadata.v3.Config"
 # How often Envoy sends the EPP its buffered log entries (sooner when 16 KiB are buffered): how
 # late, at most, a request's in-flight count ends after its response did.
-ACCESS_LOG_FLUSH = "0.05s"
+ACCESS_LOG_FLUSH_SECONDS = 0.05
+ACCESS_LOG_FLUSH = f"{ACCESS_LOG_FLUSH_SECONDS}s"
 
 
 

@@ -115,6 +115,50 @@ def test_kv_events_reach_the_epp_only_after_their_delivery_delay(shared_prefix: 
     assert grew  # blocks entered the index, and only inside these deliveries
 
 
+class _EndRecorder(EppRouter):
+    """The kvswitch profile, recording when each request ended and when the router heard."""
+
+    def __init__(self, log_flush: float) -> None:
+        from kvswitch.launcher import DEFAULT_EPP_CONFIG
+
+        super().__init__(DEFAULT_EPP_CONFIG, "ends", kv_delay=0.002, log_flush=log_flush)
+        self.ended: dict[str, float] = {}
+        self.heard: dict[str, tuple[float, float | None]] = {}
+
+    def finished(self, request: Any, replica: int, now: float) -> None:
+        self.ended[str(request.index)] = now
+        super().finished(request, replica, now)
+
+    def setup(self, ctx: Any) -> None:
+        super().setup(ctx)
+        finish = self.router.request_finished
+
+        def heard(request: Any, outcome: Any) -> None:
+            self.heard[request.request_id] = (self.ctx.now(), outcome.duration)
+            finish(request, outcome)
+        self.router.request_finished = heard  # type: ignore[method-assign]
+
+
+def test_ends_reach_the_epp_with_the_gateways_access_log_flush(shared_prefix: Any) -> None:
+    router = _EndRecorder(log_flush=0.05)
+    run_fleet(shared_prefix, router, PROFILE, 4)
+    assert router.heard.keys() == router.ended.keys()  # the last flush too
+    late = 0
+    for request_id, (at, duration) in router.heard.items():
+        ended = router.ended[request_id]
+        # Heard at the first flush tick after the end, plus the hop; dated by its duration.
+        tick = at - 0.002
+        assert ended < tick <= ended + 0.05 + 1e-9
+        assert tick / 0.05 == pytest.approx(round(tick / 0.05))
+        assert duration is not None and 0 < duration <= ended
+        late += at - ended > 0.01
+    assert late > len(router.heard) / 2
+    instant = _EndRecorder(log_flush=0.0)
+    run_fleet(shared_prefix, instant, PROFILE, 4)
+    assert instant.heard.keys() == instant.ended.keys()
+    assert all(at == instant.ended[r] for r, (at, _) in instant.heard.items())
+
+
 def test_kv_batches_are_coalesced_per_window(shared_prefix: Any) -> None:
     router = _Recorder(delay=0.0)
     run_fleet(shared_prefix, router, PROFILE, 2, coalesce_seconds=0.05)

@@ -7,7 +7,9 @@ without I/O:
   pre-request hooks that add speculative index entries, the in-flight count); a request that
   flow control queues is held and released when the gate lets it go (`pump` runs when a
   request finishes and on every refresh tick, as the gate's own ticker would);
-- a request's end is `EppRouter.request_finished` with its outcome, as the gateway reports it;
+- a request's end is `EppRouter.request_finished` with its outcome and duration, as kvswitch's
+  gateway reports it: in its access-log entry, which Envoy sends with the others buffered since
+  its last flush (every `log_flush` seconds, the bootstrap's interval), `kv_delay` later;
 - KV events: every batch a replica publishes goes through the engine API's own encoding
   (`kvswitch.engine.kv_events`: protobuf `KvEventBatch` with its `EngineLoad` record), is
   decoded as the EPP decodes it (`KvEventBatchView`, `batch_from_proto`) and handed, `kv_delay`
@@ -24,6 +26,7 @@ pushes are modelled), engine restarts and resyncs.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +35,7 @@ from typing import Any
 from kvswitch.bench.fleet.routers import FleetContext
 from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
 from kvswitch.engine.kv_events import batch_events, load_record
+from kvswitch.envoy.bootstrap import ACCESS_LOG_FLUSH_SECONDS
 from kvswitch.epp.config import build_router, load_documents, parse_config, parse_pool, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
 from kvswitch.epp.datalayer import Metrics
@@ -98,11 +102,14 @@ class EppRouter:
     kv_subscribers = 1
 
     def __init__(self, config: Path | str | Mapping[str, Any] | None, name: str = "epp",
-                 kv_delay: float = 0.002, seed: int = 0) -> None:
+                 kv_delay: float = 0.002, seed: int = 0,
+                 log_flush: float = ACCESS_LOG_FLUSH_SECONDS) -> None:
         self.config = config
         self.name = name
         self.kv_delay = kv_delay
         self.seed = seed
+        self.log_flush = log_flush
+        """Seconds between the gateway's access-log flushes (0: each end reported at once)."""
 
     def setup(self, ctx: FleetContext) -> None:
         self.ctx = ctx
@@ -133,6 +140,7 @@ class EppRouter:
         self._last_poll = [float("-inf")] * len(self.addresses)
         self._requests: dict[int, InferenceRequest] = {}
         self._held: list[tuple[Any, Coroutine[Any, Any, RoutingDecision], Any]] = []
+        self._logged: list[tuple[InferenceRequest, RequestOutcome]] = []
         self.rejected = 0
         now = ctx.now()
         for i in range(len(self.addresses)):
@@ -223,9 +231,25 @@ class EppRouter:
 
     def finished(self, request: Any, replica: int, now: float) -> None:
         inference = self._requests.pop(request.index)
-        self.router.request_finished(inference, RequestOutcome(
+        outcome = RequestOutcome(
             endpoint=self.addresses[replica], ok=True, grpc_status=0,
-            prompt_tokens=len(request.prompt_ids), completion_tokens=request.max_tokens))
+            prompt_tokens=len(request.prompt_ids), completion_tokens=request.max_tokens,
+            duration=now - inference.received_at)
+        if self.log_flush <= 0:
+            self._report_ends([(inference, outcome)])
+            return
+        if not self._logged:  # Envoy's flush timer is periodic: the next tick after `now`
+            flush = math.floor(now / self.log_flush + 1.0) * self.log_flush
+            self.ctx.call_at(flush, self._flush_log)
+        self._logged.append((inference, outcome))
+
+    def _flush_log(self) -> None:
+        logged, self._logged = self._logged, []
+        self.ctx.call_at(self.ctx.now() + self.kv_delay, lambda: self._report_ends(logged))
+
+    def _report_ends(self, ends: list[tuple[InferenceRequest, RequestOutcome]]) -> None:
+        for inference, outcome in ends:
+            self.router.request_finished(inference, outcome)
         if self._held:
             self._resume_held()
 

@@ -8,8 +8,9 @@ replica's step runs `Scheduler.step()` when it starts and delivers its tokens wh
 coalesced batch gets a flush at its window's end. With a router holding two or more KV-event
 streams per replica (several EPPs), an arrival makes its replica push its load
 `load_push_seconds` later, as `kvswitch.engine.sim.events` does (arrivals while a push is
-pending ride on it). The run ends when every request has finished or was rejected, or at
-`limit` virtual seconds (the rest are reported unfinished).
+pending ride on it). The run ends when every request has finished or was rejected (then its
+timers run one more `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual
+seconds (the rest are reported unfinished).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class FleetResult:
                 "wall_seconds": self.wall_seconds}
 
 
+REPORT_SECONDS = 1.0
+"""After the last request ends, how long the loop still runs timers, so ends still buffered
+(the gateway's access log) reach the router."""
+
+
 class _Fleet:
     """The `FleetContext` routers see, and the loop."""
 
@@ -75,6 +81,7 @@ class _Fleet:
         self.replica_of: dict[str, int] = {}
         self.rejected: list[tuple[int, str]] = []
         self.remaining = len(requests)
+        self.ended_at = 0.0
 
     # -- FleetContext -----------------------------------------------------------------------
     def now(self) -> float:
@@ -161,6 +168,14 @@ class _Fleet:
             if progress is not None and len(self.records) != done:
                 progress(len(self.records) - done)
                 done = len(self.records)
+        self.ended_at = self._now
+        # What is already on its way (ends in the gateway's log buffer) still reaches the
+        # router, so its state ends settled: one more second of timers, no new work.
+        quiet = self._now + REPORT_SECONDS
+        while heap and heap[0][0] <= quiet and self.remaining <= 0:
+            when, _, callback = heapq.heappop(heap)
+            self._now = when
+            callback()
 
 
 async def _run_in_loop(fleet: _Fleet, limit: float,
@@ -209,4 +224,4 @@ def run_fleet(workload: Any, router: FleetRouter, profile: SimProfile, replicas:
         router=router.name, steps=steps, overall=step_summary(fleet.records, 0.0, 1.0),
         requests_per_replica=[r.requests for r in fleet.replicas], records=fleet.records,
         replica_of=fleet.replica_of, rejected=fleet.rejected, unfinished=unfinished,
-        sim_seconds=fleet.now(), wall_seconds=wall)
+        sim_seconds=fleet.ended_at, wall_seconds=wall)
