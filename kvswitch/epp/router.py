@@ -289,7 +289,11 @@ class EppRouter:
         if routed is not None:  # once per routed request
             endpoint, sent = routed
             endpoint.in_flight = max(0, endpoint.in_flight - 1)
-            self.datalayer.forget_sent(endpoint, sent)
+            # The gateway's duration (from the request's first byte, just before the EPP saw
+            # its headers) dates the end: its log entry arrives up to a flush interval later.
+            ended_at = (None if outcome.duration is None else min(
+                (request.received_at or sent[0]) + outcome.duration, self.datalayer.clock()))
+            self.datalayer.forget_sent(endpoint, sent, ended_at)
             self._record(request, outcome)
         if self.scheduler.response_complete:  # (none in the default profile)
             self.scheduler.finished(request, outcome)

@@ -163,6 +163,49 @@ def test_forget_sent_drops_only_an_unsettled_record() -> None:
     assert e.unreported_ends == 0
 
 
+def test_an_end_a_later_report_already_left_out_is_not_taken_off_again() -> None:
+    # The access log reports an end up to a flush interval after it: a report sampled in
+    # between shows the request gone already.
+    now = [10.0]
+    datalayer = Datalayer(clock=lambda: now[0])
+    datalayer.set_endpoints([EndpointSpec("e:1")])
+    e = datalayer.get("e:1")
+    assert e is not None
+    a = datalayer.record_sent(e, 100)
+    b = datalayer.record_sent(e, 100)
+    c = datalayer.record_sent(e, 100)
+    datalayer.update("e:1", Metrics(running=3, updated_at=11.0))
+    datalayer.update("e:1", Metrics(running=2, updated_at=12.0))  # a ended at 11.5
+    now[0] = 12.04
+    datalayer.forget_sent(e, a, ended_at=11.5)
+    assert e.unreported_ends == 0
+    datalayer.forget_sent(e, c, ended_at=12.03)  # after the latest report: still counted
+    datalayer.forget_sent(e, b, ended_at=12.01)  # reported out of order
+    assert list(e.ended) == [12.01, 12.03] and e.unreported_ends == 2
+    datalayer.update("e:1", Metrics(running=1, updated_at=12.02))
+    assert list(e.ended) == [12.03] and e.unreported_ends == 1
+
+
+async def test_an_access_log_end_is_dated_by_its_duration() -> None:
+    router, _, addresses = default_router()
+    holder = endpoint(router, addresses[0])
+    datalayer = router.datalayer
+    clock = datalayer.clock
+    first = request(1, logged=True)
+    await router.route(first, None)
+    router.request_finished(first, RequestOutcome(endpoint="", ok=False, seen_end=False))
+    datalayer.clock = lambda: clock() + 1.0  # a report covering the send shows it running
+    datalayer.update(addresses[0], Metrics(running=1, max_tokens=500_000, block_size=16,
+                                           updated_at=datalayer.clock()))
+    datalayer.clock = lambda: clock() + 2.0  # it ended at 1.5 s; the next report shows that
+    datalayer.update(addresses[0], Metrics(running=0, max_tokens=500_000, block_size=16,
+                                           updated_at=datalayer.clock()))
+    datalayer.clock = lambda: clock() + 2.05  # its log entry arrives after that report
+    router.request_logged(LoggedEnd("r1", grpc_status=0, http_status=200, usage={},
+                                    duration=1.5))
+    assert holder.in_flight == 0 and holder.unreported_ends == 0
+
+
 def test_end_prefill_drops_one_request_of_a_shared_last_block() -> None:
     now = [0.0]
     index = KvBlockIndex(16, clock=lambda: now[0])

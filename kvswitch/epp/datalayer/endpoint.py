@@ -23,11 +23,14 @@ a finished request is no load, and the next report may be up to a KV-event windo
 scorers add the account to the reported load. Symmetrically, a request that ends after a report
 covered it is counted in `unreported_ends` until a report sampled after its end arrives: the
 last report still shows it running (an engine idle after it sends its next record only with
-its heartbeat, 1 s later), and load scorers take it off the reported running count.
+its heartbeat, 1 s later), and load scorers take it off the reported running count. An end is
+dated when it happened (the gateway's access log reports it up to a flush interval later), so
+an end that a report sampled since already leaves out is not taken off a second time.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -76,8 +79,8 @@ class Endpoint:
     """One replica. Mutated only by the datalayer (metrics, health) and the router (in-flight)."""
 
     __slots__ = ("address", "api", "app_protocol", "ended", "failures", "healthy", "in_flight",
-                 "live_until", "metrics", "sent", "unreported_ends", "unreported_requests",
-                 "unreported_tokens")
+                 "live_until", "metrics", "sampled_at", "sent", "unreported_ends",
+                 "unreported_requests", "unreported_tokens")
 
     def __init__(self, spec: EndpointSpec) -> None:
         self.address = spec.address
@@ -97,8 +100,11 @@ class Endpoint:
         """len(sent): requests sent here that no load report covers yet."""
         self.unreported_tokens = 0
         """Uncached prompt tokens of `sent`: prefill work the engine's load does not show yet."""
-        # Datalayer clock at the end of requests a report counted and no later report covers.
+        # Datalayer clock at the end of requests a report counted and no later report covers,
+        # in order.
         self.ended: deque[float] = deque()
+        self.sampled_at = float("-inf")
+        """Datalayer clock when the engine sampled its latest report."""
         self.unreported_ends = 0
         """len(ended): requests the last report may still count as running, ended since."""
 
@@ -117,16 +123,19 @@ TRANSIT_SECONDS = 0.005
 """Default `Datalayer.transit`: Envoy's hop to an engine on a local network is ~1 ms."""
 
 
-def settle(endpoint: Endpoint, cutoff: float) -> None:
-    """Drop from the unreported account the requests sent, and the ends, at or before
-    `cutoff`."""
+def settle(endpoint: Endpoint, sampled_at: float, transit: float) -> None:
+    """A report the engine sampled at `sampled_at` arrived: drop from the unreported account
+    the requests sent `transit` or more before it (they had reached the engine), and the ends
+    at or before it."""
+    endpoint.sampled_at = max(endpoint.sampled_at, sampled_at)
     sent = endpoint.sent
+    cutoff = sampled_at - transit
     while sent and sent[0][0] <= cutoff:
         endpoint.unreported_tokens -= sent.popleft()[1]
     endpoint.unreported_requests = len(sent)
     ended = endpoint.ended
     if ended:
-        while ended and ended[0] <= cutoff:
+        while ended and ended[0] <= sampled_at:
             ended.popleft()
         endpoint.unreported_ends = len(ended)
 
@@ -186,8 +195,7 @@ class Datalayer:
             endpoint.metrics = metrics
             endpoint.healthy = True
             endpoint.failures = 0
-            if endpoint.sent or endpoint.ended:  # the poll started at updated_at
-                settle(endpoint, metrics.updated_at - self.transit)
+            settle(endpoint, metrics.updated_at, self.transit)  # the poll started then
 
     def record_sent(self, endpoint: Endpoint, uncached_tokens: int) -> tuple[float, int]:
         """The EPP routed a request with this much prefill work to `endpoint` just now; the
@@ -198,19 +206,29 @@ class Datalayer:
         endpoint.unreported_tokens += uncached_tokens
         return record
 
-    def forget_sent(self, endpoint: Endpoint, record: tuple[float, int]) -> None:
-        """The request `record_sent` recorded has ended: drop it from the unreported account if
-        no report has covered it yet (an equal record is as good as its own: equal records
-        share a send time, so a report covers all of them or none), else count its end until
-        a report sampled after it arrives."""
+    def forget_sent(self, endpoint: Endpoint, record: tuple[float, int],
+                    ended_at: float | None = None) -> None:
+        """The request `record_sent` recorded has ended (at `ended_at` on the datalayer clock;
+        None: now): drop it from the unreported account if no report has covered it yet (an
+        equal record is as good as its own: equal records share a send time, so a report
+        covers all of them or none), else count its end until a report sampled after it
+        arrives, unless one has already."""
         sent = endpoint.sent
         if sent and record in sent:
             sent.remove(record)
             endpoint.unreported_requests = len(sent)
             endpoint.unreported_tokens -= record[1]
+            return
+        if ended_at is None:
+            ended_at = self.clock()
+        if ended_at <= endpoint.sampled_at:
+            return  # the latest report no longer counts it
+        ended = endpoint.ended
+        if ended and ended[-1] > ended_at:
+            bisect.insort(ended, ended_at)  # (ends reported late may come out of order)
         else:
-            endpoint.ended.append(self.clock())
-            endpoint.unreported_ends += 1
+            ended.append(ended_at)
+        endpoint.unreported_ends = len(ended)
 
     def push(self, address: str, *, running: int, waiting: int, kv_usage: float,
              waiting_tokens: int | None, ttl: float, age: float = 0.0) -> None:
@@ -220,9 +238,8 @@ class Datalayer:
         if endpoint is None:
             return
         now = self.clock()
-        if endpoint.sent or endpoint.ended:
-            settle(endpoint, now - (age if 0.0 <= age <= ttl else min(max(age, 0.0), ttl))
-                   - self.transit)
+        settle(endpoint, now - (age if 0.0 <= age <= ttl else min(max(age, 0.0), ttl)),
+               self.transit)
         old = endpoint.metrics
         if not 0.0 <= kv_usage <= 1.0:  # (min/max calls cost ~0.35 us per record)
             kv_usage = min(max(kv_usage, 0.0), 1.0)
