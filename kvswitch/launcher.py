@@ -92,12 +92,23 @@ DEFAULT_EPP_CONFIG = {
 }
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
+    """A loopback TCP port free now that this process has not handed out before: the kernel
+    may return the same free port to two binds in a row, and a port handed out is only bound
+    later, by the child it is passed to."""
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(1_000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free loopback port that this process has not handed out already")
 
 
 def kvswitch_argv(*args: str) -> list[str]:

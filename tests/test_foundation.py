@@ -83,3 +83,33 @@ def test_bundled_tokenizer_reads_the_same_unpacked(tmp_path) -> None:
 def test_missing_tokenizer_directory_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(errors.InvalidRequest, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel may give two binds in a row the same free port; the children bind them later.
+    import socket
+    from typing import Self
+
+    from kvswitch import launcher
+
+    picks = iter([41001, 41001, 41002, 41001, 41003])
+
+    class FakeSocket:
+        def __init__(self, *args: object) -> None:
+            self.port = next(picks)
+
+        def __enter__(self) -> Self:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(socket, "socket", FakeSocket)
+    monkeypatch.setattr(launcher, "_HANDED_OUT", set())
+    assert [launcher.free_port() for _ in range(3)] == [41001, 41002, 41003]
