@@ -141,12 +141,18 @@ async def test_an_end_after_a_report_counted_it_running_is_off_the_running_count
     assert holder.unreported_ends == 0
 
 
-def test_forget_sent_drops_only_an_unsettled_record() -> None:
-    now = [10.0]
+def one_endpoint(now: list[float]) -> tuple[Datalayer, Endpoint]:
+    """A data layer on the clock `now[0]` with one endpoint, `e:1`."""
     datalayer = Datalayer(clock=lambda: now[0])
     datalayer.set_endpoints([EndpointSpec("e:1")])
     e = datalayer.get("e:1")
     assert e is not None
+    return datalayer, e
+
+
+def test_forget_sent_drops_only_an_unsettled_record() -> None:
+    now = [10.0]
+    datalayer, e = one_endpoint(now)
     a = datalayer.record_sent(e, 100)
     now[0] = 11.0
     b = datalayer.record_sent(e, 200)
@@ -167,10 +173,7 @@ def test_an_end_a_later_report_already_left_out_is_not_taken_off_again() -> None
     # The access log reports an end up to a flush interval after it: a report sampled in
     # between shows the request gone already.
     now = [10.0]
-    datalayer = Datalayer(clock=lambda: now[0])
-    datalayer.set_endpoints([EndpointSpec("e:1")])
-    e = datalayer.get("e:1")
-    assert e is not None
+    datalayer, e = one_endpoint(now)
     a = datalayer.record_sent(e, 100)
     b = datalayer.record_sent(e, 100)
     c = datalayer.record_sent(e, 100)
