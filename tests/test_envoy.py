@@ -99,6 +99,20 @@ def _ext_proc_config(bootstrap: dict[str, Any]) -> dict[str, Any]:
     return dict(ext_proc["typed_config"])
 
 
+def test_a_stream_an_epp_fails_is_retried_on_another_epp() -> None:
+    pool = PoolTarget(("127.0.0.1:1",))
+    epps = ("127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4")
+    policy = _ext_proc_config(build_bootstrap(GatewayOptions(pool=pool, epps=epps)))[
+        "grpc_service"]["retry_policy"]
+    assert policy["num_retries"] == 2
+    assert [p["name"] for p in policy["retry_host_predicate"]] == [
+        "envoy.retry_host_predicates.previous_hosts"]
+    # Least request prefers the dead EPP (no streams left): one reselection is not enough.
+    assert policy["host_selection_retry_max_attempts"] >= 10
+    single = _ext_proc_config(build_bootstrap(GatewayOptions(pool=pool, epps=epps[:1])))
+    assert "retry_policy" not in single["grpc_service"]
+
+
 def test_only_the_headers_the_epp_reads_are_sent_to_it() -> None:
     pool = PoolTarget(("127.0.0.1:1",))
     config = _ext_proc_config(build_bootstrap(GatewayOptions(

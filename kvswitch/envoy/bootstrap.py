@@ -362,6 +362,9 @@ def _ext_proc_service(epps: Sequence[str]) -> dict[str, Any]:
                 "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts.v3"
                                               ".PreviousHostsPredicate"},
             }],
+            # Least request favours a dead EPP until it is ejected (its streams are gone), and
+            # after the default one reselection Envoy retries on the host it rejected.
+            "host_selection_retry_max_attempts": 20,
         }
     return service
 
