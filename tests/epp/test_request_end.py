@@ -12,19 +12,15 @@ from kvswitch.epp.access_log import LoggedEnd
 from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
-from kvswitch.epp.kvindex import BlocksStored, KvBlockIndex, StoredBlock
+from kvswitch.epp.kvindex import KvBlockIndex
 from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.router import EppRouter
 from kvswitch.launcher import DEFAULT_EPP_CONFIG
+from tests.support.kvblocks import stored
 
 REPLICAS = 4
 SHARED = list(range(100_000, 100_064))  # 4 blocks of 16: a short shared prefix
 TAIL = 512
-
-
-def stored(tokens: list[int]) -> BlocksStored:
-    return BlocksStored(tuple(StoredBlock.of(i, tokens[i * 16:(i + 1) * 16])
-                              for i in range(len(tokens) // 16)), None, 16)
 
 
 def prompt(n: int) -> tuple[int, ...]:

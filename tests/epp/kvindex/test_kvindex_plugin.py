@@ -5,14 +5,9 @@ from __future__ import annotations
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import PluginHandle
-from kvswitch.epp.kvindex import BlocksStored, StoredBlock
 from kvswitch.epp.plugins.precise_prefix_cache_scorer import TYPE, create
 from kvswitch.tokenization import load_tokenizer
-
-
-def stored(tokens: list[int]) -> BlocksStored:
-    return BlocksStored(tuple(StoredBlock.of(i, tokens[i * 16:(i + 1) * 16])
-                              for i in range(len(tokens) // 16)), None, 16)
+from tests.support.kvblocks import stored
 
 
 def test_scores_are_matched_fraction_for_tokens_and_text() -> None:

@@ -16,10 +16,10 @@ import pytest
 from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Metrics
-from kvswitch.epp.kvindex import BlocksStored, StoredBlock
 from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.router import EppRouter
 from kvswitch.launcher import DEFAULT_EPP_CONFIG
+from tests.support.kvblocks import stored
 
 CONFIGS = Path(__file__).parents[3] / "kvswitch" / "bench" / "configs"
 REPLICAS = 8
@@ -27,11 +27,6 @@ HOLDERS = 5
 BURST = 20
 SHARED = list(range(100_000, 100_512))  # 32 blocks of 16
 TAIL = 1536
-
-
-def stored(tokens: list[int]) -> BlocksStored:
-    return BlocksStored(tuple(StoredBlock.of(i, tokens[i * 16:(i + 1) * 16])
-                              for i in range(len(tokens) // 16)), None, 16)
 
 
 def prompt(n: int) -> tuple[int, ...]:
