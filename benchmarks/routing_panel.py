@@ -24,6 +24,12 @@ queue, ITL, e2e, output tok/s, cache hit, requests per replica, rejected and unf
 requests), panel.md (the tables), ttft_p90.png and cache_hit.png; the main table is printed.
 The targets of issue 24 are checked per member and step for every EPP router: TTFT p90
 <= 1.2x oracle-best, <= round-robin, <= smg-cache-aware-model.
+
+`--jitter-ms J` replays every member with each arrival moved later by a uniform draw in
+[0, J) ms from `--seed` (`jittered`): the same workload, timing within the trace's
+millisecond resolution, the same replay for every router of the run. A TTFT p90 that moves by
+tens of percent under 1 ms of jitter is decided by where a burst's queue happens to form, not
+by the router; `benchmarks/routing_replays.py` summarises the targets over such replays.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import subprocess
 import sys
 import time
@@ -126,9 +133,20 @@ def _epp_arg(text: str) -> tuple[str, str]:
     return name, path
 
 
+def jittered(workload: Any, jitter: float, seed: int) -> Any:
+    """`workload` with each request sent up to `jitter` seconds later (uniform, seeded), in
+    send order."""
+    rng = random.Random(seed)
+    moved = [dataclasses.replace(r, send_at=r.send_at + rng.uniform(0.0, jitter))
+             for r in workload.requests]
+    return dataclasses.replace(workload, requests=tuple(sorted(moved, key=lambda r: r.send_at)))
+
+
 def run_member(member: Member, routers: list[tuple[str, str]], tokenizer: TokenizerBundle,
                args: argparse.Namespace, bar: Any) -> dict[str, Any]:
     workload = member.build(tokenizer, args.scale)
+    if args.jitter_ms:
+        workload = jittered(workload, args.jitter_ms / 1000, args.seed)
     profile: SimProfile = get_profile(member.profile)
     results: dict[str, FleetResult] = {}
     variants: list[FleetResult] = []
@@ -207,7 +225,10 @@ def markdown(panel: list[dict[str, Any]], labels: list[str], epp: list[str],
     lines = ["# Routing panel (fleet simulator, virtual time)", "",
              f"Command: `{meta['command']}`", "",
              (f"{meta['replicas']} replicas per member; engine-side latencies in simulated "
-              f"seconds; seed {meta['seed']}; KV events coalesced per 50 ms and delivered "
+              f"seconds; seed {meta['seed']}"
+              + (f" (arrivals jittered by up to {meta['jitter_ms']:g} ms)"
+                 if meta.get("jitter_ms") else "")
+              + "; KV events coalesced per 50 ms and delivered "
               f"{meta['kv_delay'] * 1000:g} ms later to the EPP; tree {meta['git']}."), "",
              "## TTFT p90 (s) per member and step; EPP routers as p90 (x oracle-best)", "",
              "| member | QPS | ideal hit | " + " | ".join(labels) + " |",
@@ -394,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="relative slack when checking the targets (a difference of a "
                              "step or two is not a regression)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jitter-ms", type=float, default=0.0,
+                        help="move each arrival later by a uniform draw in [0, J) ms from "
+                             "--seed: a replay that differs only in sub-millisecond timing, "
+                             "the same for every router (default 0: as recorded)")
     parser.add_argument("--out", type=Path, default=Path("routing-panel"))
     parser.add_argument("--tree", default=None,
                         help="the code version to record (default: git describe of this "
@@ -440,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     command = ["python", "benchmarks/routing_panel.py", *(argv or sys.argv[1:])]
     meta = {"command": " ".join(command),
             "replicas": args.replicas, "seed": args.seed, "scale": args.scale,
-            "kv_delay": args.kv_delay, "git": git, "epp": dict(epp),
+            "jitter_ms": args.jitter_ms, "kv_delay": args.kv_delay, "git": git, "epp": dict(epp),
             "wall_seconds": time.perf_counter() - started,
             "tolerance": args.tolerance,
             "targets": check_targets(panel, epp_labels, args.tolerance)

@@ -180,16 +180,9 @@ def test_fleet_cli_runs_routers_and_writes_json(tmp_path: Any) -> None:
 
 
 def test_the_panel_checks_issue_24s_targets_per_member_and_step() -> None:
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from tests.support.benchmarks import load_script
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_panel.py"
-    spec = importlib.util.spec_from_file_location("routing_panel", path)
-    assert spec is not None and spec.loader is not None
-    panel_module = importlib.util.module_from_spec(spec)
-    sys.modules["routing_panel"] = panel_module  # (its dataclasses look their module up)
-    spec.loader.exec_module(panel_module)
+    panel_module = load_script("routing_panel")
 
     def steps(*p90: float) -> dict[str, Any]:
         return {"steps": [{"qps": float(i + 1), "ttft_p90": v} for i, v in enumerate(p90)]}

@@ -1,0 +1,52 @@
+"""The routing panel's jittered replays and the summary of issue 24's targets over them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvswitch.bench.workloads import PRESETS, Arrivals, build_workload
+from kvswitch.tokenization import load_tokenizer
+from tests.support.benchmarks import load_script
+
+
+def test_a_jittered_replay_moves_each_arrival_by_less_than_the_jitter_and_repeats() -> None:
+    panel = load_script("routing_panel")
+    workload = build_workload(PRESETS["tiny"].shape, (20.0,), 2.0, load_tokenizer(None),
+                              arrivals_shape=Arrivals("poisson"))
+    replay = panel.jittered(workload, 0.001, seed=3)
+    assert panel.jittered(workload, 0.001, seed=3) == replay
+    assert panel.jittered(workload, 0.001, seed=4) != replay
+    sent = {r.index: r.send_at for r in workload.requests}
+    moves = [r.send_at - sent[r.index] for r in replay.requests]
+    assert sorted(r.index for r in replay.requests) == sorted(sent)
+    assert all(0.0 <= m < 0.001 for m in moves) and max(moves) > 0.0
+    assert [r.send_at for r in replay.requests] == sorted(r.send_at for r in replay.requests)
+    assert [r.prompt_ids for r in sorted(replay.requests, key=lambda r: r.index)] == \
+        [r.prompt_ids for r in sorted(workload.requests, key=lambda r: r.index)]
+
+
+def _replay(mine: float, best: float, rr: float, smg: float) -> dict[str, Any]:
+    def steps(p90: float) -> dict[str, Any]:
+        return {"steps": [{"qps": 5.0, "ttft_p90": p90}]}
+
+    return {"meta": {"epp": {"kvswitch": "kvswitch"}, "command": "c", "git": "g", "seed": 0},
+            "members": [{"member": "m", "routers": {
+                "kvswitch": steps(mine), "oracle-best": steps(best),
+                "round-robin": steps(rr), "smg-cache-aware-model": steps(smg)}}]}
+
+
+def test_targets_are_judged_against_references_of_the_same_replay() -> None:
+    replays = load_script("routing_replays")
+    # Replay 2's burst is bad for every router: its ratios are what a replay shows.
+    summary = replays.summarise([_replay(1.1, 1.0, 1.2, 1.0), _replay(3.3, 2.5, 3.0, 3.5),
+                                 _replay(1.0, 1.0, 0.9, 1.0)], tolerance=0.02)
+    [row] = summary["kvswitch"]
+    assert row["member"] == "m" and row["ttft_p90"] == [1.1, 3.3, 1.0]
+    best = row["references"]["oracle-best"]
+    assert best["ratios"] == [1.1, 1.32, 1.0]
+    assert best["met"] == 2 and best["worst"] == 1.32 and best["target"] == 1.2
+    rr = row["references"]["round-robin"]
+    assert rr["met"] == 1 and rr["median"] == 1.1
+    assert row["references"]["smg-cache-aware-model"]["met"] == 2
+    text = replays.markdown(summary, 3, 0.02)
+    assert "| m | 5 | 1.1 (1-3.3) | 1.10 (1.32), 2/3 | 1.10 (1.11), 1/3 | 1.00 (1.10), 2/3 |" in text
