@@ -1,12 +1,12 @@
 """Issue 24's targets over several replays of the routing panel (`routing_panel.py --jitter-ms`).
 
 Each panel.json given is one replay: the same members and routers, arrivals jittered from a
-different seed. Per member, step and EPP router, and per reference (oracle-best,
-round-robin, smg-cache-aware-model), the ratio TTFT p90 / reference's p90 in the same replay;
-the summary is its median and worst over the replays and how many replays meet the target
-(ratio <= target x (1 + tolerance): 1.2 for oracle-best, 1 for the others). The same replay holds the
-router and its references, so a burst that lands badly for every router cancels out; what it
-does not show is a router that is worse on every replay by less than the spread.
+different seed. Per member, step and EPP router, and per reference (oracle-best, round-robin,
+smg-cache-aware-model), the ratio TTFT p90 / the reference's p90 in the same replay; the
+summary is its median and worst over the replays and how many replays meet the target
+(ratio <= target x (1 + tolerance): 1.2 for oracle-best, 1 for the others). The same replay
+holds the router and its references, so a burst that lands badly for every router cancels
+out; what it does not show is a router worse on every replay by less than the spread.
 
     python benchmarks/routing_replays.py j1/panel.json j2/panel.json ... --out replays.json
 """
