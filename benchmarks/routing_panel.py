@@ -432,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.render is not None:
         return render(args.render, args.out, args.tolerance)
+    if args.jitter_ms < 0:
+        parser.error(f"--jitter-ms must be >= 0, got {args.jitter_ms:g}")
 
     chosen = [m.strip() for m in args.members.split(",") if m.strip()]
     unknown = set(chosen) - {m.name for m in MEMBERS}

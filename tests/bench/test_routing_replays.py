@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvswitch.bench.workloads import PRESETS, Arrivals, build_workload
 from kvswitch.tokenization import load_tokenizer
 from tests.support.benchmarks import load_script
@@ -51,3 +53,10 @@ def test_targets_are_judged_against_references_of_the_same_replay() -> None:
     text = replays.markdown(summary, 3, 0.02)
     row_text = "| m | 5 | 1.1 (1-3.3) | 1.10 (1.32), 2/3 | 1.10 (1.11), 1/3 | 1.00 (1.10), 2/3 |"
     assert row_text in text
+
+
+def test_a_negative_jitter_is_refused_before_anything_runs(capsys: Any) -> None:
+    panel = load_script("routing_panel")
+    with pytest.raises(SystemExit):
+        panel.main(["--jitter-ms", "-1", "--members", "mt-1000-30"])
+    assert "--jitter-ms must be >= 0" in capsys.readouterr().err
