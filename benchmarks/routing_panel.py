@@ -453,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         per_member += len(ORACLE_VARIANTS) - 1 - ("oracle" in baselines)
     runs = per_member * len(members)
     args.out.mkdir(parents=True, exist_ok=True)
+    # Recorded before the runs: a commit made during a long run must not relabel it.
+    git = args.tree or subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True, text=True, check=False).stdout.strip() or "?"
     tokenizer = load_tokenizer(None)
     started = time.perf_counter()
     panel = []
@@ -461,9 +465,6 @@ def main(argv: list[str] | None = None) -> int:
             panel.append(run_member(member, routers, tokenizer, args, bar))
     labels = [label for label, _ in routers]
     epp_labels = [label for label, _ in epp]
-    git = args.tree or subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-        capture_output=True, text=True, check=False).stdout.strip() or "?"
     command = ["python", "benchmarks/routing_panel.py", *(argv or sys.argv[1:])]
     meta = {"command": " ".join(command),
             "replicas": args.replicas, "seed": args.seed, "scale": args.scale,
