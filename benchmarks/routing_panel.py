@@ -133,6 +133,16 @@ MEMBERS = (
 )
 
 
+def select_members(names: str) -> list[Member]:
+    """The members a comma-separated `--members` names, in panel order; without names, every
+    member that is not held out."""
+    chosen = [m.strip() for m in names.split(",") if m.strip()]
+    unknown = set(chosen) - {m.name for m in MEMBERS}
+    if unknown:
+        raise ValueError(f"unknown members: {sorted(unknown)}")
+    return [m for m in MEMBERS if m.name in chosen or not chosen and not m.held_out]
+
+
 def _epp_arg(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep:
@@ -442,11 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.jitter_ms < 0:
         parser.error(f"--jitter-ms must be >= 0, got {args.jitter_ms:g}")
 
-    chosen = [m.strip() for m in args.members.split(",") if m.strip()]
-    unknown = set(chosen) - {m.name for m in MEMBERS}
-    if unknown:
-        parser.error(f"unknown members: {sorted(unknown)}")
-    members = [m for m in MEMBERS if m.name in chosen or not chosen and not m.held_out]
+    try:
+        members = select_members(args.members)
+    except ValueError as exc:
+        parser.error(str(exc))
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     if set(baselines) - set(BASELINES + OPTIONAL):
         parser.error(f"unknown baselines: {sorted(set(baselines) - set(BASELINES + OPTIONAL))}")
