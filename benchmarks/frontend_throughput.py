@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import multiprocessing as mp
 import os
@@ -36,9 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from kvswitch.tokenization import bundled_tokenizer_dir
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-TOKENIZER_DIR = REPO.parent / "shared" / "assets" / "tokenizers" / "qwen3"
 # SMG streams Qwen3's output as reasoning_content (its reasoning parser); both count.
 _CONTENT = re.compile(rb'content":"[^"]')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
@@ -314,7 +315,17 @@ def run_cell(name: str, argv: list[str], port: int, engines: list[subprocess.Pop
         first_error=result.first_error, command=" ".join(argv))
 
 
-def _targets(args: argparse.Namespace, engine_ports: list[int]
+def tokenizer_dir(directory: Path) -> Path:
+    """kvswitch's bundled Qwen3 tokenizer, copied to `directory` with tokenizer.json unpacked:
+    SMG's `--tokenizer-path` reads a plain tokenizer.json."""
+    shutil.copytree(bundled_tokenizer_dir(), directory)
+    packed = directory / "tokenizer.json.gz"
+    (directory / "tokenizer.json").write_bytes(gzip.decompress(packed.read_bytes()))
+    packed.unlink()
+    return directory
+
+
+def _targets(args: argparse.Namespace, engine_ports: list[int], tokenizer: Path
              ) -> list[tuple[str, Callable[[int], list[str]]]]:
     """(name, argv for a port) of every gateway to measure."""
     pool = ",".join(f"127.0.0.1:{p}" for p in engine_ports)
@@ -324,13 +335,13 @@ def _targets(args: argparse.Namespace, engine_ports: list[int]
             out.append((f"kvswitch-frontend-w{workers}", lambda port, workers=workers: [
                 sys.executable, "-m", "kvswitch", "frontend", "--target", f"ipv4:{pool}",
                 "--port", str(port), "--workers", str(workers),
-                "--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning"]))
+                "--tokenizer", str(tokenizer), "--log-level", "warning"]))
     smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
     if "smg" in args.targets and Path(smg).exists():
         out.append(("smg", lambda port: [
             smg, "launch", "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in engine_ports],
-            "--policy", "round_robin", "--tokenizer-path", str(TOKENIZER_DIR),
+            "--policy", "round_robin", "--tokenizer-path", str(tokenizer),
             "--log-level", "warn"]))
     elif "smg" in args.targets:
         print("smg is not installed (pip install smg); skipped", file=sys.stderr)
@@ -365,6 +376,7 @@ def main() -> int:
     args = parser.parse_args()
 
     logs = Path(tempfile.mkdtemp(prefix="kvswitch-frontend-bench-"))
+    tokenizer = tokenizer_dir(logs / "tokenizer")
     engine_ports = [_free_port() for _ in range(args.engines)]
     engines = [_start([sys.executable, "-m", "kvswitch", "engine", "--port", str(p),
                        "--mode", "random", "--time-scale", "1000000", "--max-num-seqs", "1000",
@@ -375,7 +387,7 @@ def main() -> int:
         for p in engine_ports:
             _wait_port(p, 120)
         for _ in range(args.rounds):
-            for name, command in _targets(args, engine_ports):
+            for name, command in _targets(args, engine_ports, tokenizer):
                 port = _free_port()  # just before it is used: earlier, a client could take it
                 cells.append(run_cell(name, command(port), port, engines, args, logs))
                 print(json.dumps(asdict(cells[-1])), flush=True)

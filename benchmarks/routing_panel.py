@@ -11,7 +11,9 @@ duration):
 - a bursty synthetic shape: the 150x5 shared-prefix prompts arriving in bursts of 10-50 at once
   (`--arrivals bursts`), two steps of 20 s;
 - the 150x5 6,000-token shared-prefix preset on its own full-length ladder (6 to 30 QPS, 60 s
-  per step, about 5,400 requests): the slowest member, `--members` leaves it out.
+  per step, about 5,400 requests): the slowest member, `--members` leaves it out;
+- held out, run only when `--members` names them: four more 3-minute slices of the same trace at
+  1.5x (from 300, 600, 1,200 and 1,500 s), slices no default was chosen on.
 Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (per member and
 step, the best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
 oracle, its cache-conserving variant and its look-ahead variant), smg-cache-aware-model (a
@@ -68,6 +70,8 @@ class Member:
     """(tokenizer, scale) -> workload."""
     profile: str
     description: str
+    held_out: bool = False
+    """Run only when `--members` names it: a workload no default was chosen on."""
 
 
 def _preset(name: str, qps: tuple[float, ...], duration: float, arrivals: str = "poisson"
@@ -123,7 +127,20 @@ MEMBERS = (
                                           .stage_duration),
            PRESET_PROFILE, "the preset's own ladder: QPS 6/12/18/24/30, 60 s each (queues at "
                            "the saturation edge have time to build)"),
+    *(Member(f"trace-{start}-x1.5", _trace(float(start), 180.0, 1.5), TRACE_PROFILE,
+             f"Mooncake conversation trace {start}-{start + 180} s, 1.5x faster (held out)",
+             held_out=True) for start in (300, 600, 1200, 1500)),
 )
+
+
+def select_members(names: str) -> list[Member]:
+    """The members a comma-separated `--members` names, in panel order; without names, every
+    member that is not held out."""
+    chosen = [m.strip() for m in names.split(",") if m.strip()]
+    unknown = set(chosen) - {m.name for m in MEMBERS}
+    if unknown:
+        raise ValueError(f"unknown members: {sorted(unknown)}")
+    return [m for m in MEMBERS if m.name in chosen or not chosen and not m.held_out]
 
 
 def _epp_arg(text: str) -> tuple[str, str]:
@@ -435,11 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.jitter_ms < 0:
         parser.error(f"--jitter-ms must be >= 0, got {args.jitter_ms:g}")
 
-    chosen = [m.strip() for m in args.members.split(",") if m.strip()]
-    unknown = set(chosen) - {m.name for m in MEMBERS}
-    if unknown:
-        parser.error(f"unknown members: {sorted(unknown)}")
-    members = [m for m in MEMBERS if not chosen or m.name in chosen]
+    try:
+        members = select_members(args.members)
+    except ValueError as exc:
+        parser.error(str(exc))
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     if set(baselines) - set(BASELINES + OPTIONAL):
         parser.error(f"unknown baselines: {sorted(set(baselines) - set(BASELINES + OPTIONAL))}")
@@ -453,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         per_member += len(ORACLE_VARIANTS) - 1 - ("oracle" in baselines)
     runs = per_member * len(members)
     args.out.mkdir(parents=True, exist_ok=True)
+    # Recorded before the runs: a commit made during a long run must not relabel it.
+    git = args.tree or subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True, text=True, check=False).stdout.strip() or "?"
     tokenizer = load_tokenizer(None)
     started = time.perf_counter()
     panel = []
@@ -461,9 +481,6 @@ def main(argv: list[str] | None = None) -> int:
             panel.append(run_member(member, routers, tokenizer, args, bar))
     labels = [label for label, _ in routers]
     epp_labels = [label for label, _ in epp]
-    git = args.tree or subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-        capture_output=True, text=True, check=False).stdout.strip() or "?"
     command = ["python", "benchmarks/routing_panel.py", *(argv or sys.argv[1:])]
     meta = {"command": " ".join(command),
             "replicas": args.replicas, "seed": args.seed, "scale": args.scale,

@@ -1,4 +1,5 @@
-"""The routing panel's jittered replays and the summary of issue 24's targets over them."""
+"""The routing panel's members, its jittered replays and the summary of issue 24's targets over
+them."""
 
 from __future__ import annotations
 
@@ -60,3 +61,25 @@ def test_a_negative_jitter_is_refused_before_anything_runs(capsys: Any) -> None:
     with pytest.raises(SystemExit):
         panel.main(["--jitter-ms", "-1", "--members", "mt-1000-30"])
     assert "--jitter-ms must be >= 0" in capsys.readouterr().err
+
+
+def test_held_out_members_run_only_when_named() -> None:
+    panel = load_script("routing_panel")
+    held_out = [m.name for m in panel.MEMBERS if m.held_out]
+    assert held_out == ["trace-300-x1.5", "trace-600-x1.5", "trace-1200-x1.5", "trace-1500-x1.5"]
+    default = [m.name for m in panel.select_members("")]
+    assert "trace-0-x1.5" in default and not set(held_out) & set(default)
+    named = panel.select_members("trace-1200-x1.5, trace-0-x1")
+    assert [m.name for m in named] == ["trace-0-x1", "trace-1200-x1.5"]  # panel order
+    with pytest.raises(ValueError, match="unknown members: \\['trace-1-x1'\\]"):
+        panel.select_members("trace-1-x1")
+
+
+def test_a_held_out_slice_replays_its_own_part_of_the_trace() -> None:
+    panel = load_script("routing_panel")
+    tokenizer = load_tokenizer(None)
+    member = {m.name: m for m in panel.MEMBERS}
+    late = member["trace-1200-x1.5"].build(tokenizer, 1.0)
+    early = member["trace-0-x1.5"].build(tokenizer, 1.0)
+    assert late.requests and max(r.send_at for r in late.requests) < 120.0  # 180 s at 1.5x
+    assert {r.prompt_ids for r in late.requests}.isdisjoint(r.prompt_ids for r in early.requests)
