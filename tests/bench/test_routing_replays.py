@@ -83,3 +83,29 @@ def test_a_held_out_slice_replays_its_own_part_of_the_trace() -> None:
     early = member["trace-0-x1.5"].build(tokenizer, 1.0)
     assert late.requests and max(r.send_at for r in late.requests) < 120.0  # 180 s at 1.5x
     assert {r.prompt_ids for r in late.requests}.isdisjoint(r.prompt_ids for r in early.requests)
+
+
+def _record(i: int, ttft: float, prompt: int, cached: int) -> Any:
+    from kvswitch.engine.request_log import RequestRecord
+    return RequestRecord(request_id=str(i), arrival_wall=0.0, finish_wall=1.0, arrival=0.0,
+                         e2e_s=1.0, ttft_s=ttft, queue_s=0.01 * i, itl_s=0.02,
+                         prompt_tokens=prompt, cached_tokens=cached, completion_tokens=10,
+                         finish_reason="stop", stream=False)
+
+
+def test_the_tail_is_tallied_by_prompt_and_uncached_tokens() -> None:
+    tail = load_script("ttft_tail").tail
+    # 18 fast first turns, one slow one that missed its prefix, one slower second turn.
+    records = [_record(i, 0.2, 4000, 1000) for i in range(18)]
+    records += [_record(18, 0.25, 4010, 0), _record(19, 0.3, 7960, 4000)]
+    result = tail(records)
+    assert result["requests"] == 20 and result["tail"] == 2
+    assert abs(result["ttft_p90"] - 0.205) < 1e-9  # a tenth of the way from 0.2 to 0.25
+    kinds = sorted((k["prompt"], k["uncached"], k["in_tail"], k["in_step"])
+                   for k in result["kinds"])
+    assert kinds == [(4000, 4000, 1, 1), (8000, 4000, 1, 1)]  # the 18 fast ones are not in it
+    assert result["step_kinds"] == [{"prompt": 4000, "uncached": 3000, "count": 18},
+                                    {"prompt": 4000, "uncached": 4000, "count": 1},
+                                    {"prompt": 8000, "uncached": 4000, "count": 1}]
+    slow = next(k for k in result["kinds"] if k["prompt"] == 8000)
+    assert slow["ttft_min"] == slow["ttft_max"] == 0.3 and abs(slow["queue_mean"] - 0.19) < 1e-9
