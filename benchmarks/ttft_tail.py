@@ -1,14 +1,14 @@
 """What the slowest requests of one routing-panel step were, per router (fleet simulator).
 
 For a member of `routing_panel.MEMBERS`, replayed as the panel replays it (same seed and
-jitter), each router runs in the fleet simulator; of the requests sent in step `--step`, those
+jitter), each router runs in the fleet simulator; of the requests sent in each `--step`, those
 whose TTFT is at or above the step's TTFT p90 are tallied by (prompt tokens, uncached tokens),
-each rounded to 100: how many, their TTFT range and mean queue time; the JSON also counts the
-whole step's requests per kind. A p90 gap between two routers then reads as the kinds of request that
-fill one router's tail and not the other's (docs/benchmarks/routing-panel/replays.md uses it on
-mt-1000-3000 at 15 QPS). Prints a table per router; `--out` writes JSON.
+each rounded to 100: how many, their TTFT range and mean queue time; the JSON also counts all
+the step's requests per kind. A p90 gap between two routers then reads as the kinds of request
+that fill one router's tail and not the other's (docs/benchmarks/routing-panel/replays.md uses
+it on mt-1000-3000 at 15 QPS). Prints a table per router and step; `--out` writes JSON.
 
-    python benchmarks/ttft_tail.py --member mt-1000-3000 --step 2 --seed 1 --jitter-ms 1 \\
+    python benchmarks/ttft_tail.py --member mt-1000-3000 --step 0 2 --seed 1 --jitter-ms 1 \\
         --routers round-robin,kvswitch,oracle
 """
 

@@ -1,5 +1,5 @@
-"""The routing panel's members, its jittered replays and the summary of issue 24's targets over
-them."""
+"""The routing panel's members, its jittered replays, the summary of issue 24's targets over
+them, and the tail of a step (ttft_tail)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvswitch.bench.workloads import PRESETS, Arrivals, build_workload
+from kvswitch.engine.request_log import RequestRecord
 from kvswitch.tokenization import load_tokenizer
 from tests.support.benchmarks import load_script
 
@@ -85,8 +86,7 @@ def test_a_held_out_slice_replays_its_own_part_of_the_trace() -> None:
     assert {r.prompt_ids for r in late.requests}.isdisjoint(r.prompt_ids for r in early.requests)
 
 
-def _record(i: int, ttft: float, prompt: int, cached: int) -> Any:
-    from kvswitch.engine.request_log import RequestRecord
+def _record(i: int, ttft: float, prompt: int, cached: int) -> RequestRecord:
     return RequestRecord(request_id=str(i), arrival_wall=0.0, finish_wall=1.0, arrival=0.0,
                          e2e_s=1.0, ttft_s=ttft, queue_s=0.01 * i, itl_s=0.02,
                          prompt_tokens=prompt, cached_tokens=cached, completion_tokens=10,
