@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REFERENCES = (("oracle-best", "oracle-best", 1.2), ("round-robin", "round-robin", 1.0),
-              ("smg-cache-aware-model", "smg-cache-aware-model", 1.0))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from routing_panel import TARGETS
 
 
 def _p90(member: dict[str, Any], router: str, step: int) -> float | None:
@@ -45,13 +46,13 @@ def summarise(replays: list[dict[str, Any]], tolerance: float) -> dict[str, Any]
                 mine = [_p90(x, name, i) for x in members]
                 row: dict[str, Any] = {"member": first["member"], "qps": step["qps"],
                                        "ttft_p90": mine, "references": {}}
-                for label, ref, factor in REFERENCES:
+                for ref, factor in TARGETS:
                     theirs = [_p90(x, ref, i) for x in members]
                     ratios = [a / b for a, b in zip(mine, theirs, strict=True)
                               if a is not None and b]
                     if not ratios:
                         continue
-                    row["references"][label] = {
+                    row["references"][ref] = {
                         "ttft_p90": theirs, "ratios": [round(r, 4) for r in ratios],
                         "median": round(statistics.median(ratios), 4),
                         "worst": round(max(ratios), 4),
@@ -70,12 +71,12 @@ def markdown(summary: dict[str, Any], replays: int, tolerance: float) -> str:
                    f"(slack {tolerance:.0%})"), "",
                   "| member | QPS | p90 median (range) | "
                   + " | ".join(f"{label} (target {factor:g}x)"
-                               for label, _, factor in REFERENCES) + " |",
-                  "|---|---|---|" + "---|" * len(REFERENCES)]
+                               for label, factor in TARGETS) + " |",
+                  "|---|---|---|" + "---|" * len(TARGETS)]
         for row in rows:
             p90 = [v for v in row["ttft_p90"] if v is not None]
             cells = []
-            for label, _, _ in REFERENCES:
+            for label, _ in TARGETS:
                 ref = row["references"].get(label)
                 cells.append("-" if ref is None else
                              f"{ref['median']:.2f} ({ref['worst']:.2f}), "
