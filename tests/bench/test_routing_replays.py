@@ -67,7 +67,9 @@ def test_a_negative_jitter_is_refused_before_anything_runs(capsys: Any) -> None:
 def test_held_out_members_run_only_when_named() -> None:
     panel = load_script("routing_panel")
     held_out = [m.name for m in panel.MEMBERS if m.held_out]
-    assert held_out == ["trace-300-x1.5", "trace-600-x1.5", "trace-1200-x1.5", "trace-1500-x1.5"]
+    assert held_out == ["trace-300-x1.5", "trace-600-x1.5", "trace-1200-x1.5", "trace-1500-x1.5",
+                        *(f"synthetic-{start}-x{speedup}" for start in (0, 400, 800)
+                          for speedup in ("1", "1.5"))]
     default = [m.name for m in panel.select_members("")]
     assert "trace-0-x1.5" in default and not set(held_out) & set(default)
     named = panel.select_members("trace-1200-x1.5, trace-0-x1")
@@ -84,6 +86,24 @@ def test_a_held_out_slice_replays_its_own_part_of_the_trace() -> None:
     early = member["trace-0-x1.5"].build(tokenizer, 1.0)
     assert late.requests and max(r.send_at for r in late.requests) < 120.0  # 180 s at 1.5x
     assert {r.prompt_ids for r in late.requests}.isdisjoint(r.prompt_ids for r in early.requests)
+
+
+def test_a_synthetic_member_replays_the_synthetic_trace_at_its_speed() -> None:
+    panel = load_script("routing_panel")
+    tokenizer = load_tokenizer(None)
+    member = {m.name: m for m in panel.MEMBERS}
+    recorded = member["synthetic-400-x1"].build(tokenizer, 1.0)
+    faster = member["synthetic-400-x1.5"].build(tokenizer, 1.0)
+    conversation = member["trace-300-x1.5"].build(tokenizer, 1.0)
+    assert sorted(r.prompt_ids for r in faster.requests) == \
+        sorted(r.prompt_ids for r in recorded.requests)
+    assert 170.0 < max(r.send_at for r in recorded.requests) < 180.0
+    assert 110.0 < max(r.send_at for r in faster.requests) < 120.0
+    assert {r.prompt_ids for r in recorded.requests}.isdisjoint(
+        r.prompt_ids for r in conversation.requests)
+    # Rows too long for the 128k profile are listed by the slice they fall in (the file's rows
+    # 3082, 3208, 3685 and 3791 arrive at 803-973 s), not dropped silently.
+    assert member["synthetic-800-x1"].build(tokenizer, 1.0).skipped == (3082, 3208, 3685, 3791)
 
 
 def _record(i: int, ttft: float, prompt: int, cached: int) -> RequestRecord:
