@@ -1,5 +1,5 @@
 """The routing panel's members, its jittered replays, the summary of issue 24's targets over
-them, and the tail of a step (ttft_tail)."""
+them, the tail of a step (ttft_tail) and a trace slice's TTFT floor (trace_floor)."""
 
 from __future__ import annotations
 
@@ -129,3 +129,34 @@ def test_the_tail_is_tallied_by_prompt_and_uncached_tokens() -> None:
                                     {"prompt": 8000, "uncached": 4000, "count": 1}]
     slow = next(k for k in result["kinds"] if k["prompt"] == 8000)
     assert slow["ttft_min"] == slow["ttft_max"] == 0.3 and abs(slow["queue_mean"] - 0.19) < 1e-9
+
+
+def test_the_floor_prefills_each_row_alone_in_chunks_after_what_earlier_rows_left(
+        tmp_path: Any) -> None:
+    floor = load_script("trace_floor")
+    from kvswitch.bench.trace import read_mooncake
+    from kvswitch.engine.sim.profiles import get_profile
+
+    profile = get_profile("qwen3-32b-2xh100-128k")
+    chunk = profile.max_num_batched_tokens
+    two_chunks = floor.alone_seconds(profile, chunk + 10)
+    assert two_chunks == pytest.approx(
+        profile.step_seconds(chunk, 0, prefill_context=chunk,
+                             prefill_pairs=chunk * (chunk + 1) // 2)
+        + profile.step_seconds(10, 0, prefill_context=chunk + 10,
+                               prefill_pairs=10 * chunk + 55))
+    assert floor.alone_seconds(profile, 1024, cached=1024) == 0.0
+    # Row 1 repeats row 0's two blocks and adds one; row 2 (at 200 s) is outside the slice.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 4, '
+                     '"hash_ids": [1, 2]}\n'
+                     '{"timestamp": 1000, "input_length": 1500, "output_length": 4, '
+                     '"hash_ids": [1, 2, 3]}\n'
+                     '{"timestamp": 200000, "input_length": 9000, "output_length": 4, '
+                     '"hash_ids": [9]}\n')
+    result = floor.floors(read_mooncake(trace), profile, 0.0, 180.0)
+    assert result["rows"] == 2
+    first, second = floor.alone_seconds(profile, 1024), floor.alone_seconds(profile, 1500)
+    assert result["no_cache"]["p50"] == pytest.approx((first + second) / 2)
+    warm = floor.alone_seconds(profile, 1500, cached=1024)
+    assert result["ideal_cache"]["p50"] == pytest.approx((first + warm) / 2)
