@@ -12,8 +12,10 @@ duration):
   (`--arrivals bursts`), two steps of 20 s;
 - the 150x5 6,000-token shared-prefix preset on its own full-length ladder (6 to 30 QPS, 60 s
   per step, about 5,400 requests): the slowest member, `--members` leaves it out;
-- held out, run only when `--members` names them: four more 3-minute slices of the same trace at
-  1.5x (from 300, 600, 1,200 and 1,500 s), slices no default was chosen on.
+- held out, run only when `--members` names them (workloads no default was chosen on): four more
+  3-minute slices of the same trace at 1.5x (from 300, 600, 1,200 and 1,500 s), and three
+  3-minute slices of Mooncake's synthetic trace (multi-turn dialogues from public datasets,
+  Poisson arrivals; from 0, 400 and 800 s, where its prefix reuse grows) at 1x and 1.5x.
 Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (per member and
 step, the best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
 oracle, its cache-conserving variant and its look-ahead variant), smg-cache-aware-model (a
@@ -58,6 +60,7 @@ from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "benchmarks" / "traces" / "mooncake_conversation_30min.jsonl"
+SYNTHETIC_TRACE = ROOT / "benchmarks" / "traces" / "mooncake_synthetic.jsonl"
 BASELINES = ("round-robin", "random", "oracle", "oracle-best", "smg-cache-aware-model")
 OPTIONAL = ("oracle-conserve", "oracle-lookahead", "smg-cache-aware-tree-model")
 TARGETS = (("oracle-best", 1.2), ("round-robin", 1.0), ("smg-cache-aware-model", 1.0))
@@ -83,10 +86,10 @@ def _preset(name: str, qps: tuple[float, ...], duration: float, arrivals: str = 
     return build
 
 
-def _trace(start: float, duration: float, speedup: float, even: bool = False
-           ) -> Callable[[TokenizerBundle, float], Any]:
+def _trace(start: float, duration: float, speedup: float, even: bool = False,
+           path: Path = TRACE) -> Callable[[TokenizerBundle, float], Any]:
     def build(tokenizer: TokenizerBundle, scale: float) -> Any:
-        workload = load_trace(TRACE, tokenizer, start=start, duration=duration * scale,
+        workload = load_trace(path, tokenizer, start=start, duration=duration * scale,
                               speedup=speedup, max_model_len=get_profile(TRACE_PROFILE)
                               .max_model_len)
         if not even or not workload.requests:
@@ -131,6 +134,11 @@ MEMBERS = (
     *(Member(f"trace-{start}-x1.5", _trace(float(start), 180.0, 1.5), TRACE_PROFILE,
              f"Mooncake conversation trace {start}-{start + 180} s, 1.5x faster (held out)",
              held_out=True) for start in (300, 600, 1200, 1500)),
+    *(Member(f"synthetic-{start}-x{speedup:g}",
+             _trace(float(start), 180.0, speedup, path=SYNTHETIC_TRACE), TRACE_PROFILE,
+             f"Mooncake synthetic trace {start}-{start + 180} s (multi-turn dialogues from "
+             f"public datasets, Poisson arrivals), {speedup:g}x (held out)", held_out=True)
+      for start in (0, 400, 800) for speedup in (1.0, 1.5)),
 )
 
 

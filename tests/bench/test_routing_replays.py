@@ -1,5 +1,5 @@
 """The routing panel's members, its jittered replays, the summary of issue 24's targets over
-them, and the tail of a step (ttft_tail)."""
+them, the tail of a step (ttft_tail) and a trace slice's TTFT floor (trace_floor)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,9 @@ def test_a_negative_jitter_is_refused_before_anything_runs(capsys: Any) -> None:
 def test_held_out_members_run_only_when_named() -> None:
     panel = load_script("routing_panel")
     held_out = [m.name for m in panel.MEMBERS if m.held_out]
-    assert held_out == ["trace-300-x1.5", "trace-600-x1.5", "trace-1200-x1.5", "trace-1500-x1.5"]
+    assert held_out == ["trace-300-x1.5", "trace-600-x1.5", "trace-1200-x1.5", "trace-1500-x1.5",
+                        *(f"synthetic-{start}-x{speedup}" for start in (0, 400, 800)
+                          for speedup in ("1", "1.5"))]
     default = [m.name for m in panel.select_members("")]
     assert "trace-0-x1.5" in default and not set(held_out) & set(default)
     named = panel.select_members("trace-1200-x1.5, trace-0-x1")
@@ -84,6 +86,24 @@ def test_a_held_out_slice_replays_its_own_part_of_the_trace() -> None:
     early = member["trace-0-x1.5"].build(tokenizer, 1.0)
     assert late.requests and max(r.send_at for r in late.requests) < 120.0  # 180 s at 1.5x
     assert {r.prompt_ids for r in late.requests}.isdisjoint(r.prompt_ids for r in early.requests)
+
+
+def test_a_synthetic_member_replays_the_synthetic_trace_at_its_speed() -> None:
+    panel = load_script("routing_panel")
+    tokenizer = load_tokenizer(None)
+    member = {m.name: m for m in panel.MEMBERS}
+    recorded = member["synthetic-400-x1"].build(tokenizer, 1.0)
+    faster = member["synthetic-400-x1.5"].build(tokenizer, 1.0)
+    conversation = member["trace-300-x1.5"].build(tokenizer, 1.0)
+    assert sorted(r.prompt_ids for r in faster.requests) == \
+        sorted(r.prompt_ids for r in recorded.requests)
+    assert 170.0 < max(r.send_at for r in recorded.requests) < 180.0
+    assert 110.0 < max(r.send_at for r in faster.requests) < 120.0
+    assert {r.prompt_ids for r in recorded.requests}.isdisjoint(
+        r.prompt_ids for r in conversation.requests)
+    # Rows too long for the 128k profile are listed by the slice they fall in (the file's rows
+    # 3082, 3208, 3685 and 3791 arrive at 803-973 s), not dropped silently.
+    assert member["synthetic-800-x1"].build(tokenizer, 1.0).skipped == (3082, 3208, 3685, 3791)
 
 
 def _record(i: int, ttft: float, prompt: int, cached: int) -> RequestRecord:
@@ -109,3 +129,34 @@ def test_the_tail_is_tallied_by_prompt_and_uncached_tokens() -> None:
                                     {"prompt": 8000, "uncached": 4000, "count": 1}]
     slow = next(k for k in result["kinds"] if k["prompt"] == 8000)
     assert slow["ttft_min"] == slow["ttft_max"] == 0.3 and abs(slow["queue_mean"] - 0.19) < 1e-9
+
+
+def test_the_floor_prefills_each_row_alone_in_chunks_after_what_earlier_rows_left(
+        tmp_path: Any) -> None:
+    floor = load_script("trace_floor")
+    from kvswitch.bench.trace import read_mooncake
+    from kvswitch.engine.sim.profiles import get_profile
+
+    profile = get_profile("qwen3-32b-2xh100-128k")
+    chunk = profile.max_num_batched_tokens
+    two_chunks = floor.alone_seconds(profile, chunk + 10)
+    assert two_chunks == pytest.approx(
+        profile.step_seconds(chunk, 0, prefill_context=chunk,
+                             prefill_pairs=chunk * (chunk + 1) // 2)
+        + profile.step_seconds(10, 0, prefill_context=chunk + 10,
+                               prefill_pairs=10 * chunk + 55))
+    assert floor.alone_seconds(profile, 1024, cached=1024) == 0.0
+    # Row 1 repeats row 0's two blocks and adds one; row 2 (at 200 s) is outside the slice.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 4, '
+                     '"hash_ids": [1, 2]}\n'
+                     '{"timestamp": 1000, "input_length": 1500, "output_length": 4, '
+                     '"hash_ids": [1, 2, 3]}\n'
+                     '{"timestamp": 200000, "input_length": 9000, "output_length": 4, '
+                     '"hash_ids": [9]}\n')
+    result = floor.floors(read_mooncake(trace), profile, 0.0, 180.0)
+    assert result["rows"] == 2
+    first, second = floor.alone_seconds(profile, 1024), floor.alone_seconds(profile, 1500)
+    assert result["no_cache"]["p50"] == pytest.approx((first + second) / 2)
+    warm = floor.alone_seconds(profile, 1500, cached=1024)
+    assert result["ideal_cache"]["p50"] == pytest.approx((first + warm) / 2)
