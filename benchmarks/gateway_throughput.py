@@ -8,8 +8,8 @@ in-flight requests from `--clients` separate processes (grpc.aio):
   unary:  stream=false, max_tokens=--unary-tokens, one response per request
   stream: stream=true, max_tokens=--stream-tokens, one chunk per token
 
-It reports tokens/s, requests/s, p50/p99 latency, Envoy's and the EPP's CPU per request
-(/proc/PID/stat) and the EPP's scheduling latency (its Prometheus histogram
+It reports tokens/s, requests/s, p50/p99 latency, Envoy's, the EPP's and the engines' CPU per
+request (/proc/PID/stat), the EPP's scheduling latency (its Prometheus histogram
 `kvswitch_epp_scheduler_e2e_duration_seconds`) and the load-only records the EPPs received per
 request (engine load pushes and heartbeats, `kvswitch_epp_load_records_total`; with
 `--epp-replicas` 2 or more the engines push their load after arrivals, `--load-push-ms`), prints
@@ -96,6 +96,8 @@ class CellResult:
     epp_scheduling_mean_ms: float | None = None
     epp_scheduling_p50_ms: float | None = None
     epp_scheduling_p99_ms: float | None = None
+    engines_cpu_ms_per_request: float | None = None
+    """The simulated engines' CPU per request, all of them (every target shares them)."""
     epp_load_only_records_per_request: float | None = None
     """Load-only records (engine load pushes and heartbeats) all EPPs received per request."""
     first_error: str = ""
@@ -236,7 +238,7 @@ def idle_cpu_rate(pid: int, seconds: float) -> float:
 
 def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Namespace,
              envoy_pid: int | None, epps: Sequence[tuple[int, int]],
-             epp_idle_rate: float = 0.0) -> CellResult:
+             epp_idle_rate: float = 0.0, engine_pids: Sequence[int] = ()) -> CellResult:
     """One cell; `epps` are the target's EPPs as (pid, metrics port), their CPU added up and
     their scheduling histograms merged."""
     max_tokens = args.stream_tokens if workload == "stream" else args.unary_tokens
@@ -248,7 +250,8 @@ def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Na
     for p in procs:
         p.start()
     time.sleep(args.warmup)
-    cpu_before = {pid: cpu_seconds(pid) for pid in (envoy_pid, *(e[0] for e in epps)) if pid}
+    cpu_before = {pid: cpu_seconds(pid)
+                  for pid in (envoy_pid, *(e[0] for e in epps), *engine_pids) if pid}
     hist_before = _merged_histogram([e[1] for e in epps])
     records_before = _load_only_records([e[1] for e in epps])
     time.sleep(args.duration)
@@ -270,6 +273,9 @@ def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Na
         first_error=next((r.first_error for r in results if r.first_error), ""),
     )
     # CPU per request over the measured window (the requests that ended in it).
+    if engine_pids and requests:
+        cell.engines_cpu_ms_per_request = sum(
+            cpu_after[pid] - cpu_before[pid] for pid in engine_pids) / requests * 1e3
     if envoy_pid and requests:
         cell.envoy_cpu_ms_per_request = (cpu_after[envoy_pid] - cpu_before[envoy_pid]) \
             / requests * 1e3
@@ -362,13 +368,14 @@ def main(argv: list[str] | None = None) -> int:
                 for name, info in targets.items() if info[2]}
         for name, rate in idle.items():
             print(f"EPP idle CPU ({name}): {rate * 1e3:.1f} ms/s", flush=True)
+        engine_pids = [supervisor.get(gateway.engine_name(a)).pid for a in engines]
         cells: list[CellResult] = []
         for index in range(args.rounds):
             for workload in args.workloads.split(","):
                 for name in names:
                     addresses, envoy_pid, epp_info = targets[name]
                     cell = run_cell(name, addresses, workload, args, envoy_pid, epp_info,
-                                    idle.get(name, 0.0))
+                                    idle.get(name, 0.0), engine_pids)
                     cells.append(cell)
                     print(f"r{index + 1} {_row(cell)}", flush=True)
     medians = _medians(cells)
@@ -431,7 +438,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 _HEADER = (f"{'workload':8} {'target':15} {'req/s':>8} {'tok/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
            f"{'errors':>6} {'envoy ms/req':>12} {'epp ms/req':>10} {'-idle':>6} "
-           f"{'sched p50/p99 ms':>17} {'loads/req':>9}")
+           f"{'sched p50/p99 ms':>17} {'loads/req':>9} {'engines ms/req':>14}")
 
 
 def _row(c: CellResult) -> str:
@@ -441,7 +448,8 @@ def _row(c: CellResult) -> str:
             f"{c.p50_ms:8.1f} {c.p99_ms:8.1f} {c.errors:6d} "
             f"{_fmt(c.envoy_cpu_ms_per_request):>12} {_fmt(c.epp_cpu_ms_per_request):>10} "
             f"{_fmt(c.epp_cpu_ms_per_request_minus_idle, '.2f'):>6} {sched:>17} "
-            f"{_fmt(c.epp_load_only_records_per_request, '.2f'):>9}")
+            f"{_fmt(c.epp_load_only_records_per_request, '.2f'):>9} "
+            f"{_fmt(c.engines_cpu_ms_per_request):>14}")
 
 
 def _table(cells: list[CellResult]) -> str:
