@@ -8,9 +8,12 @@ in-flight requests from `--clients` separate processes (grpc.aio):
   unary:  stream=false, max_tokens=--unary-tokens, one response per request
   stream: stream=true, max_tokens=--stream-tokens, one chunk per token
 
-It reports tokens/s, requests/s, p50/p99 latency, Envoy's and the EPP's CPU per request
-(/proc/PID/stat) and the EPP's scheduling latency (its Prometheus histogram
-`kvswitch_epp_scheduler_e2e_duration_seconds`), prints a table and saves JSON.
+It reports tokens/s, requests/s, p50/p99 latency, Envoy's, the EPP's and the engines' CPU per
+request (/proc/PID/stat), the EPP's scheduling latency (its Prometheus histogram
+`kvswitch_epp_scheduler_e2e_duration_seconds`) and the load-only records the EPPs received per
+request (engine load pushes and heartbeats, `kvswitch_epp_load_records_total`; with
+`--epp-replicas` 2 or more the engines push their load after arrivals, `--load-push-ms`), prints
+a table and saves JSON.
 
     .venv/bin/python benchmarks/gateway_throughput.py --duration 8 --out gateway.json
 
@@ -59,6 +62,7 @@ from kvswitch.launcher import (
 from kvswitch.supervisor import Supervisor
 
 SCHEDULING_METRIC = "kvswitch_epp_scheduler_e2e_duration_seconds"
+LOAD_RECORDS_METRIC = "kvswitch_epp_load_records_total"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -92,6 +96,10 @@ class CellResult:
     epp_scheduling_mean_ms: float | None = None
     epp_scheduling_p50_ms: float | None = None
     epp_scheduling_p99_ms: float | None = None
+    engines_cpu_ms_per_request: float | None = None
+    """The simulated engines' CPU per request, all of them (every target shares them)."""
+    epp_load_only_records_per_request: float | None = None
+    """Load-only records (engine load pushes and heartbeats) all EPPs received per request."""
     first_error: str = ""
 
 
@@ -188,6 +196,20 @@ def scrape_histogram(metrics_port: int, name: str) -> dict[str, float]:
     return out
 
 
+def scrape_counter(metrics_port: int, name: str, label: str) -> float:
+    """The sum of counter `name`'s series whose labels contain `label` (e.g. 'kind="x"')."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
+def _load_only_records(metrics_ports: Sequence[int]) -> float:
+    return sum(scrape_counter(port, LOAD_RECORDS_METRIC, 'kind="load_only"')
+               for port in metrics_ports)
+
+
 def histogram_stats(before: dict[str, float], after: dict[str, float]) -> tuple[float, ...] | None:
     """(mean, p50, p99) in ms of the observations between two scrapes (quantiles: bucket
     upper bounds)."""
@@ -216,7 +238,7 @@ def idle_cpu_rate(pid: int, seconds: float) -> float:
 
 def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Namespace,
              envoy_pid: int | None, epps: Sequence[tuple[int, int]],
-             epp_idle_rate: float = 0.0) -> CellResult:
+             epp_idle_rate: float = 0.0, engine_pids: Sequence[int] = ()) -> CellResult:
     """One cell; `epps` are the target's EPPs as (pid, metrics port), their CPU added up and
     their scheduling histograms merged."""
     max_tokens = args.stream_tokens if workload == "stream" else args.unary_tokens
@@ -228,11 +250,14 @@ def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Na
     for p in procs:
         p.start()
     time.sleep(args.warmup)
-    cpu_before = {pid: cpu_seconds(pid) for pid in (envoy_pid, *(e[0] for e in epps)) if pid}
+    cpu_before = {pid: cpu_seconds(pid)
+                  for pid in (envoy_pid, *(e[0] for e in epps), *engine_pids) if pid}
     hist_before = _merged_histogram([e[1] for e in epps])
+    records_before = _load_only_records([e[1] for e in epps])
     time.sleep(args.duration)
     cpu_after = {pid: cpu_seconds(pid) for pid in cpu_before}
     hist_after = _merged_histogram([e[1] for e in epps])
+    records_after = _load_only_records([e[1] for e in epps])
     results = [ClientResult(**queue.get(timeout=args.duration + 120)) for _ in procs]
     for p in procs:
         p.join(timeout=30)
@@ -248,6 +273,9 @@ def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Na
         first_error=next((r.first_error for r in results if r.first_error), ""),
     )
     # CPU per request over the measured window (the requests that ended in it).
+    if engine_pids and requests:
+        cell.engines_cpu_ms_per_request = sum(
+            cpu_after[pid] - cpu_before[pid] for pid in engine_pids) / requests * 1e3
     if envoy_pid and requests:
         cell.envoy_cpu_ms_per_request = (cpu_after[envoy_pid] - cpu_before[envoy_pid]) \
             / requests * 1e3
@@ -256,6 +284,7 @@ def run_cell(target: str, addresses: list[str], workload: str, args: argparse.Na
         cell.epp_cpu_ms_per_request = used / requests * 1e3
         cell.epp_cpu_ms_per_request_minus_idle = max(
             0.0, used - epp_idle_rate * args.duration) / requests * 1e3
+        cell.epp_load_only_records_per_request = (records_after - records_before) / requests
         stats = histogram_stats(hist_before, hist_after)
         if stats:
             (cell.epp_scheduling_mean_ms, cell.epp_scheduling_p50_ms,
@@ -294,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epp-replicas", type=int, default=1,
                         help="EPPs behind the kvswitch target's Envoy (CPU per request is "
                              "their sum)")
+    parser.add_argument("--load-push-ms", type=float, default=None,
+                        help="the engines' --load-push-ms (unset: the engine's default, 5); "
+                             "pushes go out only with two or more EPPs")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every cell")
     parser.add_argument("--workloads", default="unary,stream")
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
@@ -307,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
             port=free_port(), replicas=args.replicas, profile=args.profile,
             time_scale=args.time_scale, mode="random", grace_period=1.0,
             envoy_concurrency=args.envoy_concurrency, epp_replicas=args.epp_replicas,
-            epp_args=("--transport", transports[0])), state)
+            epp_args=("--transport", transports[0]),
+            engine_args=(() if args.load_push_ms is None
+                         else ("--load-push-ms", f"{args.load_push_ms:g}"))), state)
         engines = list(gateway.endpoints)
         rr_port, rr_admin = free_port(), free_port()
         rr_config = state / "envoy-rr.yaml"
@@ -334,13 +368,14 @@ def main(argv: list[str] | None = None) -> int:
                 for name, info in targets.items() if info[2]}
         for name, rate in idle.items():
             print(f"EPP idle CPU ({name}): {rate * 1e3:.1f} ms/s", flush=True)
+        engine_pids = [supervisor.get(gateway.engine_name(a)).pid for a in engines]
         cells: list[CellResult] = []
         for index in range(args.rounds):
             for workload in args.workloads.split(","):
                 for name in names:
                     addresses, envoy_pid, epp_info = targets[name]
                     cell = run_cell(name, addresses, workload, args, envoy_pid, epp_info,
-                                    idle.get(name, 0.0))
+                                    idle.get(name, 0.0), engine_pids)
                     cells.append(cell)
                     print(f"r{index + 1} {_row(cell)}", flush=True)
     medians = _medians(cells)
@@ -403,7 +438,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 _HEADER = (f"{'workload':8} {'target':15} {'req/s':>8} {'tok/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
            f"{'errors':>6} {'envoy ms/req':>12} {'epp ms/req':>10} {'-idle':>6} "
-           f"{'sched p50/p99 ms':>17}")
+           f"{'sched p50/p99 ms':>17} {'loads/req':>9} {'engines ms/req':>14}")
 
 
 def _row(c: CellResult) -> str:
@@ -412,7 +447,9 @@ def _row(c: CellResult) -> str:
     return (f"{c.workload:8} {c.target:15} {c.requests_per_s:8.0f} {c.tokens_per_s:9.0f} "
             f"{c.p50_ms:8.1f} {c.p99_ms:8.1f} {c.errors:6d} "
             f"{_fmt(c.envoy_cpu_ms_per_request):>12} {_fmt(c.epp_cpu_ms_per_request):>10} "
-            f"{_fmt(c.epp_cpu_ms_per_request_minus_idle, '.2f'):>6} {sched:>17}")
+            f"{_fmt(c.epp_cpu_ms_per_request_minus_idle, '.2f'):>6} {sched:>17} "
+            f"{_fmt(c.epp_load_only_records_per_request, '.2f'):>9} "
+            f"{_fmt(c.engines_cpu_ms_per_request):>14}")
 
 
 def _table(cells: list[CellResult]) -> str:

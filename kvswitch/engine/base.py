@@ -156,6 +156,12 @@ class EngineLoadSnapshot:
     def token_usage(self) -> float:
         return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
 
+    @property
+    def routing_core(self) -> tuple[int, int, int, float]:
+        """What an EPP routes on (running, waiting, uncached waiting tokens, KV usage): a
+        load push that would repeat the last record's is not sent."""
+        return self.running, self.waiting, self.waiting_uncached_tokens, self.token_usage
+
 
 @dataclass(frozen=True, slots=True)
 class KvBlockStored:

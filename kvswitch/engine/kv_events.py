@@ -4,8 +4,12 @@ Each batch carries an `EngineLoad` record (push-based load telemetry). While the
 the stream sends `load_only` heartbeats repeating the last sequence number sent, and with
 `load_records_before_first_batch` it starts with a load-only batch numbered 0, as
 `common.proto` specifies. A load push from the engine (`load_only` data: a request arrived and
-several EPPs follow) goes out the same way, with the load of that moment. Stored blocks are grouped into one `KvBlocksStored` event per chain
-(each block's parent is the previous block), vLLM's BlockStored shape.
+several EPPs follow) goes out the same way, with the load of that moment, unless the routing
+core of that load (running, waiting, uncached waiting tokens, KV usage) equals the last record
+this stream sent: then the request has come and gone, or its load was offset, and the push would
+tell no EPP anything it does not already see (a short request at a high rate would otherwise cost
+every EPP a record per push). Stored blocks are grouped into one `KvBlocksStored` event per
+chain (each block's parent is the previous block), vLLM's BlockStored shape.
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ class KvEventStream:
         self._sample = 0
         self._next_event_id = 1
         self._last_sequence: int | None = 0 if load_first else None
+        self._last_core: tuple[int, int, int, float] | None = None
+        """The routing core of the last load record sent."""
 
     async def run(self, stop: asyncio.Event) -> AsyncIterator[common_pb2.KvEventBatch]:
         """Batches until `stop` is set (server draining) or the engine's stream ends."""
@@ -120,7 +126,9 @@ class KvEventStream:
                 if not item.load_only:
                     yield self._batch(item)
                 elif self._last_sequence is not None:  # nothing to repeat before a batch
-                    yield self._load_only(full=False)
+                    load = self.engine.load()
+                    if load.routing_core != self._last_core:
+                        yield self._load_only(full=False, load=load)
         finally:
             for task in (pump, stopper):
                 task.cancel()
@@ -152,12 +160,17 @@ class KvEventStream:
         first_record = self._last_sequence is None
         self._last_sequence = data.sequence_number
         load = data.load if data.load is not None else self.engine.load()
+        self._last_core = load.routing_core
         return common_pb2.KvEventBatch(
             sequence_number=data.sequence_number, timestamp=data.timestamp, events=events,
             dp_rank=0, load=load_record(load, self._sample, load_only=False, full=first_record))
 
-    def _load_only(self, *, full: bool = True) -> common_pb2.KvEventBatch:
+    def _load_only(self, *, full: bool = True, load: EngineLoadSnapshot | None = None
+                   ) -> common_pb2.KvEventBatch:
         self._sample += 1
+        if load is None:
+            load = self.engine.load()
+        self._last_core = load.routing_core
         return common_pb2.KvEventBatch(
             sequence_number=self._last_sequence or 0, timestamp=time.time(), dp_rank=0,
-            load=load_record(self.engine.load(), self._sample, load_only=True, full=full))
+            load=load_record(load, self._sample, load_only=True, full=full))

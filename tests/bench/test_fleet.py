@@ -291,13 +291,20 @@ def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
     router = make_router("kvswitch@2")
     assert isinstance(router, MultiEppRouter)
     pushes: list[tuple[int, float]] = []
-    push = router.load_push
+    push, kv_batch = router.load_push, router.kv_batch
+    delivered: dict[int, list[tuple[str, Any]]] = {}  # per replica, in order: kind, routing core
 
     def spy(replica: int, load: Any, now: float) -> None:
         pushes.append((replica, now))
+        delivered.setdefault(replica, []).append(("push", load.routing_core))
         push(replica, load, now)
 
+    def batch_spy(replica: int, batch: Any, now: float) -> None:
+        delivered.setdefault(replica, []).append(("batch", batch.load.routing_core))
+        kv_batch(replica, batch, now)
+
     router.load_push = spy  # type: ignore[method-assign]
+    router.kv_batch = batch_spy  # type: ignore[method-assign]
     loads: list[tuple[float, Any]] = []
     epp = router.epps[1]
     deliver = epp._deliver
@@ -319,6 +326,9 @@ def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
     for replica in range(4):  # ... and at most one is pending per replica
         times = sorted(at for r, at in pushes if r == replica)
         assert all(b - a >= 0.005 - 1e-9 for a, b in itertools.pairwise(times))
+    # A push never repeats the load its replica last delivered.
+    for records in delivered.values():
+        assert all(b[1] != a[1] for a, b in itertools.pairwise(records) if b[0] == "push")
     # The other EPP gets each as a load-only record kv_delay later, showing the arrival.
     assert len(loads) == len(pushes)
     assert all(load.running + load.waiting >= 1 for _, load in loads)

@@ -9,11 +9,14 @@ import grpc
 import pytest
 
 from kvswitch.engine import kv_events
+from kvswitch.engine.base import KvEventBatchData
 from kvswitch.engine.server import EngineServer, ServerOptions
 from kvswitch.engine.sim import SimConfig, SimEngine
+from kvswitch.engine.sim.events import LOAD_PUSH
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
 from kvswitch.tokenization import load_tokenizer
+from tests.engine.fake_engine import FakeEngine
 
 
 async def first_push(call: grpc.aio.UnaryStreamCall) -> common_pb2.KvEventBatch:
@@ -64,6 +67,38 @@ async def test_two_subscribers_learn_of_an_arrival_from_a_push(
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_a_push_that_would_repeat_the_last_record_is_not_sent() -> None:
+    engine = FakeEngine()
+    records = kv_events.KvEventStream(engine, 0, load_first=True).run(asyncio.Event())
+
+    def publish(item: KvEventBatchData) -> None:
+        engine._kv.append(item)
+        engine._kv_added.set()
+
+    async def next_record() -> common_pb2.KvEventBatch:
+        return await asyncio.wait_for(anext(records), 10.0)
+
+    try:
+        opening = await next_record()
+        assert opening.load.load_only and opening.load.running_requests == 0
+        # A request came and went before its push: the load is the opening record's again, so
+        # the stream's next record is the batch published after the push, not the push.
+        publish(LOAD_PUSH)
+        publish(KvEventBatchData(0, 1.0))
+        batch = await next_record()
+        assert not batch.load.load_only and batch.sequence_number == 0
+        engine.running.add("r1")
+        publish(LOAD_PUSH)  # a request is running: the push goes out
+        push = await next_record()
+        assert push.load.load_only and push.load.running_requests == 1
+        publish(LOAD_PUSH)  # nothing moved since that push
+        publish(KvEventBatchData(1, 2.0))
+        batch = await next_record()
+        assert not batch.load.load_only and batch.sequence_number == 1
+    finally:
+        await records.aclose()
 
 
 def test_kvswitch_up_passes_the_delay_to_its_engines() -> None:

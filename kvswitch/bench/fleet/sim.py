@@ -8,7 +8,8 @@ replica's step runs `Scheduler.step()` when it starts and delivers its tokens wh
 coalesced batch gets a flush at its window's end. With a router holding two or more KV-event
 streams per replica (several EPPs), an arrival makes its replica push its load
 `load_push_seconds` later, as `kvswitch.engine.sim.events` does (arrivals while a push is
-pending ride on it). The run ends when every request has finished or was rejected (then its
+pending ride on it; a push whose routing core repeats the last load the replica delivered is not
+sent, as `kvswitch.engine.kv_events` does). The run ends when every request has finished or was rejected (then its
 timers run one more `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual
 seconds (the rest are reported unfinished).
 """
@@ -27,6 +28,7 @@ from typing import Any
 from kvswitch.bench.engine_report import step_summary
 from kvswitch.bench.fleet.replica import Flight, Replica
 from kvswitch.bench.fleet.routers import FleetRouter
+from kvswitch.engine.base import KvEventBatchData
 from kvswitch.engine.request_log import RequestRecord
 from kvswitch.engine.sim.events import COALESCE_SECONDS, LOAD_PUSH_SECONDS
 from kvswitch.engine.sim.profiles import SimProfile
@@ -76,6 +78,8 @@ class _Fleet:
         self._flush_at: list[float | None] = [None] * replicas
         self.load_push_seconds = load_push_seconds
         self._push_pending = [False] * replicas
+        self._delivered: list[tuple[int, int, int, float] | None] = [None] * replicas
+        """Per replica, the routing core of the last load it delivered (batch or push)."""
         self.flights: dict[int, Flight] = {}
         self.records: list[RequestRecord] = []
         self.replica_of: dict[str, int] = {}
@@ -140,19 +144,26 @@ class _Fleet:
         rep = self.replicas[i]
         batch = rep.publish_step(self._now)
         if batch is not None:
-            self.router.kv_batch(i, batch, self._now)
+            self._deliver(i, batch)
         elif rep.flush_due is not None and self._flush_at[i] != rep.flush_due:
             due = self._flush_at[i] = rep.flush_due
             self.call_at(due, lambda: self._flush(i, due))
 
     def _push(self, i: int) -> None:
         self._push_pending[i] = False
-        self.router.load_push(i, self.replicas[i].load(self._now), self._now)
+        load = self.replicas[i].load(self._now)
+        if load.routing_core != self._delivered[i]:
+            self._delivered[i] = load.routing_core
+            self.router.load_push(i, load, self._now)
 
     def _flush(self, i: int, due: float) -> None:
         batch = self.replicas[i].flush_window(due)
         if batch is not None:
-            self.router.kv_batch(i, batch, self._now)
+            self._deliver(i, batch)
+
+    def _deliver(self, i: int, batch: KvEventBatchData) -> None:
+        self._delivered[i] = batch.load.routing_core if batch.load is not None else None
+        self.router.kv_batch(i, batch, self._now)
 
     def run(self, limit: float, progress: Callable[[int], None] | None) -> None:
         for request in self.requests:
