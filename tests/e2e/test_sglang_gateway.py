@@ -119,7 +119,11 @@ def assert_follows_its_cache(gateway: Gateway, tokenized: pb.TokenizedInput,
                              holder: str) -> None:
     """Once the holder's KV events reach the EPP, the prompt is routed there, every time."""
     deadline = time.monotonic() + 10
-    while routed_to(gateway, tokenized) != holder:
+    # Until the events arrive every replica scores 0 and a probe lands on the holder 1 time in
+    # 3, so one probe there says little: the EPP has learnt once three in a row land there.
+    streak = 0
+    while streak < 3:
+        streak = streak + 1 if routed_to(gateway, tokenized) == holder else 0
         assert time.monotonic() < deadline, "the EPP never learnt where the prefix is cached"
     # Picked blind among three replicas, five in a row would land there 1 time in 243.
     assert [routed_to(gateway, tokenized) for _ in range(5)] == [holder] * 5
