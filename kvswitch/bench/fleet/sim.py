@@ -9,9 +9,9 @@ coalesced batch gets a flush at its window's end. With a router holding two or m
 streams per replica (several EPPs), an arrival makes its replica push its load
 `load_push_seconds` later, as `kvswitch.engine.sim.events` does (arrivals while a push is
 pending ride on it; a push whose routing core repeats the last load the replica delivered is not
-sent, as `kvswitch.engine.kv_events` does). The run ends when every request has finished or was rejected (then its
-timers run one more `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual
-seconds (the rest are reported unfinished).
+sent, as `kvswitch.engine.kv_events` does). The run ends when every request has finished or was
+rejected (then its timers run one more `REPORT_SECONDS`, so reports on their way arrive), or at
+`limit` virtual seconds (the rest are reported unfinished).
 """
 
 from __future__ import annotations
