@@ -197,7 +197,7 @@ class EngineCounters:
     requests_finished: dict[str, int]
     """Finished requests by finish reason."""
     load_pushes: int = 0
-    """Load pushes made to the KV-event subscribers (each goes to every subscriber)."""
+    """Load pushes fired (each goes to every subscriber whose last record it does not repeat)."""
 
 
 @runtime_checkable

@@ -64,8 +64,8 @@ class _EngineCollector(Collector):
         yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the "
                             "engine.", counters.preemptions)
         yield self._counter("kvswitch_engine_load_pushes",
-                            "Load-only records pushed to the KV-event subscribers after a "
-                            "request arrived (one push reaches every subscriber).",
+                            "Load pushes fired after a request arrived (each reaches every "
+                            "KV-event subscriber whose last record it does not repeat).",
                             counters.load_pushes)
         success = CounterMetricFamily("vllm:request_success",
                                       "Count of successfully processed requests.",
