@@ -283,6 +283,45 @@ def test_several_epps_share_the_requests_and_each_ends_its_own(shared_prefix: An
     assert two.overall["cache_hit_rate"] >= one.overall["cache_hit_rate"] - 0.02
 
 
+def test_a_killed_epp_routes_nothing_more_and_the_survivors_lose_no_request(
+        shared_prefix: Any) -> None:
+    router = make_router("kvswitch@3")
+    assert isinstance(router, MultiEppRouter)
+    dead = router.epps[0]
+    kill_at = 3.0
+    routed_at: list[tuple[float, Any]] = []
+    for epp in router.epps:
+        route = epp.route
+
+        def spy(request: Any, now: float, epp: Any = epp, route: Any = route) -> Any:
+            routed_at.append((now, epp))
+            return route(request, now)
+
+        epp.route = spy  # type: ignore[method-assign]
+    setup = router.setup
+
+    def setup_and_kill(ctx: Any) -> None:
+        setup(ctx)
+        ctx.call_at(kill_at, lambda: router.kill(0))
+
+    router.setup = setup_and_kill  # type: ignore[method-assign]
+    result = run_fleet(shared_prefix, router, PROFILE, 4)
+    assert len(result.records) == len(shared_prefix.requests)  # none lost
+    assert any(epp is dead for t, epp in routed_at if t < kill_at)
+    after = [epp for t, epp in routed_at if t >= kill_at]
+    assert after and dead not in after
+    assert {id(e) for e in after} == {id(e) for e in router.epps[1:]}  # both survivors route
+    assert router.kv_subscribers == 2
+    # The survivors' ends all came back to them; the ends of what the dead one had in flight
+    # went nowhere.
+    assert all(e.in_flight == 0 for epp in router.epps[1:] for e in epp.router.datalayer.all())
+    assert sum(e.in_flight for e in dead.router.datalayer.all()) > 0
+    router.kill(1)
+    with pytest.raises(ValueError, match="last EPP"):
+        router.kill(2)
+    assert router.alive == [router.epps[2]]
+
+
 def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
         shared_prefix: Any) -> None:
     from kvswitch.epp.kvindex.events import batch_from_proto

@@ -7,6 +7,8 @@ balancing over ext_proc streams that last a few milliseconds is round robin in e
 request's end goes back to the replica that routed it, as the access-log signature does. The
 engines' load pushes after each arrival reach every replica (`kv_subscribers` = N). What the
 replicas do not share (speculative entries, in-flight counts) is what this measures.
+`kill(i)` takes replica i out at once, as a crash would (the survivors route everything from
+then on and never counted what it had in flight).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class MultiEppRouter:
         self.name = name
         self.epps = [EppRouter(config, f"{name}#{i}", kv_delay, seed * 1_000 + i)
                      for i in range(replicas)]
+        self.alive = list(self.epps)
+        """The replicas Envoy sends requests to and the engines stream to."""
         self._next = 0
         self._routed_by: dict[int, EppRouter] = {}
         self.kv_subscribers = replicas
@@ -38,22 +42,36 @@ class MultiEppRouter:
         for epp in self.epps:
             epp.setup(ctx)
 
+    def kill(self, index: int) -> None:
+        """Replica `index` dies: no request, KV batch, load push or request end reaches it from
+        now on, and the engines count one subscriber fewer (one left: no more pushes)."""
+        alive = [epp for epp in self.alive if epp is not self.epps[index]]
+        if not alive:
+            raise ValueError("the last EPP replica cannot be killed")
+        self.alive = alive
+        self._next %= len(alive)
+        self.kv_subscribers = len(self.alive)
+
     def route(self, request: Any, now: float) -> int | None:
-        epp = self.epps[self._next]
-        self._next = (self._next + 1) % len(self.epps)
+        epp = self.alive[self._next]
+        self._next = (self._next + 1) % len(self.alive)
         self._routed_by[request.index] = epp
         return epp.route(request, now)
 
     def first_token(self, request: Any, replica: int, now: float) -> None:
-        self._routed_by[request.index].first_token(request, replica, now)
+        epp = self._routed_by[request.index]
+        if epp in self.alive:
+            epp.first_token(request, replica, now)
 
     def finished(self, request: Any, replica: int, now: float) -> None:
-        self._routed_by.pop(request.index).finished(request, replica, now)
+        epp = self._routed_by.pop(request.index)
+        if epp in self.alive:
+            epp.finished(request, replica, now)
 
     def kv_batch(self, replica: int, batch: KvEventBatchData, now: float) -> None:
-        for epp in self.epps:
+        for epp in self.alive:
             epp.kv_batch(replica, batch, now)
 
     def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None:
-        for epp in self.epps:
+        for epp in self.alive:
             epp.load_push(replica, load, now)
