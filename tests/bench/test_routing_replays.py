@@ -160,3 +160,30 @@ def test_the_floor_prefills_each_row_alone_in_chunks_after_what_earlier_rows_lef
     assert result["no_cache"]["p50"] == pytest.approx((first + second) / 2)
     warm = floor.alone_seconds(profile, 1500, cached=1024)
     assert result["ideal_cache"]["p50"] == pytest.approx((first + warm) / 2)
+
+
+def test_a_miss_is_routed_past_a_holder_only_when_a_replica_really_held_more() -> None:
+    from kvswitch.epp.kvindex import KvBlockIndex
+    from tests.support.kvblocks import stored
+
+    past = load_script("routed_past_cache")
+    index = KvBlockIndex(16)
+    prompt = list(range(1, 65))  # 4 blocks
+    index.add_endpoint("a")
+    index.add_endpoint("b")
+    index.apply("a", [stored(prompt[:32])])  # a holds 2 blocks, by its KV events
+    index.speculate("b", index.block_hashes(prompt), ttl=60.0)  # b only speculatively
+    assert past.held_tokens(index, prompt) == 32
+    assert past.held_tokens(index, [9, *prompt[1:]]) == 0  # another first block: nowhere
+
+    def record(cached: int) -> RequestRecord:
+        return _record(0, 0.2, 64, cached)
+
+    assert past.classify(record(32), 32, 16) == "served"
+    assert past.classify(record(16), 32, 16) == "served"  # the engine recomputes a last token
+    assert past.classify(record(0), 32, 16) == "routed past a holder"
+    assert past.classify(record(0), 0, 16) == "held nowhere"
+    rows = past.tally([_record(1, 0.2, 64, 0), _record(2, 0.2, 64, 32)],
+                      {"1": 32, "2": 32}, 16)
+    assert rows["routed past a holder"] == {"requests": 1, "uncached_tokens": 64}
+    assert rows["served"] == {"requests": 1, "uncached_tokens": 32}
