@@ -26,14 +26,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from routing_panel import MEMBERS, jittered
+from routing_panel import add_step_arguments, replay_steps
 
 from kvswitch.bench.fleet import EppRouter, run_fleet
 from kvswitch.engine.request_log import RequestRecord
 from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.launcher import DEFAULT_EPP_CONFIG
-from kvswitch.tokenization import load_tokenizer
 
 CLASSES = ("served", "routed past a holder", "held nowhere")
 
@@ -72,20 +71,13 @@ def tally(records: Sequence[RequestRecord], held: dict[str, int], block_size: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--member", required=True, choices=[m.name for m in MEMBERS])
-    parser.add_argument("--step", type=int, nargs="+", default=[-1],
-                        help="the QPS steps' indexes (default: the last)")
+    add_step_arguments(parser)
     parser.add_argument("--epp", type=Path, default=None,
                         help="EndpointPickerConfig (default: kvswitch up's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jitter-ms", type=float, default=0.0)
-    parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = parser.parse_args(argv)
-    member = next(m for m in MEMBERS if m.name == args.member)
-    workload = member.build(load_tokenizer(None), 1.0)
-    if args.jitter_ms:
-        workload = jittered(workload, args.jitter_ms / 1000, args.seed)
+    replay = replay_steps(parser, args)
+    member, workload = replay.member, replay.workload
     router = EppRouter(args.epp if args.epp is not None else DEFAULT_EPP_CONFIG, "kvswitch",
                        seed=args.seed)
     held: dict[str, int] = {}
@@ -100,14 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     router.route = noting  # type: ignore[method-assign]
     profile = get_profile(member.profile)
     result = run_fleet(workload, router, profile, args.replicas, seed=args.seed)
-    stage_of = {str(r.index): r.stage for r in workload.requests}
-    stages = sorted(set(stage_of.values()))
-    steps = {}
-    for i in args.step:
-        stage = stages[i]
-        steps[str(stages.index(stage))] = tally(
-            [r for r in result.records if stage_of[r.request_id] == stage], held,
-            profile.block_size)
+    steps = {str(stage): tally([r for r in result.records
+                                if replay.stage_of[r.request_id] == stage],
+                               held, profile.block_size)
+             for stage in replay.stages}
     for step, rows in steps.items():
         print(f"## {args.member}, step {step}\n")
         print("| class | requests | uncached tokens |\n|---|---|---|")

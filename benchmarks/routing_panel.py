@@ -168,6 +168,47 @@ def jittered(workload: Any, jitter: float, seed: int) -> Any:
     return dataclasses.replace(workload, requests=tuple(sorted(moved, key=lambda r: r.send_at)))
 
 
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """What picks panel steps and replays them as the panel does (the step analyses
+    `ttft_tail.py` and `routed_past_cache.py`): --member, --step, --seed, --jitter-ms,
+    --replicas, --scale."""
+    parser.add_argument("--member", required=True, choices=[m.name for m in MEMBERS])
+    parser.add_argument("--step", type=int, nargs="+", default=[-1],
+                        help="the QPS steps' indexes (default: the last)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jitter-ms", type=float, default=0.0)
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--scale", type=float, default=1.0)
+
+
+@dataclass(frozen=True)
+class StepReplay:
+    member: Member
+    workload: Any
+    stages: list[int]
+    """The chosen steps' stage numbers, in `--step` order."""
+    stage_of: dict[str, int]
+    """Request id -> its stage number."""
+
+
+def replay_steps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> StepReplay:
+    """The member and steps `add_step_arguments`' arguments name, its workload jittered as the
+    panel jitters it; a bad value is the parser's error."""
+    if args.jitter_ms < 0:
+        parser.error(f"--jitter-ms must be >= 0, got {args.jitter_ms:g}")
+    member = next(m for m in MEMBERS if m.name == args.member)
+    workload = member.build(load_tokenizer(None), args.scale)
+    if args.jitter_ms:
+        workload = jittered(workload, args.jitter_ms / 1000, args.seed)
+    stages = sorted({r.stage for r in workload.requests})
+    try:
+        chosen = [stages[i] for i in args.step]
+    except IndexError:
+        parser.error(f"--step {args.step}: {args.member} has {len(stages)} steps")
+    return StepReplay(member, workload, chosen,
+                      {str(r.index): r.stage for r in workload.requests})
+
+
 def run_member(member: Member, routers: list[tuple[str, str]], tokenizer: TokenizerBundle,
                args: argparse.Namespace, bar: Any) -> dict[str, Any]:
     workload = member.build(tokenizer, args.scale)

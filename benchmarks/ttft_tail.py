@@ -23,13 +23,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from routing_panel import MEMBERS, jittered
+from routing_panel import add_step_arguments, replay_steps
 
 from kvswitch.bench.engine_report import percentile
 from kvswitch.bench.fleet import make_router, run_fleet
 from kvswitch.engine.request_log import RequestRecord
 from kvswitch.engine.sim.profiles import get_profile
-from kvswitch.tokenization import load_tokenizer
 
 
 def kind(record: RequestRecord) -> tuple[int, int]:
@@ -72,37 +71,20 @@ def markdown(router: str, result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--member", required=True, choices=[m.name for m in MEMBERS])
-    parser.add_argument("--step", type=int, nargs="+", default=[-1],
-                        help="the QPS steps' indexes (default: the last)")
+    add_step_arguments(parser)
     parser.add_argument("--routers", default="round-robin,kvswitch",
                         help="comma-separated fleet routers (kvswitch.bench.fleet.make_router)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jitter-ms", type=float, default=0.0)
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.jitter_ms < 0:
-        parser.error(f"--jitter-ms must be >= 0, got {args.jitter_ms:g}")
-
-    member = next(m for m in MEMBERS if m.name == args.member)
-    workload = member.build(load_tokenizer(None), args.scale)
-    if args.jitter_ms:
-        workload = jittered(workload, args.jitter_ms / 1000, args.seed)
-    stages = sorted({r.stage for r in workload.requests})
-    try:
-        chosen = [stages[i] for i in args.step]
-    except IndexError:
-        parser.error(f"--step {args.step}: {args.member} has {len(stages)} steps")
-    stage_of = {str(r.index): r.stage for r in workload.requests}
+    replay = replay_steps(parser, args)
+    member, workload, stage_of = replay.member, replay.workload, replay.stage_of
     report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/ttft_tail.py",
                                                    *(argv or sys.argv[1:])]),
                               "member": args.member, "steps": {}}
     for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
         result = run_fleet(workload, make_router(name, seed=args.seed),
                            get_profile(member.profile), args.replicas, seed=args.seed)
-        for stage in chosen:
+        for stage in replay.stages:
             found = tail([r for r in result.records if stage_of[r.request_id] == stage])
             report["steps"].setdefault(str(stage), {})[name] = found
             print(markdown(f"{name}, step {stage}", found), flush=True)
