@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(parser)
     parser.add_argument("--epp", type=Path, default=None,
-                        help="EndpointPickerConfig (default: kvswitch up's)")
+                        help="EndpointPickerConfig with a precise-prefix-cache-scorer, whose "
+                             "index is read (default: kvswitch up's)")
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = parser.parse_args(argv)
     replay = replay_steps(parser, args)
