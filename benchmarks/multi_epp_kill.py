@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from kvswitch.bench.engine_report import percentile
 from kvswitch.bench.fleet import FleetContext, FleetResult, MultiEppRouter, run_fleet
 from kvswitch.bench.workloads import PRESETS, Arrivals, build_workload
 from kvswitch.engine.request_log import RequestRecord
@@ -51,13 +51,11 @@ def windows(records: list[RequestRecord], start: float, end: float, width: float
     t = start
     while t < end - 1e-9:
         inside = [r for r in records if t <= r.arrival < t + width]
-        ttfts = sorted(r.ttft_s for r in inside if r.ttft_s is not None)
+        ttfts = [r.ttft_s for r in inside if r.ttft_s is not None]
         prompt = sum(r.prompt_tokens for r in inside)
         out.append({
             "from": t, "to": t + width, "requests": len(inside),
-            "ttft_p50": statistics.median(ttfts) if ttfts else None,
-            "ttft_p90": statistics.quantiles(ttfts, n=10, method="inclusive")[8]
-            if len(ttfts) >= 2 else None,
+            "ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9),
             "cache_hit": sum(r.cached_tokens for r in inside) / prompt if prompt else None})
         t += width
     return out

@@ -168,6 +168,14 @@ def jittered(workload: Any, jitter: float, seed: int) -> Any:
     return dataclasses.replace(workload, requests=tuple(sorted(moved, key=lambda r: r.send_at)))
 
 
+def replayed(member: Member, tokenizer: TokenizerBundle, scale: float, jitter_ms: float,
+             seed: int) -> Any:
+    """`member`'s workload as the panel replays it: built at `scale`, jittered by up to
+    `jitter_ms` from `seed` (`jittered`; 0: as built)."""
+    workload = member.build(tokenizer, scale)
+    return jittered(workload, jitter_ms / 1000, seed) if jitter_ms else workload
+
+
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """What picks panel steps and replays them as the panel does (the step analyses
     `ttft_tail.py` and `routed_past_cache.py`): --member, --step, --seed, --jitter-ms,
@@ -197,9 +205,7 @@ def replay_steps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
     if args.jitter_ms < 0:
         parser.error(f"--jitter-ms must be >= 0, got {args.jitter_ms:g}")
     member = next(m for m in MEMBERS if m.name == args.member)
-    workload = member.build(load_tokenizer(None), args.scale)
-    if args.jitter_ms:
-        workload = jittered(workload, args.jitter_ms / 1000, args.seed)
+    workload = replayed(member, load_tokenizer(None), args.scale, args.jitter_ms, args.seed)
     stages = sorted({r.stage for r in workload.requests})
     try:
         chosen = [stages[i] for i in args.step]
@@ -211,9 +217,7 @@ def replay_steps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
 
 def run_member(member: Member, routers: list[tuple[str, str]], tokenizer: TokenizerBundle,
                args: argparse.Namespace, bar: Any) -> dict[str, Any]:
-    workload = member.build(tokenizer, args.scale)
-    if args.jitter_ms:
-        workload = jittered(workload, args.jitter_ms / 1000, args.seed)
+    workload = replayed(member, tokenizer, args.scale, args.jitter_ms, args.seed)
     profile: SimProfile = get_profile(member.profile)
     results: dict[str, FleetResult] = {}
     variants: list[FleetResult] = []

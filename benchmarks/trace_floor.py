@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from kvswitch.bench.engine_report import percentile
 from kvswitch.bench.trace import TRACE_BLOCK, TraceRow, read_mooncake
 from kvswitch.engine.sim.profiles import SimProfile, get_profile
 
@@ -56,11 +56,8 @@ def floors(rows: list[TraceRow], profile: SimProfile, start: float, duration: fl
             "no_cache": _quantiles(cold), "ideal_cache": _quantiles(warm)}
 
 
-def _quantiles(values: list[float]) -> dict[str, float] | None:
-    if len(values) < 2:
-        return None
-    deciles = statistics.quantiles(values, n=10, method="inclusive")
-    return {"p50": statistics.median(values), "p90": deciles[8]}
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 0.5), "p90": percentile(values, 0.9)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         cold, warm = f["no_cache"], f["ideal_cache"]
         print(f"{f['start']:g}-{f['start'] + f['duration']:g} s, {f['rows']} rows: TTFT p90 alone "
               f"{cold['p90']:.2f} s with nothing cached, {warm['p90']:.2f} s with an ideal cache"
-              if cold and warm else f"{f['start']:g} s: too few rows")
+              if f["rows"] else f"{f['start']:g} s: no rows")
     if args.out:
         args.out.write_text(json.dumps({
             "command": "python benchmarks/trace_floor.py " + " ".join(sys.argv[1:] if argv is None

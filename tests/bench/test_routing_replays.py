@@ -78,23 +78,23 @@ def test_held_out_members_run_only_when_named() -> None:
         panel.select_members("trace-1-x1")
 
 
-def test_a_held_out_slice_replays_its_own_part_of_the_trace() -> None:
+def _built(*names: str) -> list[Any]:
+    """The named panel members' workloads, at scale 1."""
     panel = load_script("routing_panel")
     tokenizer = load_tokenizer(None)
     member = {m.name: m for m in panel.MEMBERS}
-    late = member["trace-1200-x1.5"].build(tokenizer, 1.0)
-    early = member["trace-0-x1.5"].build(tokenizer, 1.0)
+    return [member[name].build(tokenizer, 1.0) for name in names]
+
+
+def test_a_held_out_slice_replays_its_own_part_of_the_trace() -> None:
+    late, early = _built("trace-1200-x1.5", "trace-0-x1.5")
     assert late.requests and max(r.send_at for r in late.requests) < 120.0  # 180 s at 1.5x
     assert {r.prompt_ids for r in late.requests}.isdisjoint(r.prompt_ids for r in early.requests)
 
 
 def test_a_synthetic_member_replays_the_synthetic_trace_at_its_speed() -> None:
-    panel = load_script("routing_panel")
-    tokenizer = load_tokenizer(None)
-    member = {m.name: m for m in panel.MEMBERS}
-    recorded = member["synthetic-400-x1"].build(tokenizer, 1.0)
-    faster = member["synthetic-400-x1.5"].build(tokenizer, 1.0)
-    conversation = member["trace-300-x1.5"].build(tokenizer, 1.0)
+    recorded, faster, conversation, late = _built(
+        "synthetic-400-x1", "synthetic-400-x1.5", "trace-300-x1.5", "synthetic-800-x1")
     assert sorted(r.prompt_ids for r in faster.requests) == \
         sorted(r.prompt_ids for r in recorded.requests)
     assert 170.0 < max(r.send_at for r in recorded.requests) < 180.0
@@ -103,7 +103,7 @@ def test_a_synthetic_member_replays_the_synthetic_trace_at_its_speed() -> None:
         r.prompt_ids for r in conversation.requests)
     # Rows too long for the 128k profile are listed by the slice they fall in (the file's rows
     # 3082, 3208, 3685 and 3791 arrive at 803-973 s), not dropped silently.
-    assert member["synthetic-800-x1"].build(tokenizer, 1.0).skipped == (3082, 3208, 3685, 3791)
+    assert late.skipped == (3082, 3208, 3685, 3791)
 
 
 def _record(i: int, ttft: float, prompt: int, cached: int) -> RequestRecord:
