@@ -312,7 +312,17 @@ def run_cell(name: str, argv: list[str], port: int, engines: list[subprocess.Pop
         gateway_cpu_us_per_token=round(gw_cpu / result.tokens * 1e6, 2) if result.tokens else 0,
         gateway_cpu_cores=round(gw_cpu / seconds, 2),
         engines_cpu_cores=round(eng_cpu / seconds, 2),
-        first_error=result.first_error, command=" ".join(argv))
+        first_error=result.first_error, command=shown_command(argv))
+
+
+def shown_command(argv: list[str]) -> str:
+    """The command as a result file records it: executables by name, the tokenizer copy (a
+    temporary directory) by what it is, so no path of the measuring machine is kept."""
+    shown = [Path(argv[0]).name, *argv[1:]]
+    for i, arg in enumerate(shown[:-1]):
+        if arg in ("--tokenizer", "--tokenizer-path"):
+            shown[i + 1] = "<the Qwen3 tokenizer directory>"
+    return " ".join(shown)
 
 
 def tokenizer_dir(directory: Path) -> Path:
