@@ -1,16 +1,21 @@
-"""Where an EPP router's cache misses come from: routed past a holder, or held nowhere.
+"""Where an EPP router's cache misses come from: routed past a holder, lost while queued, or
+held nowhere.
 
 For a member of `routing_panel.MEMBERS`, replayed as the panel replays it (same seed and
 jitter), `kvswitch up`'s default EPP (or `--epp PATH`) runs in the fleet simulator. When it
-routes a request, the most leading prompt tokens any replica holds by its own prefix index are
-noted (blocks the engines' KV events reported; the EPP's speculative entries for requests not
-yet prefilled do not count). Per QPS step, each request then counts as:
+routes a request, the most leading prompt tokens any replica holds by its own prefix index, and
+those the chosen replica holds, are noted (blocks the engines' KV events reported; the EPP's
+speculative entries for requests not yet prefilled do not count). Per QPS step, each request
+then counts as:
 - `served`: the engine served that many of its tokens from cache (less one block: an engine
   recomputes a fully cached prompt's last token);
-- `routed past a holder`: it went to a replica that served fewer (the scorer chose load over
+- `routed past a holder`: it went to a replica that held fewer (the scorer chose load over
   the cache);
+- `lost while queued`: the chosen replica held that many but served fewer: the blocks were
+  evicted before the request was scheduled (a waiting request does not pin them, as in vLLM);
 - `held nowhere`: no replica held any full block of it.
-With the tokens each class left uncached. Prints a table per step; `--out` writes JSON.
+With the tokens each class left uncached, and how many of its requests were routed while every
+replica had requests waiting by the EPP's latest load reports (a saturated pool). Prints a table per step; `--out` writes JSON.
 
     python benchmarks/routed_past_cache.py --member sp-1000-6200 --step 2 --seed 1 --jitter-ms 1
 """
@@ -34,37 +39,43 @@ from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.launcher import DEFAULT_EPP_CONFIG
 
-CLASSES = ("served", "routed past a holder", "held nowhere")
+CLASSES = ("served", "routed past a holder", "lost while queued", "held nowhere")
 
 
-def classify(record: RequestRecord, held_tokens: int, block_size: int) -> str:
-    """`held_tokens`: the most leading prompt tokens a replica held when the request was routed."""
-    if held_tokens == 0:
+def classify(record: RequestRecord, held: tuple[int, int], block_size: int) -> str:
+    """`held`: the most leading prompt tokens any replica held when the request was routed, and
+    those the chosen replica held."""
+    most, chosen = held
+    if most == 0:
         return "held nowhere"
-    served = record.cached_tokens >= held_tokens - block_size
-    return "served" if served else "routed past a holder"
+    if record.cached_tokens >= most - block_size:
+        return "served"
+    return "lost while queued" if chosen >= most else "routed past a holder"
 
 
-def held_tokens(index: Any, prompt: Sequence[int]) -> int:
-    """The most leading tokens of `prompt` any endpoint holds by its KV events."""
+def held_tokens(index: Any, prompt: Sequence[int], endpoint: str | None = None) -> int:
+    """The most leading tokens of `prompt` any endpoint (or `endpoint`) holds by its KV events."""
     hashes = index.block_hashes(prompt)
     best = 0
-    for endpoint in index.endpoints:
+    for candidate in index.endpoints if endpoint is None else (endpoint,):
         n = 0
-        while n < len(hashes) and index.holds_really(endpoint, hashes[n]):
+        while n < len(hashes) and index.holds_really(candidate, hashes[n]):
             n += 1
         best = max(best, n)
     return best * index.block_size
 
 
-def tally(records: Sequence[RequestRecord], held: dict[str, int], block_size: int
-          ) -> dict[str, Any]:
-    """Per class: requests, and their prompt tokens not served from cache."""
-    out: dict[str, Any] = {c: {"requests": 0, "uncached_tokens": 0} for c in CLASSES}
+def tally(records: Sequence[RequestRecord], held: dict[str, tuple[int, int]], block_size: int,
+          saturated: set[str]) -> dict[str, Any]:
+    """Per class: requests, their prompt tokens not served from cache, and the requests routed
+    while the pool was saturated (their ids in `saturated`)."""
+    out: dict[str, Any] = {c: {"requests": 0, "uncached_tokens": 0, "saturated": 0}
+                           for c in CLASSES}
     for record in records:
         row = out[classify(record, held[record.request_id], block_size)]
         row["requests"] += 1
         row["uncached_tokens"] += record.prompt_tokens - record.cached_tokens
+        row["saturated"] += record.request_id in saturated
     return out
 
 
@@ -81,27 +92,36 @@ def main(argv: list[str] | None = None) -> int:
     member, workload = replay.member, replay.workload
     router = EppRouter(args.epp if args.epp is not None else DEFAULT_EPP_CONFIG, "kvswitch",
                        seed=args.seed)
-    held: dict[str, int] = {}
+    held: dict[str, tuple[int, int]] = {}
+    saturated: set[str] = set()
     route = router.route
 
     def noting(request: Any, now: float) -> int | None:
         index = next(p.index for p in router.router.scheduler.plugins
                      if isinstance(p, PrecisePrefixCacheScorer))
-        held[str(request.index)] = held_tokens(index, request.prompt_ids)
-        return route(request, now)
+        most = held_tokens(index, request.prompt_ids)
+        if all(e.metrics.waiting for e in router.router.datalayer.ready()):
+            saturated.add(str(request.index))
+        pick = route(request, now)
+        chosen = held_tokens(index, request.prompt_ids, router.addresses[pick]) \
+            if pick is not None else 0
+        held[str(request.index)] = (most, chosen)
+        return pick
 
     router.route = noting  # type: ignore[method-assign]
     profile = get_profile(member.profile)
     result = run_fleet(workload, router, profile, args.replicas, seed=args.seed)
     steps = {str(stage): tally([r for r in result.records
                                 if replay.stage_of[r.request_id] == stage],
-                               held, profile.block_size)
+                               held, profile.block_size, saturated)
              for stage in replay.stages}
     for step, rows in steps.items():
         print(f"## {args.member}, step {step}\n")
-        print("| class | requests | uncached tokens |\n|---|---|---|")
+        print("| class | requests | uncached tokens | routed with every replica queuing |\n"
+              "|---|---|---|---|")
         for c in CLASSES:
-            print(f"| {c} | {rows[c]['requests']} | {rows[c]['uncached_tokens']:,} |")
+            print(f"| {c} | {rows[c]['requests']} | {rows[c]['uncached_tokens']:,} "
+                  f"| {rows[c]['saturated']} |")
         print()
     if args.out:
         args.out.write_text(json.dumps({

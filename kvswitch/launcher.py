@@ -76,7 +76,8 @@ DEFAULT_EPP_CONFIG = {
         {"name": "precise-prefix-cache-scorer", "type": "precise-prefix-cache-scorer",
          "parameters": {"blockSize": 16}},
         {"name": "estimated-ttft-scorer", "type": "estimated-ttft-scorer",
-         "parameters": {"uncachedWeight": 2, "runningRequestTokens": 160}},
+         "parameters": {"uncachedWeight": 2, "runningRequestTokens": 160,
+                        "saturationMissWeight": 1}},
         # The pick plus one fallback: Envoy retries a refused connection (a replica that died
         # before the EPP noticed) on the fallback instead of failing the request.
         {"name": "max-score-picker", "type": "max-score-picker",

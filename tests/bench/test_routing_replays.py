@@ -174,16 +174,21 @@ def test_a_miss_is_routed_past_a_holder_only_when_a_replica_really_held_more() -
     index.apply("a", [stored(prompt[:32])])  # a holds 2 blocks, by its KV events
     index.speculate("b", index.block_hashes(prompt), ttl=60.0)  # b only speculatively
     assert past.held_tokens(index, prompt) == 32
+    assert past.held_tokens(index, prompt, "a") == 32
+    assert past.held_tokens(index, prompt, "b") == 0
     assert past.held_tokens(index, [9, *prompt[1:]]) == 0  # another first block: nowhere
 
     def record(cached: int) -> RequestRecord:
         return _record(0, 0.2, 64, cached)
 
-    assert past.classify(record(32), 32, 16) == "served"
-    assert past.classify(record(16), 32, 16) == "served"  # the engine recomputes a last token
-    assert past.classify(record(0), 32, 16) == "routed past a holder"
-    assert past.classify(record(0), 0, 16) == "held nowhere"
-    rows = past.tally([_record(1, 0.2, 64, 0), _record(2, 0.2, 64, 32)],
-                      {"1": 32, "2": 32}, 16)
-    assert rows["routed past a holder"] == {"requests": 1, "uncached_tokens": 64}
-    assert rows["served"] == {"requests": 1, "uncached_tokens": 32}
+    assert past.classify(record(32), (32, 32), 16) == "served"
+    assert past.classify(record(16), (32, 32), 16) == "served"  # a last token is recomputed
+    assert past.classify(record(0), (32, 0), 16) == "routed past a holder"
+    assert past.classify(record(0), (32, 32), 16) == "lost while queued"  # evicted meanwhile
+    assert past.classify(record(0), (0, 0), 16) == "held nowhere"
+    rows = past.tally([_record(1, 0.2, 64, 0), _record(2, 0.2, 64, 32),
+                       _record(3, 0.2, 64, 0)],
+                      {"1": (32, 16), "2": (32, 32), "3": (32, 32)}, 16, {"3"})
+    assert rows["routed past a holder"] == {"requests": 1, "uncached_tokens": 64, "saturated": 0}
+    assert rows["lost while queued"] == {"requests": 1, "uncached_tokens": 64, "saturated": 1}
+    assert rows["served"] == {"requests": 1, "uncached_tokens": 32, "saturated": 0}

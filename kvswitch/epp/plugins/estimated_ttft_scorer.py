@@ -22,7 +22,10 @@ replica and cancels out):
     C(e)     = when Wp(e) is the larger term, the requests in it the report shows running
                (at least prefilling(e) - unreported_requests(e) - waiting(e), from
                `PrefixMatch.prefilling`; else 0): charged as prefill, not as running too
-    est(e)   = max(Wq(e) + Ws(e), Wp(e)) + uncachedWeight x (1 - m(e)) x P
+    F        = min over the candidates of waiting(e): requests every replica has waiting,
+               0 unless the whole pool queues
+    est(e)   = max(Wq(e) + Ws(e), Wp(e))
+               + (uncachedWeight + saturationMissWeight x F) x (1 - m(e)) x P
                + runningRequestTokens x R(e)
     score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
                                                        +1 keeps an idle all-cached pool finite)
@@ -32,7 +35,10 @@ What it does, by construction:
   7,200-token prompt, 6,000 cached on e1 with 2,000 tokens queued: est 3,200 vs 7,200 empty;
 - a hot prefix group spreads: once e1's queue exceeds the saving (Wq > m x P), an empty
   replica's est is lower and the group's next request goes there (and is cached there next);
-- a new prefix group (m = 0 everywhere) goes to the replica with the least queued work.
+- a new prefix group (m = 0 everywhere) goes to the replica with the least queued work;
+- when every replica queues, the pool's throughput sets every wait, and a prefill a miss
+  repeats also delays the requests that queue behind it, about F of them: the miss is charged
+  for those too, so a group stays on its holders over queue differences that even out anyway.
 This is SGLang's cache-aware rule (prefix match above a threshold while the fleet is balanced,
 shortest queue when imbalanced) turned continuous: the threshold is where the saved prefill
 equals the extra queue, measured in the same unit, instead of fixed ratios (0.5, 32, 1.1).
@@ -47,7 +53,9 @@ prefill token in the step model, over a few steps of a queued prefill). uncached
 (float >= 1, default 1): what a token of the request's own uncached prefill counts against a
 queued one; 1 is the request's own TTFT alone, above 1 a cache miss also pays for the prefill
 it spends, which later requests of the same prefix would otherwise get from the cache (keeps
-prefix groups together at moderate load).
+prefix groups together at moderate load). saturationMissWeight (float >= 0, default 0): what
+a token of the request's own uncached prefill counts, per request every replica has waiting;
+1 charges the miss for each of them once.
 """
 
 from __future__ import annotations
@@ -65,10 +73,11 @@ TYPE = "estimated-ttft-scorer"
 
 class EstimatedTtftScorer:
     def __init__(self, name: str, running_tokens: float = 16.0,
-                 uncached_weight: float = 1.0) -> None:
+                 uncached_weight: float = 1.0, saturation_miss_weight: float = 0.0) -> None:
         self.name = name
         self.running_tokens = running_tokens
         self.uncached_weight = uncached_weight
+        self.saturation_miss_weight = saturation_miss_weight
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
@@ -80,6 +89,10 @@ class EstimatedTtftScorer:
         prefilling = match.prefilling if match is not None else None
         running_tokens = self.running_tokens
         own = self.uncached_weight * prompt
+        if self.saturation_miss_weight:
+            # F of the module docstring: the requests a repeated prefill delays when all queue.
+            everywhere_waiting = min(e.metrics.waiting for e in endpoints)
+            own += self.saturation_miss_weight * everywhere_waiting * prompt
         work = []
         # est(e) of the module docstring, inline (a helper call per endpoint cost ~0.3 us).
         for e in endpoints:
@@ -111,4 +124,7 @@ def create(name: str, parameters: Mapping[str, Any],
     uncached_weight = param(parameters, "uncachedWeight", float, 1.0)
     if uncached_weight < 1:
         raise ConfigError(f"parameters.uncachedWeight: must be >= 1, got {uncached_weight}")
-    return EstimatedTtftScorer(name, running_tokens, uncached_weight)
+    saturation = param(parameters, "saturationMissWeight", float, 0.0)
+    if saturation < 0:
+        raise ConfigError(f"parameters.saturationMissWeight: must be >= 0, got {saturation}")
+    return EstimatedTtftScorer(name, running_tokens, uncached_weight, saturation)

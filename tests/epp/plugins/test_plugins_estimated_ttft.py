@@ -142,3 +142,25 @@ def test_a_request_charged_as_prefill_in_progress_is_not_charged_as_running_too(
     load(eps[0], running=2, waiting=4, waiting_tokens=4 * 1200 + 100)
     load(eps[1], waiting=4, waiting_tokens=4 * 1200 + 100 + 320)
     assert scorer.score(request, state, eps) == [1.0, 1.0]
+
+
+def test_saturated_pool_keeps_a_group_on_its_holder_over_a_longer_queue() -> None:
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {"e0:1": 62})}  # 992 tokens held
+
+    def picked(saturation: float) -> str:
+        scorer = create("t", {"uncachedWeight": 2.0, "runningRequestTokens": 0,
+                              "saturationMissWeight": saturation}, PluginHandle(Datalayer()))
+        profile = SchedulerProfile("p", [], [(scorer, 1.0)], MaxScorePicker("m"))
+        return profile.run(request, state, eps).endpoints[0].address
+
+    eps = endpoints(2)
+    # Every replica has 30 requests waiting; the holder has 20,000 tokens more queued.
+    load(eps[0], waiting=30, waiting_tokens=220_000)
+    load(eps[1], waiting=30, waiting_tokens=200_000)
+    assert picked(0.0) == "e1:1"  # 20,000 > 2 x 992 saved
+    assert picked(1.0) == "e0:1"  # 20,000 < (2 + 30) x 992
+    # One replica with nothing waiting: the pool does not queue, the charge is off.
+    load(eps[1], waiting=0, waiting_tokens=0)
+    load(eps[0], waiting=30, waiting_tokens=20_000)
+    assert picked(1.0) == "e1:1"
