@@ -15,7 +15,8 @@ then counts as:
   evicted before the request was scheduled (a waiting request does not pin them, as in vLLM);
 - `held nowhere`: no replica held any full block of it.
 With the tokens each class left uncached, and how many of its requests were routed while every
-replica had requests waiting by the EPP's latest load reports (a saturated pool). Prints a table per step; `--out` writes JSON.
+replica had requests waiting by the EPP's latest load reports (a saturated pool). Prints a table
+per step; `--out` writes JSON.
 
     python benchmarks/routed_past_cache.py --member sp-1000-6200 --step 2 --seed 1 --jitter-ms 1
 """
