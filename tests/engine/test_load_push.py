@@ -9,14 +9,16 @@ import grpc
 import pytest
 
 from kvswitch.engine import kv_events
-from kvswitch.engine.base import KvEventBatchData
+from kvswitch.engine.base import KvEventBatchData, QueuedPrompt
 from kvswitch.engine.server import EngineServer, ServerOptions
 from kvswitch.engine.sim import SimConfig, SimEngine
-from kvswitch.engine.sim.events import LOAD_PUSH
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
+from kvswitch.protocol.headers import QUEUED_OWNERSHIP, QUEUED_PROMPTS
 from kvswitch.tokenization import load_tokenizer
 from tests.engine.fake_engine import FakeEngine
+
+LOAD_PUSH = KvEventBatchData(-1, 0.0, load_only=True)
 
 
 async def first_push(call: grpc.aio.UnaryStreamCall) -> common_pb2.KvEventBatch:
@@ -44,8 +46,10 @@ async def test_two_subscribers_learn_of_an_arrival_from_a_push(
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     try:
+        # The first asks for queued prompts, as an EPP of several does; the second does not.
         calls = [stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
-            load_records_before_first_batch=True)) for _ in range(2)]
+            load_records_before_first_batch=True), metadata=metadata)
+            for metadata in (((QUEUED_PROMPTS, "1"),), ())]
         for call in calls:
             opening = await asyncio.wait_for(call.read(), 10.0)
             assert opening.load.load_only and opening.load.running_requests == 0
@@ -56,6 +60,12 @@ async def test_two_subscribers_learn_of_an_arrival_from_a_push(
         pushes = await asyncio.wait_for(asyncio.gather(*map(first_push, calls)), 10.0)
         for push in pushes:
             assert push.sequence_number == 0 and not push.load.HasField("cache_hit_rate")
+        (queued,) = pushes[0].events
+        block = engine.profile.block_size
+        assert queued.stored.ownership == QUEUED_OWNERSHIP and queued.stored.session_id == "long"
+        assert [t for b in queued.stored.blocks for t in b.token_ids] == list(
+            range(1, 40 - 39 % block))
+        assert not pushes[1].events
         assert engine._events.load_pushes == 1
         # Served as kvswitch_engine_load_pushes_total, what an e2e test waits on.
         (served,) = [line for line in server.metrics.render().decode().splitlines()
@@ -99,6 +109,39 @@ async def test_a_push_that_would_repeat_the_last_record_is_not_sent() -> None:
         assert not batch.load.load_only and batch.sequence_number == 1
     finally:
         await records.aclose()
+
+
+async def test_a_push_carries_queued_prompts_only_to_a_stream_that_asked() -> None:
+    engine = FakeEngine()
+    block = engine.model.block_size
+    asked = kv_events.KvEventStream(engine, 0, load_first=True, queued_prompts=True)
+    plain = kv_events.KvEventStream(engine, 0, load_first=True)
+    queued = QueuedPrompt("r1", tuple(range(1, 2 * block + 1)))
+
+    async def records(stream: kv_events.KvEventStream) -> list[common_pb2.KvEventBatch]:
+        run = stream.run(asyncio.Event())
+        try:
+            return [await asyncio.wait_for(anext(run), 10.0) for _ in range(3)]
+        finally:
+            await run.aclose()
+
+    for item in (KvEventBatchData(0, 1.0),
+                 KvEventBatchData(-1, 0.0, load_only=True, queued=(queued,)),
+                 KvEventBatchData(1, 2.0)):
+        engine._kv.append(item)
+    engine._kv_added.set()
+    _, _, push = await records(asked)
+    # The load repeats the batch's, yet the push goes out: it names where r1's blocks go.
+    assert push.load.load_only and push.sequence_number == 0
+    (event,) = push.events
+    assert event.stored.ownership == QUEUED_OWNERSHIP and event.stored.session_id == "r1"
+    assert [list(b.token_ids) for b in event.stored.blocks] == [
+        list(range(1, block + 1)), list(range(block + 1, 2 * block + 1))]
+    assert not event.stored.HasField("parent_block_hash")
+    # The other stream skips the push (its load repeats) and sends no queued prompt at all.
+    records_plain = await records(plain)
+    assert [r.load.load_only for r in records_plain] == [True, False, False]
+    assert not any(r.events and r.load.load_only for r in records_plain)
 
 
 def test_kvswitch_up_passes_the_delay_to_its_engines() -> None:

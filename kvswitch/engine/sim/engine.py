@@ -99,7 +99,8 @@ class SimEngine:
         self._events = KvEventLog(cfg.kv_event_history,
                                   coalesce_seconds=cfg.kv_events_coalesce_seconds,
                                   max_events=cfg.kv_event_history_events,
-                                  load_push_seconds=cfg.kv_load_push_seconds)
+                                  load_push_seconds=cfg.kv_load_push_seconds,
+                                  block_size=p.block_size)
         self._requests: dict[str, _Request] = {}
         self._failures = random.Random(cfg.seed)
         self._finished: dict[str, int] = {}
@@ -239,7 +240,7 @@ class SimEngine:
             self.scheduler.add(seq)
         self._requests[request.request_id] = req
         self._wake()
-        self._events.arrived()
+        self._events.arrived(request.request_id, prompt)
         return req
 
     def _set_stops(self, seq: SimSequence, s: SamplingOptions) -> None:
