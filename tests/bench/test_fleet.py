@@ -333,10 +333,14 @@ def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
     push, kv_batch = router.load_push, router.kv_batch
     delivered: dict[int, list[tuple[str, Any]]] = {}  # per replica, in order: kind, routing core
 
-    def spy(replica: int, load: Any, now: float) -> None:
+    announced: list[str] = []
+
+    def spy(replica: int, load: Any, now: float, queued: tuple[Any, ...] = ()) -> None:
         pushes.append((replica, now))
-        delivered.setdefault(replica, []).append(("push", load.routing_core))
-        push(replica, load, now)
+        announced.extend(q.request_id for q in queued)
+        kind = "push with prompts" if queued else "push"
+        delivered.setdefault(replica, []).append((kind, load.routing_core))
+        push(replica, load, now, queued)
 
     def batch_spy(replica: int, batch: Any, now: float) -> None:
         delivered.setdefault(replica, []).append(("batch", batch.load.routing_core))
@@ -365,7 +369,9 @@ def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
     for replica in range(4):  # ... and at most one is pending per replica
         times = sorted(at for r, at in pushes if r == replica)
         assert all(b - a >= 0.005 - 1e-9 for a, b in itertools.pairwise(times))
-    # A push never repeats the load its replica last delivered.
+    # Each request's prompt is announced once, on its replica's next push.
+    assert sorted(announced) == sorted(record.request_id for record in result.records)
+    # A push without prompts never repeats the load its replica last delivered.
     for records in delivered.values():
         assert all(b[1] != a[1] for a, b in itertools.pairwise(records) if b[0] == "push")
     # The other EPP gets each as a load-only record kv_delay later, showing the arrival.
