@@ -391,3 +391,15 @@ def test_one_epp_or_a_zero_delay_gets_no_load_push(shared_prefix: Any) -> None:
         router.load_push = spy  # type: ignore[method-assign]
         run_fleet(shared_prefix, router, PROFILE, 4, load_push_seconds=delay)
         assert pushed == [], name
+
+
+def test_without_queued_prompts_the_pushes_carry_load_only(shared_prefix: Any) -> None:
+    router = make_router("kvswitch@2")
+    queued: list[int] = []
+
+    def spy(replica: int, load: Any, now: float, prompts: tuple[Any, ...] = ()) -> None:
+        queued.append(len(prompts))
+
+    router.load_push = spy  # type: ignore[method-assign]
+    run_fleet(shared_prefix, router, PROFILE, 4, load_push_seconds=0.005, queued_prompts=False)
+    assert queued and not any(queued)
