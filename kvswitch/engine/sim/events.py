@@ -21,7 +21,7 @@ batch per window from each engine and the load it sees is at most one window old
 
 Load push (`load_push_seconds`, default 5 ms; 0 disables): `arrived()` says a request reached
 the engine. With two or more followers (several EPPs, each seeing only its own sends), the log
-yields every follower a load-only item (`LOAD_PUSH`) that long after the arrival, so each EPP
+yields every follower a load-only item (a push) that long after the arrival, so each EPP
 learns of the others' sends within a few ms rather than within a window; arrivals while a push
 is pending ride on it, so there is at most one push per `load_push_seconds`. The delay lets the
 sending EPP count the push as covering its send (its transit allowance is as long). A push also

@@ -168,6 +168,8 @@ class PrecisePrefixCacheScorer:
             return
         index = self.index
         for prompt in prompts:
+            if not all(prompt.blocks):
+                continue  # a block sent unpacked (kvswitch.protocol.packed) cannot be hashed
             hashes = chained_packed_hashes(prompt.blocks)
             held = index.match_held(hashes, (address,)).get(address, 0)
             if held >= len(hashes):
