@@ -10,7 +10,7 @@ streams per replica (several EPPs), an arrival makes its replica push its load
 `load_push_seconds` later, as `kvswitch.engine.sim.events` does (arrivals while a push is
 pending ride on it; a push whose routing core repeats the last load the replica delivered is not
 sent, as `kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
-the previous push (`queued_prompts`; such a push always goes out). The run ends when every
+the previous push and still on the replica (`queued_prompts`; such a push always goes out). The run ends when every
 request has finished or was rejected (then its timers run one more `REPORT_SECONDS`, so reports
 on their way arrive), or at `limit` virtual seconds (the rest are reported unfinished).
 """
@@ -174,7 +174,7 @@ class _Fleet:
     def _push(self, i: int) -> None:
         self._push_pending[i] = False
         load = self.replicas[i].load(self._now)
-        queued = tuple(self._queued[i])
+        queued = tuple(q for q in self._queued[i] if int(q.request_id) in self.flights)
         self._queued[i], self._queued_tokens[i] = [], 0
         if queued or load.routing_core != self._delivered[i]:
             self._delivered[i] = load.routing_core

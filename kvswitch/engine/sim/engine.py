@@ -100,7 +100,7 @@ class SimEngine:
                                   coalesce_seconds=cfg.kv_events_coalesce_seconds,
                                   max_events=cfg.kv_event_history_events,
                                   load_push_seconds=cfg.kv_load_push_seconds,
-                                  block_size=p.block_size)
+                                  block_size=p.block_size, active=self.has_request)
         self._requests: dict[str, _Request] = {}
         self._failures = random.Random(cfg.seed)
         self._finished: dict[str, int] = {}

@@ -251,6 +251,21 @@ async def test_a_push_carries_the_full_blocks_of_the_prompts_queued_since_the_la
         await follower.aclose()  # type: ignore[attr-defined]
 
 
+async def test_a_push_leaves_out_a_request_that_has_come_and_gone() -> None:
+    active = {"r1", "r2"}
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=4,
+                     active=active.__contains__)
+    log.publish(100.0)
+    a, b = log.follow(0), log.follow(0)
+    await next_item(a), await next_item(b)
+    log.arrived("r1", list(range(4)))
+    log.arrived("r2", list(range(4)))
+    active.discard("r2")  # finished before the push fired: its blocks come in the next batch
+    assert [q.request_id for q in (await next_item(a)).queued] == ["r1"]
+    for follower in (a, b):
+        await follower.aclose()  # type: ignore[attr-defined]
+
+
 async def test_a_push_announces_a_bounded_number_of_prompts_and_tokens() -> None:
     log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=16)
     log.publish(100.0)
