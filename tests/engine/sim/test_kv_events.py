@@ -231,11 +231,18 @@ async def test_no_push_with_one_follower_or_with_pushes_off() -> None:
         await follower.aclose()  # type: ignore[attr-defined]
 
 
+async def two_followers(log: KvEventLog) -> tuple[AsyncIterator[KvEventBatchData], ...]:
+    """Two followers (several EPPs: the log pushes) past the batch each starts with."""
+    log.publish(100.0)
+    followers = log.follow(0), log.follow(0)
+    for follower in followers:
+        await next_item(follower)
+    return followers
+
+
 async def test_a_push_carries_the_full_blocks_of_the_prompts_queued_since_the_last() -> None:
     log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=4)
-    log.publish(100.0)
-    a, b = log.follow(0), log.follow(0)
-    await next_item(a), await next_item(b)
+    a, b = await two_followers(log)
     log.arrived("r1", list(range(10)))  # two full blocks and a partial one
     log.arrived("r2", [7, 7, 7])  # no full block: nothing to announce
     log.arrived("r3", list(range(8)))
@@ -255,9 +262,7 @@ async def test_a_push_leaves_out_a_request_that_has_come_and_gone() -> None:
     active = {"r1", "r2"}
     log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=4,
                      active=active.__contains__)
-    log.publish(100.0)
-    a, b = log.follow(0), log.follow(0)
-    await next_item(a), await next_item(b)
+    a, b = await two_followers(log)
     log.arrived("r1", list(range(4)))
     log.arrived("r2", list(range(4)))
     active.discard("r2")  # finished before the push fired: its blocks come in the next batch
@@ -268,9 +273,7 @@ async def test_a_push_leaves_out_a_request_that_has_come_and_gone() -> None:
 
 async def test_a_push_announces_a_bounded_number_of_prompts_and_tokens() -> None:
     log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=16)
-    log.publish(100.0)
-    a, b = log.follow(0), log.follow(0)
-    await next_item(a), await next_item(b)
+    a, b = await two_followers(log)
     for i in range(QUEUED_PROMPTS + 5):
         log.arrived(f"r{i}", [1] * 16)
     assert len((await next_item(a)).queued) == QUEUED_PROMPTS
