@@ -333,11 +333,11 @@ def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
     push, kv_batch = router.load_push, router.kv_batch
     delivered: dict[int, list[tuple[str, Any]]] = {}  # per replica, in order: kind, routing core
 
-    announced: list[str] = []
+    announced: list[tuple[str, float]] = []
 
     def spy(replica: int, load: Any, now: float, queued: tuple[Any, ...] = ()) -> None:
         pushes.append((replica, now))
-        announced.extend(q.request_id for q in queued)
+        announced.extend((q.request_id, now) for q in queued)
         kind = "push with prompts" if queued else "push"
         delivered.setdefault(replica, []).append((kind, load.routing_core))
         push(replica, load, now, queued)
@@ -369,8 +369,13 @@ def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
     for replica in range(4):  # ... and at most one is pending per replica
         times = sorted(at for r, at in pushes if r == replica)
         assert all(b - a >= 0.005 - 1e-9 for a, b in itertools.pairwise(times))
-    # Each request's prompt is announced once, on its replica's next push.
-    assert sorted(announced) == sorted(record.request_id for record in result.records)
+    # A prompt is announced once, on its replica's next push, if it still waits to be scheduled.
+    records = {record.request_id: record for record in result.records}
+    assert announced and len({rid for rid, _ in announced}) == len(announced)
+    for rid, at in announced:
+        record = records[rid]
+        assert record.arrival < at <= record.arrival + record.queue_s + 1e-9
+    assert len(announced) < len(records)  # (some are scheduled within the push delay)
     # A push without prompts never repeats the load its replica last delivered.
     for records in delivered.values():
         assert all(b[1] != a[1] for a, b in itertools.pairwise(records) if b[0] == "push")

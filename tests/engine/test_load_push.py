@@ -4,6 +4,8 @@ within a few ms, long before the coalescing window or a heartbeat would bring it
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -30,6 +32,20 @@ async def first_push(call: grpc.aio.UnaryStreamCall) -> common_pb2.KvEventBatch:
             return batch
 
 
+@contextlib.asynccontextmanager
+async def serving(engine: SimEngine) -> AsyncIterator[
+        tuple[EngineServer, vllm_engine_pb2_grpc.VllmEngineStub]]:
+    """The engine's gRPC server on loopback and a stub; closing the channel ends every call."""
+    server = EngineServer(engine, load_tokenizer(None), ServerOptions(port=0, grace_period=1.0))
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield server, vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
 async def both_follow(engine: SimEngine) -> None:
     while engine._events.followers < 2:  # each stream's pump starts following the log
         await asyncio.sleep(0.01)
@@ -41,15 +57,9 @@ async def test_two_subscribers_learn_of_an_arrival_from_a_push(
     # A window far longer than the test: only a push can bring the arrival's load.
     engine = SimEngine(SimConfig(profile="tiny", time_scale=0.1, mode="echo",
                                  kv_events_coalesce_seconds=600.0))
-    server = EngineServer(engine, load_tokenizer(None), ServerOptions(port=0, grace_period=1.0))
-    port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    try:
-        # The first asks for queued prompts, as an EPP of several does; the second does not.
+    async with serving(engine) as (server, stub):
         calls = [stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
-            load_records_before_first_batch=True), metadata=metadata)
-            for metadata in (((QUEUED_PROMPTS, "1"),), ())]
+            load_records_before_first_batch=True)) for _ in range(2)]
         for call in calls:
             opening = await asyncio.wait_for(call.read(), 10.0)
             assert opening.load.load_only and opening.load.running_requests == 0
@@ -60,23 +70,55 @@ async def test_two_subscribers_learn_of_an_arrival_from_a_push(
         pushes = await asyncio.wait_for(asyncio.gather(*map(first_push, calls)), 10.0)
         for push in pushes:
             assert push.sequence_number == 0 and not push.load.HasField("cache_hit_rate")
-        (queued,) = pushes[0].events
-        block = engine.profile.block_size
-        assert queued.stored.ownership == QUEUED_OWNERSHIP and queued.stored.session_id == "long"
-        assert [t for b in queued.stored.blocks for t in b.token_ids] == list(
-            range(1, 40 - 39 % block))
-        assert not pushes[1].events
         assert engine._events.load_pushes == 1
         # Served as kvswitch_engine_load_pushes_total, what an e2e test waits on.
         (served,) = [line for line in server.metrics.render().decode().splitlines()
                      if line.startswith("kvswitch_engine_load_pushes_total{")]
         assert served.endswith(" 1.0"), served
-        generate.cancel()
+        assert not generate.done()  # (still streaming: ended with the channel)
+
+
+async def test_a_push_names_a_queued_prompt_to_the_subscriber_that_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_events, "HEARTBEAT_SECONDS", 600.0)
+    # One request at a time: the second waits in the queue behind the first.
+    engine = SimEngine(SimConfig(profile="tiny", time_scale=0.1, mode="echo", max_num_seqs=1,
+                                 kv_events_coalesce_seconds=600.0))
+
+    async def push_naming(call: grpc.aio.UnaryStreamCall,
+                          waiting: int) -> common_pb2.KvEventBatch:
+        while True:
+            batch = await call.read()
+            assert batch is not grpc.aio.EOF
+            if batch.load.load_only and batch.load.waiting_requests >= waiting:
+                return batch
+
+    async with serving(engine) as (_, stub):
+
+        def generate(request_id: str, ids: list[int]) -> grpc.aio.UnaryStreamCall:
+            return stub.Generate(pb.GenerateRequest(
+                request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids),
+                sampling_params=pb.SamplingParams(max_tokens=900, ignore_eos=True)))
+
+        # The first asks for queued prompts, as an EPP of several does; the second does not.
+        calls = [stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+            load_records_before_first_batch=True), metadata=metadata)
+            for metadata in (((QUEUED_PROMPTS, "1"),), ())]
         for call in calls:
-            call.cancel()
-    finally:
-        await channel.close()
-        await server.stop(0)
+            await asyncio.wait_for(call.read(), 10.0)
+        await asyncio.wait_for(both_follow(engine), 10.0)
+        requests = [generate("first", list(range(1, 40)))]
+        await asyncio.wait_for(asyncio.gather(*map(first_push, calls)), 10.0)
+        requests.append(generate("second", list(range(100, 150))))
+        asked, plain = await asyncio.wait_for(
+            asyncio.gather(*(push_naming(call, 1) for call in calls)), 10.0)
+        (queued,) = asked.events
+        block = engine.profile.block_size
+        assert queued.stored.ownership == QUEUED_OWNERSHIP and queued.stored.session_id == "second"
+        assert [t for b in queued.stored.blocks for t in b.token_ids] == list(
+            range(100, 150 - 50 % block))
+        assert not plain.events
+        assert not any(r.done() for r in requests)  # (both in flight: ended with the channel)
 
 
 async def test_a_push_that_would_repeat_the_last_record_is_not_sent() -> None:
