@@ -194,7 +194,7 @@ class KvEventBatchData:
     """No events, not in the history: a push of the engine's load as it is now (the stream
     sends it as a load-only record repeating the last sequence number)."""
     queued: tuple[QueuedPrompt, ...] = ()
-    """On a load push: the requests that arrived since the previous push and still wait."""
+    """On a load push: the requests that arrived since the previous push, still in prefill."""
 
 
 @dataclass(frozen=True, slots=True)

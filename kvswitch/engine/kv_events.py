@@ -13,7 +13,7 @@ chain (each block's parent is the previous block), vLLM's BlockStored shape.
 
 Queued prompts (kvswitch's extension, for subscribers that ask with the call's metadata
 `x-kvswitch-queued-prompts: 1`; several EPPs do): a load push also carries the prompts of the
-requests that arrived since the previous one and still wait in the engine's queue, each as one
+requests that arrived since the previous one and whose prefill has not ended, each as one
 `KvBlocksStored` event with
 `ownership` `kvswitch-queued`, `session_id` the request id and no parent, its blocks the
 prompt's full blocks from the first (no engine hash yet: 0). The blocks are not stored yet;

@@ -6,7 +6,7 @@ every engine's KV events. Envoy hands each request to one of them in turn (its l
 balancing over ext_proc streams that last a few milliseconds is round robin in effect), and the
 request's end goes back to the replica that routed it, as the access-log signature does. The
 engines' load pushes after each arrival reach every replica (`kv_subscribers` = N), with the
-prompts of the requests that arrived since the previous push and still wait. What the replicas
+prompts of the requests that arrived since the previous push, still in prefill. What the replicas
 do not share (each one's speculative entries until that push, in-flight counts) is what this
 measures.
 `kill(i)` takes replica i out at once, as a crash would (the survivors route everything from

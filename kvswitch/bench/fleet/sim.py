@@ -10,8 +10,7 @@ streams per replica (several EPPs), an arrival makes its replica push its load
 `load_push_seconds` later, as `kvswitch.engine.sim.events` does (arrivals while a push is
 pending ride on it; a push whose routing core repeats the last load the replica delivered is not
 sent, as `kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
-the previous push and still waiting in its queue (`queued_prompts`; such a push always goes
-out). The run ends when every request has finished or was rejected (then its timers run one
+the previous push whose prefill has not ended (`queued_prompts`; such a push always goes out). The run ends when every request has finished or was rejected (then its timers run one
 more `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual seconds (the rest
 are reported unfinished).
 """
@@ -39,7 +38,6 @@ from kvswitch.engine.sim.events import (
     QUEUED_TOKENS,
 )
 from kvswitch.engine.sim.profiles import SimProfile
-from kvswitch.engine.sim.request import SeqStatus
 
 
 @dataclass
@@ -176,17 +174,16 @@ class _Fleet:
     def _push(self, i: int) -> None:
         self._push_pending[i] = False
         load = self.replicas[i].load(self._now)
-        queued = tuple(q for q in self._queued[i] if self._waiting(int(q.request_id)))
+        queued = tuple(q for q in self._queued[i] if self._prefilling(int(q.request_id)))
         self._queued[i], self._queued_tokens[i] = [], 0
         if queued or load.routing_core != self._delivered[i]:
             self._delivered[i] = load.routing_core
             self.router.load_push(i, load, self._now, queued)
 
-    def _waiting(self, index: int) -> bool:
-        """Request `index` is in its replica's queue, not yet scheduled (or preempted)."""
+    def _prefilling(self, index: int) -> bool:
+        """Request `index` has produced no output token yet (its blocks are not stored)."""
         flight = self.flights.get(index)
-        return flight is not None and flight.seq.status in (SeqStatus.WAITING,
-                                                            SeqStatus.PREEMPTED)
+        return flight is not None and flight.first_token_at is None
 
     def _flush(self, i: int, due: float) -> None:
         batch = self.replicas[i].flush_window(due)

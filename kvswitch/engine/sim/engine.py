@@ -30,14 +30,12 @@ from kvswitch.engine.sim.config import SimConfig
 from kvswitch.engine.sim.events import KvEventLog
 from kvswitch.engine.sim.kv_cache import KvCacheManager
 from kvswitch.engine.sim.output import OutputStream
-from kvswitch.engine.sim.request import SeqStatus, SimSequence
+from kvswitch.engine.sim.request import SimSequence
 from kvswitch.engine.sim.sampler import StopChecker, TokenSource, prompt_logprobs
 from kvswitch.engine.sim.scheduler import Scheduler, SchedulerLimits, StepResult
 from kvswitch.engine.sim.structured import StructuredOutput, force_output
 from kvswitch.errors import InternalError, InvalidRequest, Unavailable
 from kvswitch.tokenization import load_tokenizer
-
-_QUEUED = (SeqStatus.WAITING, SeqStatus.PREEMPTED)
 
 __all__ = ["SimEngine"]
 
@@ -102,7 +100,7 @@ class SimEngine:
                                   coalesce_seconds=cfg.kv_events_coalesce_seconds,
                                   max_events=cfg.kv_event_history_events,
                                   load_push_seconds=cfg.kv_load_push_seconds,
-                                  block_size=p.block_size, waiting=self._waiting)
+                                  block_size=p.block_size, prefilling=self._prefilling)
         self._requests: dict[str, _Request] = {}
         self._failures = random.Random(cfg.seed)
         self._finished: dict[str, int] = {}
@@ -275,10 +273,10 @@ class SimEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def _waiting(self, request_id: str) -> bool:
-        """The request is in the scheduler's queue, not yet scheduled (or preempted)."""
+    def _prefilling(self, request_id: str) -> bool:
+        """The request has produced no output token yet: its prompt's blocks are not stored."""
         req = self._requests.get(request_id)
-        return req is not None and any(seq.status in _QUEUED for seq in req.sequences)
+        return req is not None and not req.stream.first_token_sent
 
     def _count_finished(self, reason: str) -> None:
         self._finished[reason] = self._finished.get(reason, 0) + 1

@@ -28,10 +28,10 @@ sending EPP count the push as covering its send (its transit allowance is as lon
 carries the prompts of the requests that arrived since the previous one (`QueuedPrompt`: their
 full blocks, at most `QUEUED_PROMPTS` prompts and `QUEUED_TOKENS` tokens per push; later ones
 go unannounced), so every EPP learns where a prompt's blocks will be stored before the engine
-schedules it. Only requests still waiting in the engine's queue when the push fires (`waiting`)
-are announced: one scheduled since, or come and gone, has had its blocks stored (as vLLM, the
-engine stores a prompt's blocks when it schedules it), on their way in the next batch, and
-announcing it would defeat the stream's skip of pushes that repeat its last load. A follower that fell behind gets the last `PUSH_HISTORY` pushes it missed.
+schedules it. Only requests whose prefill has not ended when the push fires (`prefilling`: no
+output token yet) are announced: one past its prefill has had its blocks stored, on their way in
+the next batch, and announcing it would defeat the stream's skip of pushes that repeat its last
+load (a short request on a fast engine is past its prefill within the push delay). A follower that fell behind gets the last `PUSH_HISTORY` pushes it missed.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class KvEventLog:
     def __init__(self, capacity: int = 4096, coalesce_seconds: float = COALESCE_SECONDS,
                  max_events: int = MAX_EVENTS,
                  load_push_seconds: float = LOAD_PUSH_SECONDS, block_size: int = 16,
-                 waiting: Callable[[str], bool] | None = None) -> None:
+                 prefilling: Callable[[str], bool] | None = None) -> None:
         self.history: deque[KvEventBatchData] = deque(maxlen=max(1, capacity))
         self.max_events = max_events
         self.held_events = 0
@@ -101,8 +101,8 @@ class KvEventLog:
         self._push_timer: asyncio.TimerHandle | None = None
         self._pushes: deque[KvEventBatchData] = deque(maxlen=PUSH_HISTORY)
         self.block_size = block_size
-        self.waiting = waiting
-        """Whether a request still waits in the engine's queue (None: every arrival does)."""
+        self.prefilling = prefilling
+        """Whether a request's prefill has not ended yet (None: every arrival's has not)."""
         self._queued: list[QueuedPrompt] = []
         self._queued_tokens = 0
 
@@ -154,8 +154,8 @@ class KvEventLog:
 
     def _push_load(self) -> None:
         self._push_timer = None
-        waiting = self.waiting
-        queued = tuple(q for q in self._queued if waiting is None or waiting(q.request_id))
+        prefilling = self.prefilling
+        queued = tuple(q for q in self._queued if prefilling is None or prefilling(q.request_id))
         self._pushes.append(KvEventBatchData(-1, 0.0, load_only=True, queued=queued))
         self._queued = []
         self._queued_tokens = 0

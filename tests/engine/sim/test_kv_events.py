@@ -258,14 +258,14 @@ async def test_a_push_carries_the_full_blocks_of_the_prompts_queued_since_the_la
         await follower.aclose()  # type: ignore[attr-defined]
 
 
-async def test_a_push_leaves_out_a_request_scheduled_since_it_arrived() -> None:
-    waiting = {"r1", "r2"}
+async def test_a_push_leaves_out_a_request_past_its_prefill() -> None:
+    prefilling = {"r1", "r2"}
     log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=4,
-                     waiting=waiting.__contains__)
+                     prefilling=prefilling.__contains__)
     a, b = await two_followers(log)
     log.arrived("r1", list(range(4)))
     log.arrived("r2", list(range(4)))
-    waiting.discard("r2")  # scheduled before the push fired: its blocks come in the next batch
+    prefilling.discard("r2")  # past its prefill before the push: its blocks come in a batch
     assert [q.request_id for q in (await next_item(a)).queued] == ["r1"]
     for follower in (a, b):
         await follower.aclose()  # type: ignore[attr-defined]
