@@ -171,6 +171,16 @@ class KvBlockStored:
 
 
 @dataclass(frozen=True, slots=True)
+class QueuedPrompt:
+    """A request the engine has queued, as a load push announces it: the full KV blocks of its
+    prompt will be stored here once it is scheduled (several EPPs follow; docs/multi-epp.md)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """The prompt's tokens up to its last full block."""
+
+
+@dataclass(frozen=True, slots=True)
 class KvEventBatchData:
     """One scheduler step's KV events: stored blocks, removed block hashes, or a full clear."""
 
@@ -183,6 +193,8 @@ class KvEventBatchData:
     load_only: bool = False
     """No events, not in the history: a push of the engine's load as it is now (the stream
     sends it as a load-only record repeating the last sequence number)."""
+    queued: tuple[QueuedPrompt, ...] = ()
+    """On a load push: the requests that arrived since the previous push, still in prefill."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=None, metavar="MS",
                        help="with two or more KV-event subscribers (several EPPs), send them "
                             "the engine's load MS wall milliseconds after a request arrives, "
-                            "at most one push pending (default 5; 0: never)")
+                            "at most one push pending, with the prompts still in prefill that "
+                            "arrived since the last, to those that ask (default 5; 0: never)")
     add_sampling_flags(parser)
     add_message_flags(parser)
     add_tls_flags(parser)

@@ -10,6 +10,15 @@ this stream sent: then the request has come and gone, or its load was offset, an
 tell no EPP anything it does not already see (a short request at a high rate would otherwise cost
 every EPP a record per push). Stored blocks are grouped into one `KvBlocksStored` event per
 chain (each block's parent is the previous block), vLLM's BlockStored shape.
+
+Queued prompts (kvswitch's extension, for subscribers that ask with the call's metadata
+`x-kvswitch-queued-prompts: 1`; several EPPs do): a load push also carries the prompts of the
+requests that arrived since the previous one and whose prefill has not ended, each as one
+`KvBlocksStored` event with
+`ownership` `kvswitch-queued`, `session_id` the request id and no parent, its blocks the
+prompt's full blocks from the first (no engine hash yet: 0). The blocks are not stored yet;
+such a push goes out even when its load repeats the last record. Other subscribers never see
+them (`common.proto`: a load-only batch carries no events).
 """
 
 from __future__ import annotations
@@ -17,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
-from kvswitch.engine.base import Engine, EngineLoadSnapshot, KvEventBatchData
+from kvswitch.engine.base import Engine, EngineLoadSnapshot, KvEventBatchData, QueuedPrompt
 from kvswitch.protocol import common_pb2
+from kvswitch.protocol.headers import QUEUED_OWNERSHIP
 
 HEARTBEAT_SECONDS = 1.0
 _QUEUE_LIMIT = 4096
@@ -91,11 +101,27 @@ def batch_events(data: KvEventBatchData, block_size: int, first_event_id: int
     return events
 
 
+def queued_events(prompts: Sequence[QueuedPrompt], block_size: int
+                  ) -> list[common_pb2.KvCacheEvent]:
+    """One `KvBlocksStored` per queued prompt, marked as queued (see the module docstring)."""
+    events = []
+    for prompt in prompts:
+        tokens = prompt.token_ids
+        blocks = [common_pb2.KvBlock(token_ids=tokens[i:i + block_size], block_size=block_size)
+                  for i in range(0, len(tokens) - block_size + 1, block_size)]
+        events.append(common_pb2.KvCacheEvent(stored=common_pb2.KvBlocksStored(
+            blocks=blocks, ownership=QUEUED_OWNERSHIP, session_id=prompt.request_id)))
+    return events
+
+
 class KvEventStream:
-    def __init__(self, engine: Engine, start_sequence_number: int, *, load_first: bool):
+    def __init__(self, engine: Engine, start_sequence_number: int, *, load_first: bool,
+                 queued_prompts: bool = False):
         self.engine = engine
         self.start = start_sequence_number
         self.load_first = load_first
+        self.queued_prompts = queued_prompts
+        """The subscriber asked for the prompts of queued requests on load pushes."""
         self.block_size = engine.model.block_size
         self._sample = 0
         self._next_event_id = 1
@@ -127,8 +153,9 @@ class KvEventStream:
                     yield self._batch(item)
                 elif self._last_sequence is not None:  # nothing to repeat before a batch
                     load = self.engine.load()
-                    if load.routing_core != self._last_core:
-                        yield self._load_only(full=False, load=load)
+                    queued = item.queued if self.queued_prompts else ()
+                    if queued or load.routing_core != self._last_core:
+                        yield self._load_only(full=False, load=load, queued=queued)
         finally:
             for task in (pump, stopper):
                 task.cancel()
@@ -165,12 +192,13 @@ class KvEventStream:
             sequence_number=data.sequence_number, timestamp=data.timestamp, events=events,
             dp_rank=0, load=load_record(load, self._sample, load_only=False, full=first_record))
 
-    def _load_only(self, *, full: bool = True, load: EngineLoadSnapshot | None = None
-                   ) -> common_pb2.KvEventBatch:
+    def _load_only(self, *, full: bool = True, load: EngineLoadSnapshot | None = None,
+                   queued: Sequence[QueuedPrompt] = ()) -> common_pb2.KvEventBatch:
         self._sample += 1
         if load is None:
             load = self.engine.load()
         self._last_core = load.routing_core
         return common_pb2.KvEventBatch(
             sequence_number=self._last_sequence or 0, timestamp=time.time(), dp_rank=0,
+            events=queued_events(queued, self.block_size) if queued else None,
             load=load_record(load, self._sample, load_only=True, full=full))

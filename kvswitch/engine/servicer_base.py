@@ -163,10 +163,12 @@ class ServicerBase:
             last = i == len(chunks) - 1
             yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
 
-    def _kv_event_stream(self, request: common_pb2.SubscribeKvEventsRequest) -> KvEventStream:
+    def _kv_event_stream(self, request: common_pb2.SubscribeKvEventsRequest,
+                         queued_prompts: bool = False) -> KvEventStream:
         logger.info("SubscribeKvEvents from sequence %d", request.start_sequence_number)
         return KvEventStream(self.engine, request.start_sequence_number,
-                             load_first=request.load_records_before_first_batch)
+                             load_first=request.load_records_before_first_batch,
+                             queued_prompts=queued_prompts)
 
     async def _flush_when_idle(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for no running or waiting request, then flush the prefix

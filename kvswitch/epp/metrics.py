@@ -242,16 +242,24 @@ class BlockCounts(Protocol):
 
     def num_blocks(self, endpoint: str) -> int: ...
 
+    def num_speculative(self, endpoint: str) -> int: ...
+
+    def expire(self) -> None: ...
+
 
 class IndexedBlocksGauge(Collector):
     """KV blocks each endpoint holds according to the EPP's prefix indexes (from the engines' KV
     events; speculative entries excluded), read at scrape time. EPPs that share a gateway see
-    the same events, so their values agree within one KV-event batch."""
+    the same events, so their values agree within one KV-event batch. With `speculative`: the
+    speculative entries instead (blocks routed there, or queued there by another EPP, that no
+    KV event has confirmed yet; expired ones are dropped first)."""
 
-    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry,
+                 speculative: bool = False) -> None:
         self.name = name
         self.documentation = documentation
         self.indexes: list[BlockCounts] = []
+        self.speculative = speculative
         registry.register(self)
 
     def watch(self, index: BlockCounts) -> None:
@@ -264,8 +272,11 @@ class IndexedBlocksGauge(Collector):
         family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])
         totals: dict[str, int] = {}
         for index in self.indexes:
+            if self.speculative:
+                index.expire()
+            count = index.num_speculative if self.speculative else index.num_blocks
             for endpoint in index.endpoints:
-                totals[endpoint] = totals.get(endpoint, 0) + index.num_blocks(endpoint)
+                totals[endpoint] = totals.get(endpoint, 0) + count(endpoint)
         for endpoint, blocks in totals.items():
             family.add_metric((endpoint,), float(blocks))
         yield family
@@ -358,6 +369,11 @@ class EppMetrics:
         self.indexed_blocks = IndexedBlocksGauge(
             "kvswitch_epp_indexed_kv_blocks",
             "KV blocks the endpoint holds according to the EPP's prefix index (KV events).", r)
+        self.speculative_blocks = IndexedBlocksGauge(
+            "kvswitch_epp_speculative_kv_blocks",
+            "KV blocks the EPP's prefix index holds speculatively on the endpoint: routed there "
+            "(by this EPP, or by another as the engine's queued prompts say) and not yet "
+            "confirmed by a KV event.", r, speculative=True)
         self.endpoint_requests = EndpointRequestsGauge(
             "kvswitch_epp_endpoint_requests",
             "Requests on the endpoint as the EPP sees them: running and waiting from the "

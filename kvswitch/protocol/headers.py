@@ -52,3 +52,9 @@ USAGE_TRAILER = "x-kvswitch-usage"
 # response ends is finished by its log entry (kvswitch.epp.access_log).
 GATEWAY_METADATA_NAMESPACE = "kvswitch"
 ACCESS_LOGGED = "access_logged"
+
+# SubscribeKvEvents call metadata with which a subscriber (an EPP of several) asks the kvswitch
+# engine for the prompts of the requests it queues, on its load pushes: each one a
+# `KvBlocksStored` whose `ownership` is QUEUED_OWNERSHIP (blocks not stored yet).
+QUEUED_PROMPTS = "x-kvswitch-queued-prompts"
+QUEUED_OWNERSHIP = "kvswitch-queued"

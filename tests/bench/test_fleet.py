@@ -333,10 +333,14 @@ def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
     push, kv_batch = router.load_push, router.kv_batch
     delivered: dict[int, list[tuple[str, Any]]] = {}  # per replica, in order: kind, routing core
 
-    def spy(replica: int, load: Any, now: float) -> None:
+    announced: list[tuple[str, float]] = []
+
+    def spy(replica: int, load: Any, now: float, queued: tuple[Any, ...] = ()) -> None:
         pushes.append((replica, now))
-        delivered.setdefault(replica, []).append(("push", load.routing_core))
-        push(replica, load, now)
+        announced.extend((q.request_id, now) for q in queued)
+        kind = "push with prompts" if queued else "push"
+        delivered.setdefault(replica, []).append((kind, load.routing_core))
+        push(replica, load, now, queued)
 
     def batch_spy(replica: int, batch: Any, now: float) -> None:
         delivered.setdefault(replica, []).append(("batch", batch.load.routing_core))
@@ -365,7 +369,15 @@ def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
     for replica in range(4):  # ... and at most one is pending per replica
         times = sorted(at for r, at in pushes if r == replica)
         assert all(b - a >= 0.005 - 1e-9 for a, b in itertools.pairwise(times))
-    # A push never repeats the load its replica last delivered.
+    # A prompt is announced once, on its replica's next push, if its prefill has not ended.
+    records = {record.request_id: record for record in result.records}
+    assert announced and len({rid for rid, _ in announced}) == len(announced)
+    for rid, at in announced:
+        record = records[rid]
+        assert record.ttft_s is not None and record.arrival < at <= record.arrival + record.ttft_s
+    # Here every prefill (2,100 tokens) outlasts the push delay: every prompt is announced.
+    assert len(announced) == len(records)
+    # A push without prompts never repeats the load its replica last delivered.
     for records in delivered.values():
         assert all(b[1] != a[1] for a, b in itertools.pairwise(records) if b[0] == "push")
     # The other EPP gets each as a load-only record kv_delay later, showing the arrival.
@@ -385,3 +397,15 @@ def test_one_epp_or_a_zero_delay_gets_no_load_push(shared_prefix: Any) -> None:
         router.load_push = spy  # type: ignore[method-assign]
         run_fleet(shared_prefix, router, PROFILE, 4, load_push_seconds=delay)
         assert pushed == [], name
+
+
+def test_without_queued_prompts_the_pushes_carry_load_only(shared_prefix: Any) -> None:
+    router = make_router("kvswitch@2")
+    queued: list[int] = []
+
+    def spy(replica: int, load: Any, now: float, prompts: tuple[Any, ...] = ()) -> None:
+        queued.append(len(prompts))
+
+    router.load_push = spy  # type: ignore[method-assign]
+    run_fleet(shared_prefix, router, PROFILE, 4, load_push_seconds=0.005, queued_prompts=False)
+    assert queued and not any(queued)

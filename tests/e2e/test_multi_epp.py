@@ -1,6 +1,6 @@
 """Several EPPs behind one Envoy, active-active: any of them routes any request, each ends the
 requests it routed from its own access-log entries, a killed one costs no request, and each
-learns of the others' sends from the engines' load pushes."""
+learns of the others' sends, and the prompts they queued, from the engines' load pushes."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ def _finished_ok(gw: Gateway, epp: int) -> float:
 
 def _in_flight(gw: Gateway, epp: int) -> float:
     return sum(epp_samples(gw, "kvswitch_epp_endpoint_in_flight_requests", epp=epp))
+
+
+def _speculative(gw: Gateway, epp: int, endpoint: str) -> float:
+    return sum(epp_samples(gw, "kvswitch_epp_speculative_kv_blocks", epp=epp, endpoint=endpoint))
 
 
 def _indexed(gw: Gateway, epp: int, endpoint: str) -> float:
@@ -273,6 +277,10 @@ def test_every_epp_learns_of_another_epps_send_from_the_engines_load_push(
         assert every_epp_saw_it(now), (time.monotonic() - sent, before, now)
         assert sum(_routed(gw, e) for e in epps) == sum(routed) + 1
         assert [v.batch_records for v in now] == [1, 1]
+        # The push also named its prompt: the EPP that did not route it holds the prompt's
+        # blocks on the engine speculatively too, though no KV event has stored them yet.
+        blocks = len(prompt(501)) // BLOCK
+        assert [_speculative(gw, e, engine) for e in epps] == [blocks, blocks]
     finally:
         for call in calls:
             call.cancel()

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-push-ms", type=float, default=LOAD_PUSH_SECONDS * 1000,
                         help="replicas push their load this long after an arrival to a router "
                              "with several KV-event streams each (kvswitch@N); 0: never")
+    parser.add_argument("--no-queued-prompts", dest="queued_prompts", action="store_false",
+                        help="load pushes carry no prompts of queued requests (each EPP sees "
+                             "the others' sends only as load until the engine stores them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -65,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in (n.strip() for n in args.routers.split(",") if n.strip()):
         result = run_fleet(workload, make_router(name, args.seed, args.kv_delay), profile,
                            args.replicas, seed=args.seed,
-                           load_push_seconds=args.load_push_ms / 1000)
+                           load_push_seconds=args.load_push_ms / 1000,
+                           queued_prompts=args.queued_prompts)
         results.append(result.to_json())
         for step in result.steps:
             print(f"{name:24} qps {step['qps']:6.3g}  TTFT p50 {step['ttft_p50'] or 0:7.3f} "

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from kvswitch.bench.fleet.routers import FleetContext
-from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
-from kvswitch.engine.kv_events import batch_events, load_record
+from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData, QueuedPrompt
+from kvswitch.engine.kv_events import batch_events, load_record, queued_events
 from kvswitch.envoy.bootstrap import ACCESS_LOG_FLUSH_SECONDS
 from kvswitch.epp.config import build_router, load_documents, parse_config, parse_pool, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome, RoutingDecision
@@ -87,11 +87,13 @@ class _Stream:
         self.last_sequence = batch.sequence_number
         return message.SerializeToString()
 
-    def encode_load_only(self, load: EngineLoadSnapshot, timestamp: float) -> bytes:
-        """`KvEventStream`'s load push."""
+    def encode_load_only(self, load: EngineLoadSnapshot, timestamp: float,
+                         queued: tuple[QueuedPrompt, ...], block_size: int) -> bytes:
+        """`KvEventStream`'s load push (with the queued prompts it asks for)."""
         self.sample += 1
         message = common_pb2.KvEventBatch(sequence_number=self.last_sequence,
-                                          timestamp=timestamp, dp_rank=0)
+                                          timestamp=timestamp, dp_rank=0,
+                                          events=queued_events(queued, block_size))
         message.load.CopyFrom(load_record(load, self.sample, load_only=True, full=False))
         return message.SerializeToString()
 
@@ -175,10 +177,12 @@ class EppRouter:
         data = self._streams[replica].encode(batch, self.ctx.profile.block_size)
         self.ctx.call_at(now + self.kv_delay, lambda: self._deliver(replica, data))
 
-    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None:
+    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float,
+                  queued: tuple[QueuedPrompt, ...] = ()) -> None:
         if not self.subscribers:
             return
-        data = self._streams[replica].encode_load_only(load, now)
+        data = self._streams[replica].encode_load_only(load, now, queued,
+                                                       self.ctx.profile.block_size)
         self.ctx.call_at(now + self.kv_delay, lambda: self._deliver(replica, data))
 
     def _deliver(self, replica: int, data: bytes) -> None:

@@ -5,8 +5,10 @@ own data layer, prefix index, speculative entries and in-flight counts, and each
 every engine's KV events. Envoy hands each request to one of them in turn (its least-request
 balancing over ext_proc streams that last a few milliseconds is round robin in effect), and the
 request's end goes back to the replica that routed it, as the access-log signature does. The
-engines' load pushes after each arrival reach every replica (`kv_subscribers` = N). What the
-replicas do not share (speculative entries, in-flight counts) is what this measures.
+engines' load pushes after each arrival reach every replica (`kv_subscribers` = N), with the
+prompts of the requests that arrived since the previous push, still in prefill. What the replicas
+do not share (each one's speculative entries until that push, in-flight counts) is what this
+measures.
 `kill(i)` takes replica i out at once, as a crash would (the survivors route everything from
 then on and never counted what it had in flight).
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 from kvswitch.bench.fleet.epp import EppRouter
 from kvswitch.bench.fleet.routers import FleetContext
-from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
+from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData, QueuedPrompt
 
 __all__ = ["MultiEppRouter"]
 
@@ -72,6 +74,7 @@ class MultiEppRouter:
         for epp in self.alive:
             epp.kv_batch(replica, batch, now)
 
-    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None:
+    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float,
+                  queued: tuple[QueuedPrompt, ...] = ()) -> None:
         for epp in self.alive:
-            epp.load_push(replica, load, now)
+            epp.load_push(replica, load, now, queued)

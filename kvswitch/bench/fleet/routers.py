@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvswitch.bench.oracle import OracleRouter
-from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
+from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData, QueuedPrompt
 from kvswitch.engine.sim.profiles import SimProfile
 from kvswitch.epp.kvindex import BlocksRemoved, BlocksStored, KvBlockIndex, StoredBlock
 from kvswitch.epp.kvindex.hashing import chained_block_hashes
@@ -77,7 +77,8 @@ class FleetRouter(Protocol):
 
     def kv_batch(self, replica: int, batch: KvEventBatchData, now: float) -> None: ...
 
-    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None: ...
+    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float,
+                  queued: tuple[QueuedPrompt, ...] = ()) -> None: ...
 
 
 class _Base:
@@ -97,7 +98,8 @@ class _Base:
     def kv_batch(self, replica: int, batch: KvEventBatchData, now: float) -> None:
         pass
 
-    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float) -> None:
+    def load_push(self, replica: int, load: EngineLoadSnapshot, now: float,
+                  queued: tuple[QueuedPrompt, ...] = ()) -> None:
         pass
 
 

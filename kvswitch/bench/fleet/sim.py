@@ -9,9 +9,10 @@ coalesced batch gets a flush at its window's end. With a router holding two or m
 streams per replica (several EPPs), an arrival makes its replica push its load
 `load_push_seconds` later, as `kvswitch.engine.sim.events` does (arrivals while a push is
 pending ride on it; a push whose routing core repeats the last load the replica delivered is not
-sent, as `kvswitch.engine.kv_events` does). The run ends when every request has finished or was
-rejected (then its timers run one more `REPORT_SECONDS`, so reports on their way arrive), or at
-`limit` virtual seconds (the rest are reported unfinished).
+sent, as `kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
+the previous push whose prefill has not ended (`queued_prompts`; such a push always goes out). The run ends when every request has finished or was rejected (then its timers run one
+more `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual seconds (the rest
+are reported unfinished).
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ from typing import Any
 from kvswitch.bench.engine_report import step_summary
 from kvswitch.bench.fleet.replica import Flight, Replica
 from kvswitch.bench.fleet.routers import FleetRouter
-from kvswitch.engine.base import KvEventBatchData
+from kvswitch.engine.base import KvEventBatchData, QueuedPrompt
 from kvswitch.engine.request_log import RequestRecord
-from kvswitch.engine.sim.events import COALESCE_SECONDS, LOAD_PUSH_SECONDS
+from kvswitch.engine.sim.events import (
+    COALESCE_SECONDS,
+    LOAD_PUSH_SECONDS,
+    QUEUED_PROMPTS,
+    QUEUED_TOKENS,
+)
 from kvswitch.engine.sim.profiles import SimProfile
 
 
@@ -66,7 +72,8 @@ class _Fleet:
 
     def __init__(self, requests: Sequence[Any], profile: SimProfile, replicas: int,
                  router: FleetRouter, seed: int, coalesce_seconds: float,
-                 load_push_seconds: float = LOAD_PUSH_SECONDS) -> None:
+                 load_push_seconds: float = LOAD_PUSH_SECONDS,
+                 queued_prompts: bool = True) -> None:
         self.requests = requests
         self.profile = profile
         self.replicas = [Replica(i, profile, seed, coalesce_seconds) for i in range(replicas)]
@@ -78,6 +85,9 @@ class _Fleet:
         self._flush_at: list[float | None] = [None] * replicas
         self.load_push_seconds = load_push_seconds
         self._push_pending = [False] * replicas
+        self.queued_prompts = queued_prompts
+        self._queued: list[list[QueuedPrompt]] = [[] for _ in range(replicas)]
+        self._queued_tokens = [0] * replicas
         self._delivered: list[tuple[int, int, int, float] | None] = [None] * replicas
         """Per replica, the routing core of the last load it delivered (batch or push)."""
         self.flights: dict[int, Flight] = {}
@@ -100,10 +110,22 @@ class _Fleet:
         if rep.current is None and not self._woken[replica]:
             self._woken[replica] = True
             self.call_at(self._now, lambda: self._step(replica))
-        if (self.load_push_seconds > 0 and self.router.kv_subscribers >= 2
-                and not self._push_pending[replica]):
+        if self.load_push_seconds <= 0 or self.router.kv_subscribers < 2:
+            return
+        if self.queued_prompts:
+            self._queue(replica, request)
+        if not self._push_pending[replica]:
             self._push_pending[replica] = True
             self.call_at(self._now + self.load_push_seconds, lambda: self._push(replica))
+
+    def _queue(self, replica: int, request: Any) -> None:
+        """The next push announces the request's prompt (within the engine's bounds)."""
+        prompt, size = request.prompt_ids, self.profile.block_size
+        full = len(prompt) - len(prompt) % size
+        if (full and len(self._queued[replica]) < QUEUED_PROMPTS
+                and self._queued_tokens[replica] + full <= QUEUED_TOKENS):
+            self._queued[replica].append(QueuedPrompt(str(request.index), tuple(prompt[:full])))
+            self._queued_tokens[replica] += full
 
     def reject(self, request: Any, reason: str) -> None:
         self.rejected.append((request.index, reason))
@@ -152,9 +174,16 @@ class _Fleet:
     def _push(self, i: int) -> None:
         self._push_pending[i] = False
         load = self.replicas[i].load(self._now)
-        if load.routing_core != self._delivered[i]:
+        queued = tuple(q for q in self._queued[i] if self._prefilling(int(q.request_id)))
+        self._queued[i], self._queued_tokens[i] = [], 0
+        if queued or load.routing_core != self._delivered[i]:
             self._delivered[i] = load.routing_core
-            self.router.load_push(i, load, self._now)
+            self.router.load_push(i, load, self._now, queued)
+
+    def _prefilling(self, index: int) -> bool:
+        """Request `index` has produced no output token yet (its blocks are not stored)."""
+        flight = self.flights.get(index)
+        return flight is not None and flight.first_token_at is None
 
     def _flush(self, i: int, due: float) -> None:
         batch = self.replicas[i].flush_window(due)
@@ -196,14 +225,15 @@ async def _run_in_loop(fleet: _Fleet, limit: float,
 
 def run_fleet(workload: Any, router: FleetRouter, profile: SimProfile, replicas: int = 8, *,
               seed: int = 0, coalesce_seconds: float = COALESCE_SECONDS,
-              load_push_seconds: float = LOAD_PUSH_SECONDS, drain_limit: float = 600.0,
+              load_push_seconds: float = LOAD_PUSH_SECONDS, queued_prompts: bool = True,
+              drain_limit: float = 600.0,
               progress: Callable[[int], None] | None = None) -> FleetResult:
     """Replay `workload.requests` (send_at, prompt_ids, max_tokens, stage, qps) through `router`
     onto `replicas` simulated engines of `profile`; deterministic for a seed. The run stops
     `drain_limit` virtual seconds after the last arrival at the latest."""
     requests = list(workload.requests)
     fleet = _Fleet(requests, profile, replicas, router, seed, coalesce_seconds,
-                   load_push_seconds)
+                   load_push_seconds, queued_prompts)
     last = max((r.send_at for r in requests), default=0.0)
     started = time.perf_counter()
     try:

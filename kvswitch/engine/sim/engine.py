@@ -99,7 +99,8 @@ class SimEngine:
         self._events = KvEventLog(cfg.kv_event_history,
                                   coalesce_seconds=cfg.kv_events_coalesce_seconds,
                                   max_events=cfg.kv_event_history_events,
-                                  load_push_seconds=cfg.kv_load_push_seconds)
+                                  load_push_seconds=cfg.kv_load_push_seconds,
+                                  block_size=p.block_size, prefilling=self._prefilling)
         self._requests: dict[str, _Request] = {}
         self._failures = random.Random(cfg.seed)
         self._finished: dict[str, int] = {}
@@ -239,7 +240,7 @@ class SimEngine:
             self.scheduler.add(seq)
         self._requests[request.request_id] = req
         self._wake()
-        self._events.arrived()
+        self._events.arrived(request.request_id, prompt)
         return req
 
     def _set_stops(self, seq: SimSequence, s: SamplingOptions) -> None:
@@ -271,6 +272,11 @@ class SimEngine:
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def _prefilling(self, request_id: str) -> bool:
+        """The request has produced no output token yet: its prompt's blocks are not stored."""
+        req = self._requests.get(request_id)
+        return req is not None and not req.stream.first_token_sent
 
     def _count_finished(self, reason: str) -> None:
         self._finished[reason] = self._finished.get(reason, 0) + 1

@@ -21,10 +21,17 @@ batch per window from each engine and the load it sees is at most one window old
 
 Load push (`load_push_seconds`, default 5 ms; 0 disables): `arrived()` says a request reached
 the engine. With two or more followers (several EPPs, each seeing only its own sends), the log
-yields every follower a load-only item (`LOAD_PUSH`) that long after the arrival, so each EPP
+yields every follower a load-only item (a push) that long after the arrival, so each EPP
 learns of the others' sends within a few ms rather than within a window; arrivals while a push
 is pending ride on it, so there is at most one push per `load_push_seconds`. The delay lets the
-sending EPP count the push as covering its send (its transit allowance is as long).
+sending EPP count the push as covering its send (its transit allowance is as long). A push also
+carries the prompts of the requests that arrived since the previous one (`QueuedPrompt`: their
+full blocks, at most `QUEUED_PROMPTS` prompts and `QUEUED_TOKENS` tokens per push; later ones
+go unannounced), so every EPP learns where a prompt's blocks will be stored before the engine
+schedules it. Only requests whose prefill has not ended when the push fires (`prefilling`: no
+output token yet) are announced: one past its prefill has had its blocks stored, on their way in
+the next batch, and announcing it would defeat the stream's skip of pushes that repeat its last
+load (a short request on a fast engine is past its prefill within the push delay). A follower that fell behind gets the last `PUSH_HISTORY` pushes it missed.
 """
 
 from __future__ import annotations
@@ -32,17 +39,18 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
-from kvswitch.engine.base import EngineLoadSnapshot, KvBlockStored, KvEventBatchData
+from kvswitch.engine.base import EngineLoadSnapshot, KvBlockStored, KvEventBatchData, QueuedPrompt
 
-__all__ = ["COALESCE_SECONDS", "LOAD_PUSH", "LOAD_PUSH_SECONDS", "MAX_EVENTS", "KvEventLog",
-           "net_events"]
+__all__ = ["COALESCE_SECONDS", "LOAD_PUSH_SECONDS", "MAX_EVENTS", "QUEUED_PROMPTS",
+           "QUEUED_TOKENS", "KvEventLog", "net_events"]
 
 COALESCE_SECONDS = 0.05
 LOAD_PUSH_SECONDS = 0.005
-LOAD_PUSH = KvEventBatchData(-1, 0.0, load_only=True)
-"""What `follow` yields for a load push: the stream sends the engine's current load."""
+QUEUED_PROMPTS = 64
+QUEUED_TOKENS = 131_072
+PUSH_HISTORY = 8
 
 
 def net_events(
@@ -69,7 +77,8 @@ MAX_EVENTS = 65_536
 class KvEventLog:
     def __init__(self, capacity: int = 4096, coalesce_seconds: float = COALESCE_SECONDS,
                  max_events: int = MAX_EVENTS,
-                 load_push_seconds: float = LOAD_PUSH_SECONDS) -> None:
+                 load_push_seconds: float = LOAD_PUSH_SECONDS, block_size: int = 16,
+                 prefilling: Callable[[str], bool] | None = None) -> None:
         self.history: deque[KvEventBatchData] = deque(maxlen=max(1, capacity))
         self.max_events = max_events
         self.held_events = 0
@@ -88,8 +97,14 @@ class KvEventLog:
         self.load_push_seconds = load_push_seconds
         self.followers = 0
         self.load_pushes = 0
-        """Load pushes made so far (a follower yields LOAD_PUSH when this moved)."""
+        """Load pushes made so far (a follower yields the pushes it has not yielded yet)."""
         self._push_timer: asyncio.TimerHandle | None = None
+        self._pushes: deque[KvEventBatchData] = deque(maxlen=PUSH_HISTORY)
+        self.block_size = block_size
+        self.prefilling = prefilling
+        """Whether a request's prefill has not ended yet (None: every arrival's has not)."""
+        self._queued: list[QueuedPrompt] = []
+        self._queued_tokens = 0
 
     def publish(
         self,
@@ -119,11 +134,17 @@ class KvEventLog:
             self._timer = loop.call_later(due - timestamp, self._flush_window, due)
         return None
 
-    def arrived(self) -> None:
-        """A request reached the engine: push the load soon, if several follow and no push
-        is pending (see the module docstring)."""
-        if (self.load_push_seconds <= 0 or self.followers < 2 or self._push_timer is not None
-                or self._closed):
+    def arrived(self, request_id: str = "", prompt: Sequence[int] = ()) -> None:
+        """A request reached the engine: push the load soon, with the request's prompt, if
+        several follow (see the module docstring)."""
+        if self.load_push_seconds <= 0 or self.followers < 2 or self._closed:
+            return
+        full = len(prompt) - len(prompt) % self.block_size
+        if (full and len(self._queued) < QUEUED_PROMPTS
+                and self._queued_tokens + full <= QUEUED_TOKENS):
+            self._queued.append(QueuedPrompt(request_id, tuple(prompt[:full])))
+            self._queued_tokens += full
+        if self._push_timer is not None:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -133,6 +154,11 @@ class KvEventLog:
 
     def _push_load(self) -> None:
         self._push_timer = None
+        prefilling = self.prefilling
+        queued = tuple(q for q in self._queued if prefilling is None or prefilling(q.request_id))
+        self._pushes.append(KvEventBatchData(-1, 0.0, load_only=True, queued=queued))
+        self._queued = []
+        self._queued_tokens = 0
         self.load_pushes += 1
         self._wake()
 
@@ -183,8 +209,8 @@ class KvEventLog:
         self._wake()
 
     async def follow(self, start_sequence_number: int = 0) -> AsyncIterator[KvEventBatchData]:
-        """Batches from `start_sequence_number`, then live ones, with LOAD_PUSH for each load
-        push made while following (pushes made together are yielded once)."""
+        """Batches from `start_sequence_number`, then live ones, with each load push made
+        while following (a load-only item; the last `PUSH_HISTORY` of those missed)."""
         nxt = start_sequence_number
         pushes = self.load_pushes
         self.followers += 1
@@ -203,8 +229,9 @@ class KvEventLog:
                 if self._closed:
                     return
                 if pushes != self.load_pushes:
-                    pushes = self.load_pushes
-                    yield LOAD_PUSH
+                    missed, pushes = self.load_pushes - pushes, self.load_pushes
+                    for push in list(self._pushes)[-missed:]:
+                        yield push
                     continue
                 if self._waiter is None:
                     self._waiter = asyncio.get_running_loop().create_future()

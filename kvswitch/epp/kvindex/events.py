@@ -10,6 +10,10 @@ is decoded into a plain `(engine_hash, packed token ids)` pair (a `StoredBlock` 
 tuple with names, for callers that build events by hand): the view hands over each block's ids
 as their packed payload, one bytes object (`kvswitch.protocol.packed`), and no per-block object
 is built beyond the pair.
+A load-only batch may carry the prompts of requests the engine has just queued (kvswitch's
+engine, to a subscriber that asked: `kvswitch.protocol.headers.QUEUED_PROMPTS`): stored events
+marked `QUEUED_OWNERSHIP`, decoded into `EventBatch.queued` (`QueuedPrompt`), never into
+`events`: their blocks are not stored yet.
 The records built per batch are NamedTuples: immutable like a frozen dataclass, and about 3x
 cheaper to build (a frozen dataclass sets each field through object.__setattr__).
 """
@@ -21,11 +25,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvswitch.protocol import common_pb2
+from kvswitch.protocol.headers import QUEUED_OWNERSHIP
 from kvswitch.protocol.packed import KvEventBatchView, pack_token_ids
 
 __all__ = [
     "BlocksRemoved", "BlocksStored", "CacheCleared", "EventBatch", "KvEvent", "KvEventBatchView",
-    "LoadRecord", "SnapshotInfo", "StoredBlock", "batch_from_proto", "load_from_proto",
+    "LoadRecord", "QueuedPrompt", "SnapshotInfo", "StoredBlock", "batch_from_proto",
+    "load_from_proto",
 ]
 
 # Tiers/localities a per-worker prefix index holds: blocks on the device of this worker.
@@ -69,6 +75,14 @@ class CacheCleared:
 KvEvent = BlocksStored | BlocksRemoved | CacheCleared
 
 
+class QueuedPrompt(NamedTuple):
+    """A request the engine queued: its prompt's full blocks will be stored there."""
+
+    request_id: str
+    blocks: tuple[bytes, ...]
+    """Packed token ids per full block, from the prompt's first."""
+
+
 class LoadRecord(NamedTuple):
     """`EngineLoad`: the engine's load at one scheduler step (push-based telemetry)."""
 
@@ -103,6 +117,8 @@ class EventBatch(NamedTuple):
     load_only: bool = False
     """A load record with no events; its sequence number only repeats the last one sent."""
     snapshot: SnapshotInfo | None = None
+    queued: tuple[QueuedPrompt, ...] = ()
+    """On a load-only batch: prompts the engine queued since its previous push."""
 
 
 def load_from_proto(load: Any, timestamp: float = 0.0) -> LoadRecord:
@@ -136,10 +152,22 @@ def _stored_from_proto(stored: Any) -> BlocksStored | None:
 def batch_from_proto(message: Any) -> EventBatch:
     """Convert one `KvEventBatchView` (events of other tiers/groups are dropped)."""
     events: list[KvEvent] = []
+    queued: list[QueuedPrompt] = []
+    load = None
+    load_only = False
+    if message.HasField("load"):
+        proto_load = message.load
+        load = load_from_proto(proto_load, message.timestamp)
+        load_only = proto_load.load_only
     for event in message.events:
         kind = event.WhichOneof("data")
         if kind == "stored":
-            stored = _stored_from_proto(event.stored)
+            proto_stored = event.stored
+            if load_only and proto_stored.ownership == QUEUED_OWNERSHIP:
+                queued.append(QueuedPrompt(proto_stored.session_id,
+                                           tuple([b.token_ids for b in proto_stored.blocks])))
+                continue
+            stored = _stored_from_proto(proto_stored)
             if stored is not None:
                 events.append(stored)
         elif kind == "removed":
@@ -148,15 +176,10 @@ def batch_from_proto(message: Any) -> EventBatch:
                 events.append(BlocksRemoved(tuple(removed.block_hashes[:])))
         elif kind == "cleared":
             events.append(CacheCleared())
-    load = None
-    load_only = False
-    if message.HasField("load"):
-        proto_load = message.load
-        load = load_from_proto(proto_load, message.timestamp)
-        load_only = proto_load.load_only
     snapshot = None
     if message.HasField("snapshot"):
         s = message.snapshot
         snapshot = SnapshotInfo(s.index, s.count, s.unknown_before)
     # positional: see load_from_proto
-    return EventBatch(message.sequence_number, tuple(events), load, load_only, snapshot)
+    return EventBatch(message.sequence_number, tuple(events), load, load_only, snapshot,
+                      tuple(queued))

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvswitch.protocol.packed import PackedTokenIds, pack_token_ids
 
-__all__ = ["block_pattern", "chained_block_hashes", "root_hash"]
+__all__ = ["block_pattern", "chained_block_hashes", "chained_packed_hashes", "root_hash"]
 
 
 def root_hash(namespace: tuple[str, str] = ("", "")) -> int:
@@ -51,6 +51,19 @@ def chained_block_hashes(token_ids: Sequence[int], block_size: int,
     append = out.append
     # One regex pass cuts the payload into blocks in C, as bytes objects to hash.
     for block in block_pattern(block_size).findall(packed):
+        parent = hash((parent, block))
+        append(parent)
+    return out
+
+
+def chained_packed_hashes(blocks: Sequence[bytes],
+                          namespace: tuple[str, str] = ("", "")) -> list[int]:
+    """Own chained hashes of full blocks given packed, one per block, from a chain's first (a
+    queued prompt as the engine announces it)."""
+    parent = root_hash(namespace)
+    out: list[int] = []
+    append = out.append
+    for block in blocks:
         parent = hash((parent, block))
         append(parent)
     return out

@@ -17,6 +17,9 @@ logged with its traceback, clears the endpoint's index and resubscribes from scr
 off the same way. It keeps the latest
 `EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback), and counts
 the records by kind (`batch_loads`, `load_only_records`: the EPP's `kvswitch_epp_load_records`).
+With an `on_queued` callback it asks the engine for the prompts of the requests it queues
+(`kvswitch.protocol.headers.QUEUED_PROMPTS`; a vLLM-API stream only) and hands each load push's
+to the callback (`queued_prompts` counts them).
 
 `KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set. With an
 `UpstreamTls` the streams run over TLS (mTLS with a client certificate).
@@ -34,6 +37,7 @@ from kvswitch.epp.kvindex.events import (
     EventBatch,
     KvEventBatchView,
     LoadRecord,
+    QueuedPrompt,
     batch_from_proto,
 )
 from kvswitch.epp.kvindex.index import KvBlockIndex
@@ -42,6 +46,7 @@ from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.engine_apis import engine_api
 from kvswitch.protocol.h2client import H2Channel, StreamError
+from kvswitch.protocol.headers import QUEUED_PROMPTS
 from kvswitch.tls import UpstreamTls, h2_channel_tls
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,7 @@ log = logging.getLogger(__name__)
 RESTART_TOLERANCE = 1.0
 
 LoadCallback = Callable[[str, LoadRecord], None]
+QueuedCallback = Callable[[str, tuple[QueuedPrompt, ...]], None]
 
 USER_AGENT = "kvswitch-epp"
 KEEPALIVE = 5.0
@@ -61,7 +67,7 @@ class KvEventSubscriber:
     """Follows one endpoint's KV-event stream into `index` until `stop()`."""
 
     def __init__(self, address: str, index: KvBlockIndex, *, on_load: LoadCallback | None = None,
-                 retry_delay: float = 0.1, max_retry_delay: float = 2.0,
+                 on_queued: QueuedCallback | None = None, retry_delay: float = 0.1, max_retry_delay: float = 2.0,
                  rpc_timeout: float = 2.0, keepalive: float | None = KEEPALIVE,
                  api: str = "vllm", tls: UpstreamTls | None = None) -> None:
         self.address = address
@@ -73,6 +79,9 @@ class KvEventSubscriber:
         """SGLang: its pages regrouped into the index's blocks."""
         self.index = index
         self.on_load = on_load
+        self.on_queued = on_queued if self.pages is None else None
+        self.queued_prompts = 0
+        """Queued prompts received on load pushes."""
         self.retry_delay = retry_delay
         self.max_retry_delay = max_retry_delay
         self.rpc_timeout = rpc_timeout
@@ -158,8 +167,10 @@ class KvEventSubscriber:
             start_sequence_number=start, load_records_before_first_batch=True)
         self._gap = False
         self.tracker.stream_opened(start)  # before the call: it may deliver as it starts
-        call = await channel.start(api.path("SubscribeKvEvents"), (), request.SerializeToString(),
-                                   KvEventBatchView.FromString, on_message=self._receive)
+        metadata = ((QUEUED_PROMPTS, "1"),) if self.on_queued is not None else ()
+        call = await channel.start(api.path("SubscribeKvEvents"), metadata,
+                                   request.SerializeToString(), KvEventBatchView.FromString,
+                                   on_message=self._receive)
         self.streams_opened += 1
         self.connected = True
         try:
@@ -198,6 +209,9 @@ class KvEventSubscriber:
                 self.batch_loads += 1
             if self.on_load is not None:
                 self.on_load(self.address, batch.load)
+        if batch.queued and self.on_queued is not None and self.compatible:
+            self.queued_prompts += len(batch.queued)
+            self.on_queued(self.address, batch.queued)
         verdict = self.tracker.receive(batch)
         if verdict is Verdict.RESET:
             self._clear()
@@ -216,10 +230,11 @@ class KvEventSubscriptions:
     """One `KvEventSubscriber` per endpoint of a set that changes (discovery)."""
 
     def __init__(self, index: KvBlockIndex, *, on_load: LoadCallback | None = None,
-                 api_of: Callable[[str], str] | None = None, tls: UpstreamTls | None = None,
+                 on_queued: QueuedCallback | None = None, api_of: Callable[[str], str] | None = None, tls: UpstreamTls | None = None,
                  **subscriber_options: float) -> None:
         self.index = index
         self.on_load = on_load
+        self.on_queued = on_queued
         self.tls = tls
         self.api_of = api_of
         """address -> the engine API it speaks (None: every endpoint speaks vLLM's)."""
@@ -233,6 +248,7 @@ class KvEventSubscriptions:
             self.index.remove_endpoint(address)
         for address in wanted - self.subscribers.keys():
             subscriber = KvEventSubscriber(address, self.index, on_load=self.on_load,
+                                           on_queued=self.on_queued,
                                            api=self.api_of(address) if self.api_of else "vllm",
                                            tls=self.tls, **self._options)  # type: ignore[arg-type]
             self.subscribers[address] = subscriber

@@ -29,6 +29,13 @@ confirms them, and are dropped when unconfirmed after speculativeTtl (the reques
 rejected, or its prefill is still queued) or on AllBlocksCleared / a resync. The prompt's
 leading blocks the endpoint already holds (matched_blocks) are not touched: only the rest is
 speculated, so a hot prefix costs O(unique suffix blocks) per request.
+Queued prompts (several EPPs): another EPP's speculative entries are not in this one's index,
+so it asks every engine for the prompts of the requests it queues, announced on the engine's
+load push a few ms after each arrival (`KvEventSubscriber.on_queued`; kvswitch's engine sends
+them while two or more EPPs follow it). For each prompt not already held there in full (this
+EPP's own requests are, speculatively), it does what `pre_request` does for its own: it
+speculates the prompt's blocks on that engine and counts their prefill as in progress there, so
+a prefix group's next request stays with its first whichever EPP routes it.
 Prefill in progress: the same hook counts the request's uncached prompt tokens in the index's
 `pending_prefill` for the picked endpoint until the engine stores the prompt's last full block
 (`KvBlockIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables) passes; the
@@ -63,7 +70,8 @@ from kvswitch.epp.framework import (
     duration,
     param,
 )
-from kvswitch.epp.kvindex.events import LoadRecord
+from kvswitch.epp.kvindex.events import LoadRecord, QueuedPrompt
+from kvswitch.epp.kvindex.hashing import chained_packed_hashes
 from kvswitch.epp.kvindex.index import KvBlockIndex
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscriptions
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, uncached_tokens
@@ -92,7 +100,7 @@ class PrecisePrefixCacheScorer:
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
         self.subscriptions = KvEventSubscriptions(
-            index, on_load=self._pushed_load, api_of=self._api_of,
+            index, on_load=self._pushed_load, on_queued=self._queued, api_of=self._api_of,
             tls=handle.engine_tls if handle is not None else None)
         self._handle = handle
         self._following: frozenset[str] = frozenset()
@@ -153,6 +161,24 @@ class PrecisePrefixCacheScorer:
             address, running=load.running, waiting=load.waiting, kv_usage=load.token_usage,
             waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl, age=age)
 
+    def _queued(self, address: str, prompts: tuple[QueuedPrompt, ...]) -> None:
+        """Requests queued on `address` (see the module docstring): speculate the blocks of
+        each prompt not held there in full, and count the rest of its prefill there."""
+        if self.speculative_ttl <= 0:
+            return
+        index = self.index
+        for prompt in prompts:
+            if not all(prompt.blocks):
+                continue  # a block sent unpacked (kvswitch.protocol.packed) cannot be hashed
+            hashes = chained_packed_hashes(prompt.blocks)
+            held = index.match_held(hashes, (address,)).get(address, 0)
+            if held >= len(hashes):
+                continue
+            index.speculate(address, hashes, self.speculative_ttl, held=held)
+            if self.prefill_ttl > 0:
+                index.await_prefill(address, hashes[-1], (len(hashes) - held) * index.block_size,
+                                    self.prefill_ttl)
+
     def feed_externally(self, addresses: Sequence[str]) -> dict[str, KvEventSubscriber]:
         """Per address, a subscriber the caller hands decoded batches to itself (a harness
         without I/O, such as the fleet simulator): the plugin then opens no stream for these
@@ -164,7 +190,8 @@ class PrecisePrefixCacheScorer:
         for address in addresses:
             self.index.add_endpoint(address)
             subscribers[address] = KvEventSubscriber(address, self.index,
-                                                     on_load=self._pushed_load)
+                                                     on_load=self._pushed_load,
+                                                     on_queued=self._queued)
         return subscribers
 
     async def start(self) -> None:

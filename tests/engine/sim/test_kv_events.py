@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData
+from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData, QueuedPrompt
 from kvswitch.engine.sim import SimEngine
-from kvswitch.engine.sim.events import LOAD_PUSH, KvEventLog, net_events
+from kvswitch.engine.sim.events import QUEUED_PROMPTS, QUEUED_TOKENS, KvEventLog, net_events
 from kvswitch.engine.sim.kv_cache import KvBlockStored
 
 from .conftest import collect, make_engine, request
@@ -201,10 +201,12 @@ async def test_an_arrival_pushes_the_load_to_every_follower_once_per_push_window
     assert log.followers == 2
     for _ in range(3):  # a burst: one push carries it
         log.arrived()
-    assert await next_item(a) is LOAD_PUSH and await next_item(b) is LOAD_PUSH
+    first_a, first_b = await next_item(a), await next_item(b)
+    assert first_a.load_only and first_a is first_b and first_a.queued == ()
     assert log.load_pushes == 1
     log.arrived()  # the next arrival after the push gets a push of its own
-    assert await next_item(a) is LOAD_PUSH and await next_item(b) is LOAD_PUSH
+    second = await next_item(a)
+    assert second.load_only and second is not first_a and await next_item(b) is second
     assert log.load_pushes == 2 and len(log.history) == 1  # pushes are not in the history
     log.close()
     assert [x async for x in a] == [] and [x async for x in b] == []
@@ -226,6 +228,60 @@ async def test_no_push_with_one_follower_or_with_pushes_off() -> None:
     off.arrived()
     assert off._push_timer is None
     for follower in (one, *followers):
+        await follower.aclose()  # type: ignore[attr-defined]
+
+
+async def two_followers(log: KvEventLog) -> tuple[AsyncIterator[KvEventBatchData], ...]:
+    """Two followers (several EPPs: the log pushes) past the batch each starts with."""
+    log.publish(100.0)
+    followers = log.follow(0), log.follow(0)
+    for follower in followers:
+        await next_item(follower)
+    return followers
+
+
+async def test_a_push_carries_the_full_blocks_of_the_prompts_queued_since_the_last() -> None:
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=4)
+    a, b = await two_followers(log)
+    log.arrived("r1", list(range(10)))  # two full blocks and a partial one
+    log.arrived("r2", [7, 7, 7])  # no full block: nothing to announce
+    log.arrived("r3", list(range(8)))
+    push = await next_item(a)
+    assert push.queued == (QueuedPrompt("r1", tuple(range(8))), QueuedPrompt("r3", tuple(range(8))))
+    assert await next_item(b) is push
+    for request_id in ("r4", "r5"):
+        log.arrived(request_id, list(range(4)))
+        assert (await next_item(a)).queued == (QueuedPrompt(request_id, (0, 1, 2, 3)),)
+    # b fell two pushes behind: it gets both, in order.
+    assert [(await next_item(b)).queued[0].request_id for _ in range(2)] == ["r4", "r5"]
+    for follower in (a, b):
+        await follower.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_push_leaves_out_a_request_past_its_prefill() -> None:
+    prefilling = {"r1", "r2"}
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=4,
+                     prefilling=prefilling.__contains__)
+    a, b = await two_followers(log)
+    log.arrived("r1", list(range(4)))
+    log.arrived("r2", list(range(4)))
+    prefilling.discard("r2")  # past its prefill before the push: its blocks come in a batch
+    assert [q.request_id for q in (await next_item(a)).queued] == ["r1"]
+    for follower in (a, b):
+        await follower.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_push_announces_a_bounded_number_of_prompts_and_tokens() -> None:
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=16)
+    a, b = await two_followers(log)
+    for i in range(QUEUED_PROMPTS + 5):
+        log.arrived(f"r{i}", [1] * 16)
+    assert len((await next_item(a)).queued) == QUEUED_PROMPTS
+    await next_item(b)
+    log.arrived("huge", [1] * (QUEUED_TOKENS + 16))  # past the token bound: not announced
+    log.arrived("small", [1] * 16)  # still fits
+    assert [q.request_id for q in (await next_item(a)).queued] == ["small"]
+    for follower in (a, b):
         await follower.aclose()  # type: ignore[attr-defined]
 
 

@@ -195,3 +195,61 @@ async def test_an_externally_fed_scorer_opens_no_stream_and_reads_what_it_is_han
     assert scores == {"a:1": 1.0, "b:1": 0.0}
     m = datalayer.get("a:1").metrics  # type: ignore[union-attr]
     assert (m.running, m.waiting, m.kv_usage) == (1, 4, 0.5)
+
+
+def test_a_prompt_another_epp_queued_on_an_engine_counts_there_as_this_epps_own_would() -> None:
+    from kvswitch.engine.base import QueuedPrompt
+    from kvswitch.engine.kv_events import queued_events
+    from kvswitch.epp.framework import ProfileResult
+    from kvswitch.epp.kvindex import EventBatch, KvEventBatchView, batch_from_proto
+    from kvswitch.protocol import common_pb2
+
+    ids = list(range(1, 101))  # six full blocks of 16 and four tokens
+    full = 96
+    epps = []
+    for _ in range(2):
+        datalayer = Datalayer()
+        datalayer.set_endpoints([EndpointSpec("a:1"), EndpointSpec("b:1")])
+        scorer = create("p", {"blockSize": 16, "tokenizer": "none"}, PluginHandle(datalayer))
+        epps.append((scorer, scorer.feed_externally(["a:1", "b:1"]), list(datalayer.all())))
+    (router, router_feed, endpoints), (other, other_feed, _) = epps
+    # The first EPP routes the request to a:1: its own speculative entries and prefill.
+    request = InferenceRequest("r1", "grpc", "/x", ParsedBody(prompt_token_ids=tuple(ids),
+                                                               request_id="r1"))
+    state: dict[str, object] = {}
+    router.produce(request, state, endpoints)
+    router.pre_request(request, state, ProfileResult("p", (endpoints[0],)))
+    assert router.index.pending_prefill("a:1") == full
+    assert other.index.match(other.index.block_hashes(ids)) == {"a:1": 0, "b:1": 0}
+    # a:1's load push names the queued prompt; it reaches both EPPs, as the wire carries it.
+    push = common_pb2.KvEventBatch(
+        sequence_number=0, events=queued_events([QueuedPrompt("r1", tuple(ids[:full]))], 16),
+        load=common_pb2.EngineLoad(waiting_requests=1, load_only=True))
+    batch = batch_from_proto(KvEventBatchView.FromString(push.SerializeToString()))
+    assert batch.events == () and len(batch.queued) == 1
+    for feed in (router_feed, other_feed):
+        feed["a:1"].handle(batch)
+    hashes = other.index.block_hashes(ids)
+    assert other.index.match(hashes) == {"a:1": 6, "b:1": 0}
+    assert other.index.num_speculative("a:1") == 6
+    assert other.index.pending_prefill("a:1") == full
+    assert router.index.pending_prefill("a:1") == full  # its own: not counted twice
+    next_request = InferenceRequest("r2", "grpc", "/x", ParsedBody(prompt_token_ids=tuple(ids)))
+    other_state: dict[str, object] = {}
+    other.produce(next_request, other_state, endpoints)
+    assert other.score(next_request, other_state, endpoints) == [1.0, 0.0]
+    # The engine schedules it and stores the blocks: confirmed, and no longer in progress.
+    other_feed["a:1"].handle(EventBatch(1, (stored(ids),)))
+    assert other.index.num_speculative("a:1") == 0 and other.index.num_blocks("a:1") == 6
+    assert other.index.pending_prefill("a:1") == 0
+
+
+def test_a_subscriber_asks_for_queued_prompts_only_on_the_vllm_api() -> None:
+    from kvswitch.epp.kvindex import KvBlockIndex
+    from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
+
+    index = KvBlockIndex(16)
+    seen: list[object] = []
+    vllm = KvEventSubscriber("a:1", index, on_queued=lambda a, q: seen.append(q))
+    sglang = KvEventSubscriber("b:1", index, on_queued=lambda a, q: seen.append(q), api="sglang")
+    assert vllm.on_queued is not None and sglang.on_queued is None
