@@ -13,7 +13,9 @@ tells the two shared parts apart.
 
 Per router: TTFT p50/p90, engine cache hit, and how many distinct replicas served each prefix
 group (a group = the requests whose prompts share their first 64 tokens, the system prompt).
-Prints a line per router and writes JSON (`--out`).
+Prints a line per router and writes JSON (`--out`). `--qps 6,12,18,24,30` runs those rates as
+the steps of one ladder, as `python -m kvswitch.bench.fleet` does: each router's result then
+also lists every step (`steps`; the top-level figures are the first step's).
 
     python benchmarks/multi_epp_scatter.py --qps 24 --seed 0 \
         --routers kvswitch,kvswitch@3,shared@3 --out benchmarks/results/multi_epp_scatter_seed0.json
@@ -115,14 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shared-prefix-150x5-6000-1200-1000",
                         choices=sorted(PRESETS))
-    parser.add_argument("--qps", type=float, default=24.0)
+    parser.add_argument("--qps", default="24", help="a rate, or comma-separated rates (a ladder)")
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--routers", default="kvswitch,kvswitch@2,kvswitch@3,shared@2,shared@3")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
-    workload = build_workload(preset.shape, (args.qps,), preset.stage_duration,
+    rates = tuple(float(q) for q in args.qps.split(","))
+    workload = build_workload(preset.shape, rates, preset.stage_duration,
                               load_tokenizer(None), seed=args.seed,
                               arrivals_shape=Arrivals("poisson"))
     profile = get_profile("qwen3-32b-2xh100")
@@ -143,13 +146,19 @@ def main(argv: list[str] | None = None) -> int:
             "groups": len(groups),
             "groups_by_replica_count": {str(k): v for k, v in sorted(spread.items())},
             "replicas_per_group": sum(len(r) for r in groups.values()) / len(groups)}
-        r = results[name]
-        print(f"{name:12} qps {args.qps:g} seed {args.seed}  TTFT p50 {r['ttft_p50']:.3f} "
-              f"p90 {r['ttft_p90']:.3f}  hit {r['cache_hit_rate']:.3f}  groups on 1/2/3+ "
-              f"replicas {spread[1]}/{spread[2]}/{sum(v for k, v in spread.items() if k > 2)}",
-              flush=True)
+        if len(rates) > 1:
+            results[name]["steps"] = [
+                {"qps": s["qps"], "ttft_p50": s["ttft_p50"], "ttft_p90": s["ttft_p90"],
+                 "ttft_p99": s["ttft_p99"], "cache_hit_rate": s["cache_hit_rate"]}
+                for s in result.steps]
+        for s in result.steps:
+            print(f"{name:12} qps {s['qps']:g} seed {args.seed}  TTFT p50 {s['ttft_p50']:.3f} "
+                  f"p90 {s['ttft_p90']:.3f}  hit {s['cache_hit_rate']:.3f}", flush=True)
+        print(f"{name:12} groups on 1/2/3+ replicas {spread[1]}/{spread[2]}/"
+              f"{sum(v for k, v in spread.items() if k > 2)}", flush=True)
     if args.out is not None:
-        args.out.write_text(json.dumps({"qps": args.qps, "seed": args.seed,
+        args.out.write_text(json.dumps({"qps": rates[0] if len(rates) == 1 else list(rates),
+                                        "seed": args.seed,
                                         "preset": args.preset, "results": results}, indent=1))
     return 0
 

@@ -31,7 +31,8 @@ go unannounced), so every EPP learns where a prompt's blocks will be stored befo
 schedules it. Only requests whose prefill has not ended when the push fires (`prefilling`: no
 output token yet) are announced: one past its prefill has had its blocks stored, on their way in
 the next batch, and announcing it would defeat the stream's skip of pushes that repeat its last
-load (a short request on a fast engine is past its prefill within the push delay). A follower that fell behind gets the last `PUSH_HISTORY` pushes it missed.
+load (a short request on a fast engine is past its prefill within the push delay). A follower
+that fell behind gets the last `PUSH_HISTORY` pushes it missed.
 """
 
 from __future__ import annotations

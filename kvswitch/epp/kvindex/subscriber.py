@@ -19,7 +19,7 @@ off the same way. It keeps the latest
 the records by kind (`batch_loads`, `load_only_records`: the EPP's `kvswitch_epp_load_records`).
 With an `on_queued` callback it asks the engine for the prompts of the requests it queues
 (`kvswitch.protocol.headers.QUEUED_PROMPTS`; a vLLM-API stream only) and hands each load push's
-to the callback (`queued_prompts` counts them).
+to the callback.
 
 `KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set. With an
 `UpstreamTls` the streams run over TLS (mTLS with a client certificate).
@@ -67,7 +67,8 @@ class KvEventSubscriber:
     """Follows one endpoint's KV-event stream into `index` until `stop()`."""
 
     def __init__(self, address: str, index: KvBlockIndex, *, on_load: LoadCallback | None = None,
-                 on_queued: QueuedCallback | None = None, retry_delay: float = 0.1, max_retry_delay: float = 2.0,
+                 on_queued: QueuedCallback | None = None,
+                 retry_delay: float = 0.1, max_retry_delay: float = 2.0,
                  rpc_timeout: float = 2.0, keepalive: float | None = KEEPALIVE,
                  api: str = "vllm", tls: UpstreamTls | None = None) -> None:
         self.address = address
@@ -80,8 +81,6 @@ class KvEventSubscriber:
         self.index = index
         self.on_load = on_load
         self.on_queued = on_queued if self.pages is None else None
-        self.queued_prompts = 0
-        """Queued prompts received on load pushes."""
         self.retry_delay = retry_delay
         self.max_retry_delay = max_retry_delay
         self.rpc_timeout = rpc_timeout
@@ -210,7 +209,6 @@ class KvEventSubscriber:
             if self.on_load is not None:
                 self.on_load(self.address, batch.load)
         if batch.queued and self.on_queued is not None and self.compatible:
-            self.queued_prompts += len(batch.queued)
             self.on_queued(self.address, batch.queued)
         verdict = self.tracker.receive(batch)
         if verdict is Verdict.RESET:
@@ -230,7 +228,8 @@ class KvEventSubscriptions:
     """One `KvEventSubscriber` per endpoint of a set that changes (discovery)."""
 
     def __init__(self, index: KvBlockIndex, *, on_load: LoadCallback | None = None,
-                 on_queued: QueuedCallback | None = None, api_of: Callable[[str], str] | None = None, tls: UpstreamTls | None = None,
+                 on_queued: QueuedCallback | None = None,
+                 api_of: Callable[[str], str] | None = None, tls: UpstreamTls | None = None,
                  **subscriber_options: float) -> None:
         self.index = index
         self.on_load = on_load
