@@ -30,14 +30,9 @@ from typing import Any
 from kvswitch.bench.engine_report import step_summary
 from kvswitch.bench.fleet.replica import Flight, Replica
 from kvswitch.bench.fleet.routers import FleetRouter
-from kvswitch.engine.base import KvEventBatchData, QueuedPrompt
+from kvswitch.engine.base import KvEventBatchData
 from kvswitch.engine.request_log import RequestRecord
-from kvswitch.engine.sim.events import (
-    COALESCE_SECONDS,
-    LOAD_PUSH_SECONDS,
-    QUEUED_PROMPTS,
-    QUEUED_TOKENS,
-)
+from kvswitch.engine.sim.events import COALESCE_SECONDS, LOAD_PUSH_SECONDS, PromptQueue
 from kvswitch.engine.sim.profiles import SimProfile
 
 
@@ -87,8 +82,7 @@ class _Fleet:
         self.load_push_seconds = load_push_seconds
         self._push_pending = [False] * replicas
         self.queued_prompts = queued_prompts
-        self._queued: list[list[QueuedPrompt]] = [[] for _ in range(replicas)]
-        self._queued_tokens = [0] * replicas
+        self._queued = [PromptQueue(profile.block_size) for _ in range(replicas)]
         self._delivered: list[tuple[int, int, int, float] | None] = [None] * replicas
         """Per replica, the routing core of the last load it delivered (batch or push)."""
         self.flights: dict[int, Flight] = {}
@@ -114,19 +108,10 @@ class _Fleet:
         if self.load_push_seconds <= 0 or self.router.kv_subscribers < 2:
             return
         if self.queued_prompts:
-            self._queue(replica, request)
+            self._queued[replica].add(str(request.index), request.prompt_ids)
         if not self._push_pending[replica]:
             self._push_pending[replica] = True
             self.call_at(self._now + self.load_push_seconds, lambda: self._push(replica))
-
-    def _queue(self, replica: int, request: Any) -> None:
-        """The next push announces the request's prompt (within the engine's bounds)."""
-        prompt, size = request.prompt_ids, self.profile.block_size
-        full = len(prompt) - len(prompt) % size
-        if (full and len(self._queued[replica]) < QUEUED_PROMPTS
-                and self._queued_tokens[replica] + full <= QUEUED_TOKENS):
-            self._queued[replica].append(QueuedPrompt(str(request.index), tuple(prompt[:full])))
-            self._queued_tokens[replica] += full
 
     def reject(self, request: Any, reason: str) -> None:
         self.rejected.append((request.index, reason))
@@ -175,8 +160,7 @@ class _Fleet:
     def _push(self, i: int) -> None:
         self._push_pending[i] = False
         load = self.replicas[i].load(self._now)
-        queued = tuple(q for q in self._queued[i] if self._prefilling(int(q.request_id)))
-        self._queued[i], self._queued_tokens[i] = [], 0
+        queued = self._queued[i].take(lambda request_id: self._prefilling(int(request_id)))
         if queued or load.routing_core != self._delivered[i]:
             self._delivered[i] = load.routing_core
             self.router.load_push(i, load, self._now, queued)

@@ -45,13 +45,34 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from kvswitch.engine.base import EngineLoadSnapshot, KvBlockStored, KvEventBatchData, QueuedPrompt
 
 __all__ = ["COALESCE_SECONDS", "LOAD_PUSH_SECONDS", "MAX_EVENTS", "QUEUED_PROMPTS",
-           "QUEUED_TOKENS", "KvEventLog", "net_events"]
+           "QUEUED_TOKENS", "KvEventLog", "PromptQueue", "net_events"]
 
 COALESCE_SECONDS = 0.05
 LOAD_PUSH_SECONDS = 0.005
 QUEUED_PROMPTS = 64
 QUEUED_TOKENS = 131_072
 PUSH_HISTORY = 8
+
+
+class PromptQueue:
+    """The prompts the next push announces: each arrival's full blocks, within the bounds."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._prompts: list[QueuedPrompt] = []
+        self._tokens = 0
+
+    def add(self, request_id: str, prompt: Sequence[int]) -> None:
+        full = len(prompt) - len(prompt) % self.block_size
+        if (full and len(self._prompts) < QUEUED_PROMPTS
+                and self._tokens + full <= QUEUED_TOKENS):
+            self._prompts.append(QueuedPrompt(request_id, tuple(prompt[:full])))
+            self._tokens += full
+
+    def take(self, prefilling: Callable[[str], bool] | None) -> tuple[QueuedPrompt, ...]:
+        """The prompts added since the last take whose request is still `prefilling`."""
+        prompts, self._prompts, self._tokens = self._prompts, [], 0
+        return tuple(q for q in prompts if prefilling is None or prefilling(q.request_id))
 
 
 def net_events(
@@ -101,11 +122,9 @@ class KvEventLog:
         """Load pushes made so far (a follower yields the pushes it has not yielded yet)."""
         self._push_timer: asyncio.TimerHandle | None = None
         self._pushes: deque[KvEventBatchData] = deque(maxlen=PUSH_HISTORY)
-        self.block_size = block_size
         self.prefilling = prefilling
         """Whether a request's prefill has not ended yet (None: every arrival's has not)."""
-        self._queued: list[QueuedPrompt] = []
-        self._queued_tokens = 0
+        self._queued = PromptQueue(block_size)
 
     def publish(
         self,
@@ -140,11 +159,7 @@ class KvEventLog:
         several follow (see the module docstring)."""
         if self.load_push_seconds <= 0 or self.followers < 2 or self._closed:
             return
-        full = len(prompt) - len(prompt) % self.block_size
-        if (full and len(self._queued) < QUEUED_PROMPTS
-                and self._queued_tokens + full <= QUEUED_TOKENS):
-            self._queued.append(QueuedPrompt(request_id, tuple(prompt[:full])))
-            self._queued_tokens += full
+        self._queued.add(request_id, prompt)
         if self._push_timer is not None:
             return
         try:
@@ -155,11 +170,8 @@ class KvEventLog:
 
     def _push_load(self) -> None:
         self._push_timer = None
-        prefilling = self.prefilling
-        queued = tuple(q for q in self._queued if prefilling is None or prefilling(q.request_id))
+        queued = self._queued.take(self.prefilling)
         self._pushes.append(KvEventBatchData(-1, 0.0, load_only=True, queued=queued))
-        self._queued = []
-        self._queued_tokens = 0
         self.load_pushes += 1
         self._wake()
 
