@@ -171,8 +171,7 @@ class EppRouter:
         pick = result.endpoints[0]
         pick.in_flight += 1
         self._routed[request.request_id] = (pick, self.datalayer.record_sent(
-            pick, uncached_tokens(request, state.get(PREFIX_STATE_KEY), pick.address),
-            request.body.request_id or ""))
+            pick, uncached_tokens(request, state.get(PREFIX_STATE_KEY), pick.address)))
         decision = self._decisions.get(result.endpoints)
         if decision is None:
             decision = self._decision(result.endpoints)

@@ -32,9 +32,9 @@ schedules it. Only requests whose prefill has not ended when the push fires (`pr
 output token yet) are announced: one past its prefill has had its blocks stored, on their way in
 the next batch, and announcing it would defeat the stream's skip of pushes that repeat its last
 load (a short request on a fast engine is past its prefill within the push delay). The sending
-EPP takes a push that names its request as covering it (the push is sampled after the
-arrival), whatever its transit allowance. A follower that fell behind gets the last
-`PUSH_HISTORY` pushes it missed.
+EPP keeps counting its own send until a report sampled its transit allowance (5 ms) after it,
+so for a few ms it counts the request on the push and on its own account both. A follower that
+fell behind gets the last `PUSH_HISTORY` pushes it missed.
 """
 
 from __future__ import annotations

@@ -18,10 +18,7 @@ and stays in the endpoint's account (`unreported_requests`, `unreported_tokens`)
 that covers it arrives: one the engine sampled at least `transit` seconds (the proxy's hop to
 the engine) after the request was sent. A pushed record's sampling time is its arrival minus
 its age (the engine's batch timestamp against the wall clock, capped at the record TTL); a
-polled one's is when the poll started. A pushed record that names requests (the queued prompts
-on an engine's load push, sampled after they arrived) covers those whatever their send time
-(`Datalayer.cover`, by the request id the engine was given). A request also leaves the account
-when it ends (`Datalayer.forget_sent`:
+polled one's is when the poll started, or until the request ends (`Datalayer.forget_sent`:
 a finished request is no load, and the next report may be up to a KV-event window away). Load
 scorers add the account to the reported load. Symmetrically, a request that ends after a report
 covered it is counted in `unreported_ends` until a report sampled after its end arrives: the
@@ -78,11 +75,6 @@ class Metrics:
     GetLoads num_waiting_uncached_tokens / EngineLoad waiting_uncached_tokens); 0 if unknown."""
 
 
-SentRecord = tuple[float, int, str]
-"""A routed request no report covers yet: (datalayer clock at send, uncached prompt tokens,
-the request id the engine gets, or "" when the body names none)."""
-
-
 class Endpoint:
     """One replica. Mutated only by the datalayer (metrics, health) and the router (in-flight)."""
 
@@ -101,9 +93,9 @@ class Endpoint:
         self.failures = 0
         # Datalayer clock until which pushed load records keep the metrics current (0: no push).
         self.live_until = 0.0
-        # (datalayer clock at send, uncached prompt tokens, the engine's request id or "") of
-        # requests no report covers yet, oldest first.
-        self.sent: deque[SentRecord] = deque()
+        # (datalayer clock at send, uncached prompt tokens) of requests no report covers yet,
+        # oldest first.
+        self.sent: deque[tuple[float, int]] = deque()
         self.unreported_requests = 0
         """len(sent): requests sent here that no load report covers yet."""
         self.unreported_tokens = 0
@@ -205,34 +197,16 @@ class Datalayer:
             endpoint.failures = 0
             settle(endpoint, metrics.updated_at, self.transit)  # the poll started then
 
-    def record_sent(self, endpoint: Endpoint, uncached_tokens: int,
-                    request_id: str = "") -> SentRecord:
-        """The EPP routed a request with this much prefill work to `endpoint` just now
-        (`request_id`: the id the engine gets, for `cover`); the record, for `forget_sent` when
-        the request ends."""
-        record = (self.clock(), uncached_tokens, request_id)
+    def record_sent(self, endpoint: Endpoint, uncached_tokens: int) -> tuple[float, int]:
+        """The EPP routed a request with this much prefill work to `endpoint` just now; the
+        record, for `forget_sent` when the request ends."""
+        record = (self.clock(), uncached_tokens)
         endpoint.sent.append(record)
         endpoint.unreported_requests += 1
         endpoint.unreported_tokens += uncached_tokens
         return record
 
-    def cover(self, address: str, request_ids: Iterable[str]) -> None:
-        """The latest pushed report of `address` names these requests (they had reached the
-        engine when it was sampled): drop them from its unreported account."""
-        endpoint = self._endpoints.get(address)
-        if endpoint is None or not endpoint.sent:
-            return
-        named = set(request_ids)
-        named.discard("")
-        sent = endpoint.sent
-        kept = [record for record in sent if record[2] not in named]
-        if len(kept) == len(sent):
-            return
-        endpoint.sent = deque(kept)
-        endpoint.unreported_tokens = sum(record[1] for record in kept)
-        endpoint.unreported_requests = len(kept)
-
-    def forget_sent(self, endpoint: Endpoint, record: SentRecord,
+    def forget_sent(self, endpoint: Endpoint, record: tuple[float, int],
                     ended_at: float | None = None) -> None:
         """The request `record_sent` recorded has ended (at `ended_at` on the datalayer clock;
         None: now): drop it from the unreported account if no report has covered it yet (an

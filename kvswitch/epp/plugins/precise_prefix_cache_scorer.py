@@ -163,10 +163,7 @@ class PrecisePrefixCacheScorer:
 
     def _queued(self, address: str, prompts: tuple[QueuedPrompt, ...]) -> None:
         """Requests queued on `address` (see the module docstring): speculate the blocks of
-        each prompt not held there in full, and count the rest of its prefill there. The push
-        that named them covers this EPP's own among them (`Datalayer.cover`)."""
-        if self._handle is not None:
-            self._handle.datalayer.cover(address, (prompt.request_id for prompt in prompts))
+        each prompt not held there in full, and count the rest of its prefill there."""
         if self.speculative_ttl <= 0:
             return
         index = self.index

@@ -15,7 +15,6 @@ from kvswitch.epp.kvindex import (
     StoredBlock,
     batch_from_proto,
 )
-from kvswitch.epp.kvindex.events import QueuedPrompt
 from kvswitch.epp.plugins.kv_cache_utilization_scorer import KvCacheUtilizationScorer
 from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvswitch.epp.plugins.prefix_index import PrefixMatch, uncached_tokens
@@ -109,22 +108,6 @@ def test_a_pushed_record_is_as_old_as_its_lag_beyond_the_fastest() -> None:
     assert (e.metrics.waiting, e.metrics.waiting_tokens) == (2, 300)
     scorer._pushed_load("e:1", record(clock.now + engine_offset))
     assert e.unreported_requests == 0
-
-
-def test_a_push_that_names_a_request_covers_it_inside_the_transit_allowance() -> None:
-    datalayer, clock, e = setup()
-    scorer = PrecisePrefixCacheScorer("p", KvBlockIndex(16), PluginHandle(datalayer))
-    datalayer.record_sent(e, 100, "a")
-    datalayer.record_sent(e, 200, "b")
-    datalayer.record_sent(e, 400)  # its body names no id: only time covers it
-    clock.now += 0.001
-    push(datalayer)  # sampled 1 ms after the sends: time alone covers none of them
-    assert (e.unreported_requests, e.unreported_tokens) == (3, 700)
-    scorer._queued("e:1", (QueuedPrompt("b", (b"\x00" * 64,)), QueuedPrompt("", ())))
-    assert (e.unreported_requests, e.unreported_tokens) == (2, 500)
-    assert [r[2] for r in e.sent] == ["a", ""]
-    scorer._queued("e:9", (QueuedPrompt("a", ()),))  # another endpoint's push: not this one's
-    assert e.unreported_requests == 2
 
 
 def test_uncached_tokens_subtract_the_picked_endpoints_match() -> None:

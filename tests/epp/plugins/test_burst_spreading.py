@@ -45,7 +45,7 @@ async def route_burst(config: object, *, record_sent: bool = True) -> Counter[st
                                           updated_at=datalayer.clock()))
     scorer = next(p for p in router.scheduler.plugins if isinstance(p, PrecisePrefixCacheScorer))
     if not record_sent:  # neither the unreported account nor the prefill in progress
-        datalayer.record_sent = lambda *args: None  # type: ignore[method-assign]
+        datalayer.record_sent = lambda endpoint, tokens: None  # type: ignore[method-assign]
         scorer.prefill_ttl = 0.0
     scorer._handle = None  # no KV-event subscriptions: the test feeds the index itself
     for address in addresses[:HOLDERS]:
