@@ -8,8 +8,9 @@ replica's step runs `Scheduler.step()` when it starts and delivers its tokens wh
 coalesced batch gets a flush at its window's end. With a router holding two or more KV-event
 streams per replica (several EPPs), an arrival makes its replica push its load
 `load_push_seconds` later (at least `PUSH_INTERVAL_SECONDS` after its previous push), as
-`kvswitch.engine.sim.events` does (arrivals while a push is pending ride on it; a push whose routing core repeats the last load the replica delivered is not
-sent, as `kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
+`kvswitch.engine.sim.events` does (arrivals while a push is pending ride on it; a push whose
+routing core repeats the last load the replica delivered is not sent, as
+`kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
 the previous push whose prefill has not ended (`queued_prompts`; such a push always goes out).
 The run ends when every request has finished or was rejected (then its timers run one more
 `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual seconds (the rest are
