@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="EPPs behind the kvswitch target's Envoy (CPU per request is "
                              "their sum)")
     parser.add_argument("--load-push-ms", type=float, default=None,
-                        help="the engines' --load-push-ms (unset: the engine's default, 5); "
+                        help="the engines' --load-push-ms (unset: the engine's default, 1); "
                              "pushes go out only with two or more EPPs")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repeats of every cell")
     parser.add_argument("--workloads", default="unary,stream")

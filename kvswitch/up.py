@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-push-ms", type=float, default=None, metavar="MS",
                         help="with several EPPs, each engine sends them its load MS ms after "
                              "a request arrives (kvswitch engine --load-push-ms; default: the "
-                             "engine's, 5; 0: never)")
+                             "engine's, 1; 0: never)")
     parser.add_argument("--no-frontend", action="store_true",
                         help="gRPC only, no OpenAI HTTP API")
     parser.add_argument("--frontend-workers", type=int, default=1,

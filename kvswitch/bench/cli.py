@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--api sglang: the engines' radix-cache page size (default 1)")
     parser.add_argument("--load-push-ms", type=float, default=None, metavar="MS",
                         help="engines send their load to several EPPs MS ms after an arrival "
-                             "(kvswitch engine --load-push-ms; default: the engine's, 5; 0: "
+                             "(kvswitch engine --load-push-ms; default: the engine's, 1; 0: "
                              "never)")
     parser.add_argument("--mode", default="random", choices=["random", "echo"],
                         help="engine output tokens")

@@ -113,8 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=None, metavar="MS",
                        help="with two or more KV-event subscribers (several EPPs), send them "
                             "the engine's load MS wall milliseconds after a request arrives, "
-                            "at most one push pending, with the prompts still in prefill that "
-                            "arrived since the last, to those that ask (default 5; 0: never)")
+                            "and at least 5 ms after the previous push, with the prompts still "
+                            "in prefill that arrived since the last, to those that ask "
+                            "(default 1; 0: never)")
     add_sampling_flags(parser)
     add_message_flags(parser)
     add_tls_flags(parser)

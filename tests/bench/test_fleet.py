@@ -322,6 +322,36 @@ def test_a_killed_epp_routes_nothing_more_and_the_survivors_lose_no_request(
     assert router.alive == [router.epps[2]]
 
 
+def _push_times(shared_prefix: Any) -> dict[int, list[float]]:
+    """Per replica, when the pushes two EPPs receive fire, at the default push delay."""
+    router = make_router("kvswitch@2")
+    assert isinstance(router, MultiEppRouter)
+    fired: dict[int, list[float]] = {}
+    push = router.load_push
+
+    def spy(replica: int, load: Any, now: float, queued: tuple[Any, ...] = ()) -> None:
+        fired.setdefault(replica, []).append(now)
+        push(replica, load, now, queued)
+
+    router.load_push = spy  # type: ignore[method-assign]
+    run_fleet(shared_prefix, router, PROFILE, 4)
+    return fired
+
+
+def test_pushes_come_a_ms_after_an_arrival_and_at_least_the_interval_apart(
+        shared_prefix: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvswitch.engine.sim import events
+
+    def gaps(fired: dict[int, list[float]]) -> list[float]:
+        return [b - a for times in fired.values() for a, b in itertools.pairwise(times)]
+
+    interval = events.PUSH_INTERVAL_SECONDS
+    assert all(gap >= interval - 1e-9 for gap in gaps(_push_times(shared_prefix)))
+    # Without the interval, arrivals a few ms apart on one replica push sooner than that.
+    monkeypatch.setattr(events, "PUSH_INTERVAL_SECONDS", events.LOAD_PUSH_SECONDS)
+    assert min(gaps(_push_times(shared_prefix))) < 0.005
+
+
 def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
         shared_prefix: Any) -> None:
     from kvswitch.epp.kvindex.events import batch_from_proto

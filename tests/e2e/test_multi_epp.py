@@ -222,7 +222,7 @@ def _view(gw: Gateway, epp: int, engine: str) -> LoadView:
 
 PUSH_DEADLINE = 0.5
 """Seconds the EPPs get to see a send: half the heartbeat period (1 s), far less than the
-engine's coalescing window here, and a hundred times the push delay (5 ms)."""
+engine's coalescing window here, and a hundred times the push interval (5 ms)."""
 
 
 @pytest.fixture
@@ -265,15 +265,17 @@ def test_every_epp_learns_of_another_epps_send_from_the_engines_load_push(
                                       timeout=CALL_TIMEOUT))
 
         def every_epp_saw_it(now: list[LoadView]) -> bool:
-            return all(v.reported == 2 and v.unreported == 0
-                       and v.load_only_records > b.load_only_records
-                       for v, b in zip(now, before, strict=True))
+            # The sender may still count its send too, until a report sampled its transit
+            # allowance (5 ms) after the send: the push comes 1 ms after the arrival.
+            return sum(v.unreported for v in now) <= 1 and all(
+                v.reported == 2 and v.load_only_records > b.load_only_records
+                for v, b in zip(now, before, strict=True))
 
         waiter = threading.Event()
         while not every_epp_saw_it(now := views()) and time.monotonic() - sent < PUSH_DEADLINE:
             waiter.wait(0.01)
-        # One EPP routed it; the other learnt of it from a load-only record (the push), and the
-        # sender's own account of it was settled by the same record, within the deadline.
+        # One EPP routed it; the other learnt of it from a load-only record (the push), within
+        # the deadline.
         assert every_epp_saw_it(now), (time.monotonic() - sent, before, now)
         assert sum(_routed(gw, e) for e in epps) == sum(routed) + 1
         assert [v.batch_records for v in now] == [1, 1]

@@ -7,9 +7,10 @@ replica's step runs `Scheduler.step()` when it starts and delivers its tokens wh
 (start + its `duration`), then publishes its KV events (`Replica.publish_step`); a pending
 coalesced batch gets a flush at its window's end. With a router holding two or more KV-event
 streams per replica (several EPPs), an arrival makes its replica push its load
-`load_push_seconds` later, as `kvswitch.engine.sim.events` does (arrivals while a push is
-pending ride on it; a push whose routing core repeats the last load the replica delivered is not
-sent, as `kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
+`load_push_seconds` later (at least `PUSH_INTERVAL_SECONDS` after its previous push), as
+`kvswitch.engine.sim.events` does (arrivals while a push is pending ride on it; a push whose
+routing core repeats the last load the replica delivered is not sent, as
+`kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
 the previous push whose prefill has not ended (`queued_prompts`; such a push always goes out).
 The run ends when every request has finished or was rejected (then its timers run one more
 `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual seconds (the rest are
@@ -22,6 +23,7 @@ import asyncio
 import functools
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +34,12 @@ from kvswitch.bench.fleet.replica import Flight, Replica
 from kvswitch.bench.fleet.routers import FleetRouter
 from kvswitch.engine.base import KvEventBatchData
 from kvswitch.engine.request_log import RequestRecord
-from kvswitch.engine.sim.events import COALESCE_SECONDS, LOAD_PUSH_SECONDS, PromptQueue
+from kvswitch.engine.sim.events import (
+    COALESCE_SECONDS,
+    LOAD_PUSH_SECONDS,
+    PromptQueue,
+    next_push_at,
+)
 from kvswitch.engine.sim.profiles import SimProfile
 
 
@@ -81,6 +88,7 @@ class _Fleet:
         self._flush_at: list[float | None] = [None] * replicas
         self.load_push_seconds = load_push_seconds
         self._push_pending = [False] * replicas
+        self._pushed_at = [-math.inf] * replicas
         self.queued_prompts = queued_prompts
         self._queued = [PromptQueue(profile.block_size) for _ in range(replicas)]
         self._delivered: list[tuple[int, int, int, float] | None] = [None] * replicas
@@ -111,7 +119,8 @@ class _Fleet:
             self._queued[replica].add(str(request.index), request.prompt_ids)
         if not self._push_pending[replica]:
             self._push_pending[replica] = True
-            self.call_at(self._now + self.load_push_seconds, lambda: self._push(replica))
+            self.call_at(next_push_at(self._now, self._pushed_at[replica],
+                                      self.load_push_seconds), lambda: self._push(replica))
 
     def reject(self, request: Any, reason: str) -> None:
         self.rejected.append((request.index, reason))
@@ -159,6 +168,7 @@ class _Fleet:
 
     def _push(self, i: int) -> None:
         self._push_pending[i] = False
+        self._pushed_at[i] = self._now
         load = self.replicas[i].load(self._now)
         queued = self._queued[i].take(lambda request_id: self._prefilling(int(request_id)))
         if queued or load.routing_core != self._delivered[i]:

@@ -19,20 +19,22 @@ events it supersedes). A merged batch takes one number, so each subscriber gets 
 batch per window from each engine and the load it sees is at most one window old
 (docs/benchmarks/epp-cpu.md has the measurements behind the window).
 
-Load push (`load_push_seconds`, default 5 ms; 0 disables): `arrived()` says a request reached
+Load push (`load_push_seconds`, default 1 ms; 0 disables): `arrived()` says a request reached
 the engine. With two or more followers (several EPPs, each seeing only its own sends), the log
-yields every follower a load-only item (a push) that long after the arrival, so each EPP
-learns of the others' sends within a few ms rather than within a window; arrivals while a push
-is pending ride on it, so there is at most one push per `load_push_seconds`. The delay lets the
-sending EPP count the push as covering its send (its transit allowance is as long). A push also
+yields every follower a load-only item (a push) that long after the arrival, or
+`PUSH_INTERVAL_SECONDS` (5 ms) after the previous push if that is later, so each EPP learns of
+the others' sends within a few ms rather than within a window; arrivals while a push is pending
+ride on it, so there is at most one push per interval however high the arrival rate. A push also
 carries the prompts of the requests that arrived since the previous one (`QueuedPrompt`: their
 full blocks, at most `QUEUED_PROMPTS` prompts and `QUEUED_TOKENS` tokens per push; later ones
 go unannounced), so every EPP learns where a prompt's blocks will be stored before the engine
 schedules it. Only requests whose prefill has not ended when the push fires (`prefilling`: no
 output token yet) are announced: one past its prefill has had its blocks stored, on their way in
 the next batch, and announcing it would defeat the stream's skip of pushes that repeat its last
-load (a short request on a fast engine is past its prefill within the push delay). A follower
-that fell behind gets the last `PUSH_HISTORY` pushes it missed.
+load (a short request on a fast engine is past its prefill within the push delay). The sending
+EPP keeps counting its own send until a report sampled its transit allowance (5 ms) after it,
+so for a few ms it counts the request on the push and on its own account both. A follower that
+fell behind gets the last `PUSH_HISTORY` pushes it missed.
 """
 
 from __future__ import annotations
@@ -44,14 +46,22 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvBlockStored, KvEventBatchData, QueuedPrompt
 
-__all__ = ["COALESCE_SECONDS", "LOAD_PUSH_SECONDS", "MAX_EVENTS", "QUEUED_PROMPTS",
-           "QUEUED_TOKENS", "KvEventLog", "PromptQueue", "net_events"]
+__all__ = ["COALESCE_SECONDS", "LOAD_PUSH_SECONDS", "MAX_EVENTS", "PUSH_INTERVAL_SECONDS",
+           "QUEUED_PROMPTS", "QUEUED_TOKENS", "KvEventLog", "PromptQueue", "net_events",
+           "next_push_at"]
 
 COALESCE_SECONDS = 0.05
-LOAD_PUSH_SECONDS = 0.005
+LOAD_PUSH_SECONDS = 0.001
+PUSH_INTERVAL_SECONDS = 0.005
 QUEUED_PROMPTS = 64
 QUEUED_TOKENS = 131_072
 PUSH_HISTORY = 8
+
+
+def next_push_at(arrived_at: float, last_push_at: float, delay: float) -> float:
+    """When the push for an arrival at `arrived_at` fires: `delay` later, but at least
+    `PUSH_INTERVAL_SECONDS` after the previous push (at `last_push_at`)."""
+    return max(arrived_at + delay, last_push_at + PUSH_INTERVAL_SECONDS)
 
 
 class PromptQueue:
@@ -121,6 +131,8 @@ class KvEventLog:
         self.load_pushes = 0
         """Load pushes made so far (a follower yields the pushes it has not yielded yet)."""
         self._push_timer: asyncio.TimerHandle | None = None
+        self._pushed_at = -math.inf
+        """Loop time of the last push."""
         self._pushes: deque[KvEventBatchData] = deque(maxlen=PUSH_HISTORY)
         self.prefilling = prefilling
         """Whether a request's prefill has not ended yet (None: every arrival's has not)."""
@@ -166,10 +178,13 @@ class KvEventLog:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # nobody can be following without a loop
-        self._push_timer = loop.call_later(self.load_push_seconds, self._push_load)
+        now = loop.time()
+        self._push_timer = loop.call_later(
+            next_push_at(now, self._pushed_at, self.load_push_seconds) - now, self._push_load)
 
     def _push_load(self) -> None:
         self._push_timer = None
+        self._pushed_at = asyncio.get_running_loop().time()
         queued = self._queued.take(self.prefilling)
         self._pushes.append(KvEventBatchData(-1, 0.0, load_only=True, queued=queued))
         self.load_pushes += 1

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
+
+import pytest
 
 from kvswitch.engine.base import EngineLoadSnapshot, KvEventBatchData, QueuedPrompt
 from kvswitch.engine.sim import SimEngine
-from kvswitch.engine.sim.events import QUEUED_PROMPTS, QUEUED_TOKENS, KvEventLog, net_events
+from kvswitch.engine.sim.events import (
+    LOAD_PUSH_SECONDS,
+    PUSH_INTERVAL_SECONDS,
+    QUEUED_PROMPTS,
+    QUEUED_TOKENS,
+    KvEventLog,
+    net_events,
+    next_push_at,
+)
 from kvswitch.engine.sim.kv_cache import KvBlockStored
 
 from .conftest import collect, make_engine, request
@@ -176,8 +187,6 @@ async def test_load_moves_and_going_idle_wait_for_the_window() -> None:
 def test_the_engine_flag_sets_the_coalescing_window() -> None:
     import argparse
 
-    import pytest
-
     from kvswitch.engine.cli import add_arguments, sim_config_kwargs
     from kvswitch.engine.sim import SimConfig, SimEngine
 
@@ -211,6 +220,32 @@ async def test_an_arrival_pushes_the_load_to_every_follower_once_per_push_window
     log.close()
     assert [x async for x in a] == [] and [x async for x in b] == []
     assert log.followers == 0
+
+
+def test_a_push_comes_its_delay_after_an_arrival_but_an_interval_after_the_last_push() -> None:
+    assert next_push_at(10.0, -math.inf, 0.001) == pytest.approx(10.001)
+    assert next_push_at(10.0, 10.0 - PUSH_INTERVAL_SECONDS, 0.001) == pytest.approx(10.001)
+    assert next_push_at(10.0, 9.999, 0.001) == pytest.approx(9.999 + PUSH_INTERVAL_SECONDS)
+    assert next_push_at(10.0, 9.999, 0.02) == pytest.approx(10.02)
+
+
+async def test_pushes_keep_the_interval_while_arrivals_keep_coming() -> None:
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.001)
+    log.publish(100.0, load=snapshot(1, 0))
+    a, b = log.follow(0), log.follow(0)
+    await next_item(a)
+    await next_item(b)
+    loop = asyncio.get_running_loop()
+    arrived = loop.time()
+    log.arrived()
+    assert (await next_item(a)).load_only
+    first = loop.time()
+    log.arrived()  # at once: this push waits for the interval, not just the delay
+    assert (await next_item(a)).load_only
+    second = loop.time()
+    assert first - arrived >= 0.001 - 1e-4
+    assert second - first >= PUSH_INTERVAL_SECONDS - 1e-4
+    log.close()
 
 
 async def test_no_push_with_one_follower_or_with_pushes_off() -> None:
@@ -288,14 +323,12 @@ async def test_a_push_announces_a_bounded_number_of_prompts_and_tokens() -> None
 def test_the_engine_flag_sets_the_load_push_delay() -> None:
     import argparse
 
-    import pytest
-
     from kvswitch.engine.cli import add_arguments, sim_config_kwargs
     from kvswitch.engine.sim import SimConfig, SimEngine
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    for argv, delay in (([], 0.005), (["--load-push-ms", "0"], 0.0),
+    for argv, delay in (([], LOAD_PUSH_SECONDS), (["--load-push-ms", "0"], 0.0),
                         (["--load-push-ms", "2"], 0.002)):
         engine = SimEngine(SimConfig(**sim_config_kwargs(parser.parse_args(argv))))
         assert engine._events.load_push_seconds == pytest.approx(delay)
