@@ -338,7 +338,7 @@ def _push_times(shared_prefix: Any) -> dict[int, list[float]]:
     return fired
 
 
-def test_pushes_come_a_ms_after_an_arrival_and_at_least_the_interval_apart(
+def test_a_replicas_pushes_are_at_least_the_interval_apart(
         shared_prefix: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvswitch.engine.sim import events
 
@@ -349,7 +349,7 @@ def test_pushes_come_a_ms_after_an_arrival_and_at_least_the_interval_apart(
     assert all(gap >= interval - 1e-9 for gap in gaps(_push_times(shared_prefix)))
     # Without the interval, arrivals a few ms apart on one replica push sooner than that.
     monkeypatch.setattr(events, "PUSH_INTERVAL_SECONDS", events.LOAD_PUSH_SECONDS)
-    assert min(gaps(_push_times(shared_prefix))) < 0.005
+    assert min(gaps(_push_times(shared_prefix))) < interval
 
 
 def test_with_several_epps_each_arrival_pushes_its_replicas_load_to_all(
