@@ -42,12 +42,12 @@ What it does, by construction:
   repeats also delays the requests that queue behind it, about F of them: the miss is charged
   for those too, so a group stays on its holders over queue differences that even out anyway.
 - a prefix that saves under cacheThreshold of the prompt (a system prompt before a long
-  question) is copied while no replica is saturated: its holders are charged it instead of
+  question) is copied while the pool has room (F = 0): its holders are charged it instead of
   credited, so the next requests go to replicas without it, and once every replica holds it
   the charge is equal everywhere and load alone decides. A greedy choice follows such a
   prefix until its few holders are busy and then copies it one miss at a time at the busiest
-  moments; copying it while the pool has room costs a few cheap misses early (round robin's
-  accidental advantage on such workloads). At saturation (F > 0) the match counts as usual.
+  moments; copying it while the pool has room costs a few cheap misses early, as round robin
+  does by accident. When the whole pool queues (F > 0) the match counts as usual.
 This is SGLang's cache-aware rule (prefix match above a threshold while the fleet is balanced,
 shortest queue when imbalanced) turned continuous: the threshold is where the saved prefill
 equals the extra queue, measured in the same unit, instead of fixed ratios (0.5, 32, 1.1).
@@ -88,10 +88,10 @@ class EstimatedTtftScorer:
                  uncached_weight: float = 1.0, saturation_miss_weight: float = 0.0,
                  cache_threshold: float = 0.0) -> None:
         self.name = name
-        self.cache_threshold = cache_threshold
         self.running_tokens = running_tokens
         self.uncached_weight = uncached_weight
         self.saturation_miss_weight = saturation_miss_weight
+        self.cache_threshold = cache_threshold
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
