@@ -62,8 +62,10 @@ READY_ENDPOINTS_METRIC = "kvswitch_epp_pool_ready_endpoints"
 # The estimated-TTFT profile: per replica, the prefill work ahead (the reported queue plus what
 # the EPP sent and no report shows yet, or the prefill in progress from KV events) plus the
 # request's own uncached prefill counted twice (a miss also spends prefill later requests of its
-# prefix would get from the cache) and 160 prefill tokens per running request (its decode in
-# every step ahead); the precise scorer is listed for its KV-event index. Chosen on the routing
+# prefix would get from the cache, and once more per request every replica has waiting) and 160
+# prefill tokens per running request (its decode in every step ahead); a prefix under half the
+# prompt is copied to replicas without it while some replica has nothing waiting
+# (cacheThreshold). The precise scorer is listed for its KV-event index. Chosen on the routing
 # panel (docs/benchmarks/routing-panel/default.md); kvswitch/bench/configs/kvswitch.yaml is the
 # same profile (a test keeps them equal).
 DEFAULT_EPP_CONFIG = {
@@ -77,7 +79,7 @@ DEFAULT_EPP_CONFIG = {
          "parameters": {"blockSize": 16}},
         {"name": "estimated-ttft-scorer", "type": "estimated-ttft-scorer",
          "parameters": {"uncachedWeight": 2, "runningRequestTokens": 160,
-                        "saturationMissWeight": 1}},
+                        "saturationMissWeight": 1, "cacheThreshold": 0.5}},
         # The pick plus one fallback: Envoy retries a refused connection (a replica that died
         # before the EPP noticed) on the fallback instead of failing the request.
         {"name": "max-score-picker", "type": "max-score-picker",

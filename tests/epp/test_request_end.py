@@ -8,6 +8,9 @@ its end on, it is neither.
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 from kvswitch.epp.access_log import LoggedEnd
 from kvswitch.epp.config import build_endpoint_picker, static_pool
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome
@@ -27,10 +30,21 @@ def prompt(n: int) -> tuple[int, ...]:
     return (*SHARED, *range(n * TAIL, (n + 1) * TAIL))
 
 
+def following_config() -> dict[str, Any]:
+    """The default profile with its copy of short prefixes off (cacheThreshold 0): these tests
+    read the load terms' accounting through a short prefix's holder keeping its requests."""
+    config: dict[str, Any] = copy.deepcopy(DEFAULT_EPP_CONFIG)
+    for plugin in config["plugins"]:
+        if plugin["type"] == "estimated-ttft-scorer":
+            plugin["parameters"]["cacheThreshold"] = 0.0
+    return config
+
+
 def default_router() -> tuple[EppRouter, PrecisePrefixCacheScorer, list[str]]:
-    """The default profile over idle replicas, the first holding the shared prefix."""
+    """The default profile (following short prefixes) over idle replicas, the first holding
+    the shared prefix."""
     addresses = [f"127.0.0.1:{20000 + i}" for i in range(REPLICAS)]  # nothing is contacted
-    router = build_endpoint_picker(DEFAULT_EPP_CONFIG, static_pool(addresses)).router
+    router = build_endpoint_picker(following_config(), static_pool(addresses)).router
     assert isinstance(router, EppRouter)
     datalayer = router.datalayer
     datalayer.set_endpoints(router.refresher.discovery.endpoints)  # type: ignore[union-attr]

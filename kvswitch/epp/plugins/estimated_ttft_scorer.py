@@ -24,8 +24,10 @@ replica and cancels out):
                `PrefixMatch.prefilling`; else 0): charged as prefill, not as running too
     F        = min over the candidates of waiting(e): requests every replica has waiting,
                0 unless the whole pool queues
+    c(e)     = 1 - m(e); 1 + m(e) when the longest match on any candidate is under
+               cacheThreshold of the prompt and F = 0 (a short prefix is copied, not followed)
     est(e)   = max(Wq(e) + Ws(e), Wp(e))
-               + (uncachedWeight + saturationMissWeight x F) x (1 - m(e)) x P
+               + (uncachedWeight + saturationMissWeight x F) x c(e) x P
                + runningRequestTokens x R(e)
     score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
                                                        +1 keeps an idle all-cached pool finite)
@@ -39,6 +41,13 @@ What it does, by construction:
 - when every replica queues, the pool's throughput sets every wait, and a prefill a miss
   repeats also delays the requests that queue behind it, about F of them: the miss is charged
   for those too, so a group stays on its holders over queue differences that even out anyway.
+- a prefix that saves under cacheThreshold of the prompt (a system prompt before a long
+  question) is copied while the pool has room (F = 0): its holders are charged it instead of
+  credited, so the next requests go to replicas without it, and once every replica holds it
+  the charge is equal everywhere and load alone decides. A greedy choice follows such a
+  prefix until its few holders are busy and then copies it one miss at a time at the busiest
+  moments; copying it while the pool has room costs a few cheap misses early, as round robin
+  does by accident. When the whole pool queues (F > 0) the match counts as usual.
 This is SGLang's cache-aware rule (prefix match above a threshold while the fleet is balanced,
 shortest queue when imbalanced) turned continuous: the threshold is where the saved prefill
 equals the extra queue, measured in the same unit, instead of fixed ratios (0.5, 32, 1.1).
@@ -55,7 +64,10 @@ queued one; 1 is the request's own TTFT alone, above 1 a cache miss also pays fo
 it spends, which later requests of the same prefix would otherwise get from the cache (keeps
 prefix groups together at moderate load). saturationMissWeight (float >= 0, default 0): what
 a token of the request's own uncached prefill counts, per request every replica has waiting;
-1 charges the miss for each of them once.
+1 charges the miss for each of them once. cacheThreshold (float in [0, 1], default 0: off):
+below this fraction of the prompt, the longest match anywhere is copied rather than followed
+(c(e) above); SGLang's router has a cache threshold of the same default, 0.5, below which it
+routes to the replica with the least cached (`--cache-threshold`).
 """
 
 from __future__ import annotations
@@ -73,11 +85,13 @@ TYPE = "estimated-ttft-scorer"
 
 class EstimatedTtftScorer:
     def __init__(self, name: str, running_tokens: float = 16.0,
-                 uncached_weight: float = 1.0, saturation_miss_weight: float = 0.0) -> None:
+                 uncached_weight: float = 1.0, saturation_miss_weight: float = 0.0,
+                 cache_threshold: float = 0.0) -> None:
         self.name = name
         self.running_tokens = running_tokens
         self.uncached_weight = uncached_weight
         self.saturation_miss_weight = saturation_miss_weight
+        self.cache_threshold = cache_threshold
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
@@ -89,10 +103,14 @@ class EstimatedTtftScorer:
         prefilling = match.prefilling if match is not None else None
         running_tokens = self.running_tokens
         own = self.uncached_weight * prompt
-        if self.saturation_miss_weight:
+        everywhere_waiting = 0
+        if self.saturation_miss_weight or self.cache_threshold:
             # F of the module docstring: the requests a repeated prefill delays when all queue.
             everywhere_waiting = min(e.metrics.waiting for e in endpoints)
             own += self.saturation_miss_weight * everywhere_waiting * prompt
+        # The cached fraction lowers c(e) (followed), or raises it (copied: a short prefix).
+        follow = -1.0 if (matched and not everywhere_waiting and max(matched.values())
+                          < self.cache_threshold * blocks) else 1.0
         work = []
         # est(e) of the module docstring, inline (a helper call per endpoint cost ~0.3 us).
         for e in endpoints:
@@ -110,7 +128,7 @@ class EstimatedTtftScorer:
                         if charged > 0:
                             running -= charged
             held = matched.get(e.address, 0) if matched else 0
-            work.append(queued + (1.0 - held / blocks if held else 1.0) * own
+            work.append(queued + (1.0 - follow * held / blocks if held else 1.0) * own
                         + (running_tokens * running if running > 0 else 0.0))
         least = min(work) + 1.0
         return [least / (w + 1.0) for w in work]
@@ -127,4 +145,7 @@ def create(name: str, parameters: Mapping[str, Any],
     saturation = param(parameters, "saturationMissWeight", float, 0.0)
     if saturation < 0:
         raise ConfigError(f"parameters.saturationMissWeight: must be >= 0, got {saturation}")
-    return EstimatedTtftScorer(name, running_tokens, uncached_weight, saturation)
+    threshold = param(parameters, "cacheThreshold", float, 0.0)
+    if not 0 <= threshold <= 1:
+        raise ConfigError(f"parameters.cacheThreshold: must be in [0, 1], got {threshold}")
+    return EstimatedTtftScorer(name, running_tokens, uncached_weight, saturation, threshold)

@@ -148,7 +148,8 @@ async def test_the_router_routes_others_while_a_long_text_is_tokenized() -> None
     scorer = next(p for p in router.scheduler.plugins if isinstance(p, PrecisePrefixCacheScorer))
     text = long_text(30_000)
     ids = load_tokenizer(None).encode(text)
-    scorer.index.apply(addresses[2], [stored(ids[:320])])  # the third replica holds its prefix
+    # The third replica holds most of its prompt (a prefix under half would be copied instead).
+    scorer.index.apply(addresses[2], [stored(ids[:len(ids) * 3 // 4 // 16 * 16])])
     # The quick one's prompt is held by the first: it goes there, not where the slow one goes
     # (a request routed and not yet reported counts as queued load).
     scorer.index.apply(addresses[0], [stored((5,) * 64)])

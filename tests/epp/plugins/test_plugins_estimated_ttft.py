@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
-from kvswitch.epp.framework import PluginHandle, SchedulerProfile
+from kvswitch.epp.framework import ConfigError, PluginHandle, SchedulerProfile
 from kvswitch.epp.plugins.estimated_ttft_scorer import TYPE, create
 from kvswitch.epp.plugins.max_score_picker import MaxScorePicker
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
@@ -164,3 +166,40 @@ def test_saturated_pool_keeps_a_group_on_its_holder_over_a_longer_queue() -> Non
     load(eps[1], waiting=0, waiting_tokens=0)
     load(eps[0], waiting=30, waiting_tokens=20_000)
     assert picked(1.0) == "e1:1"
+
+
+def test_a_short_prefix_is_copied_while_the_pool_has_room() -> None:
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+
+    def picked(matched: dict[str, int], threshold: float) -> str:
+        scorer = create("t", {"uncachedWeight": 2.0, "runningRequestTokens": 160,
+                              "saturationMissWeight": 1.0, "cacheThreshold": threshold},
+                        PluginHandle(Datalayer()))
+        profile = SchedulerProfile("p", [], [(scorer, 1.0)], MaxScorePicker("m"))
+        state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), matched)}
+        return profile.run(request, state, eps).endpoints[0].address
+
+    eps = endpoints(3)
+    for e in eps:
+        load(e, running=4)
+    system_prompt = {"e0:1": 62}  # 992 of 7,200 tokens, a system prompt before a question
+    assert picked(system_prompt, 0.0) == "e0:1"  # followed: the holder saves 992 tokens
+    assert picked(system_prompt, 0.5) != "e0:1"  # copied: a replica without it first
+    # Held by every replica but one: the one left gets the copy.
+    assert picked({"e0:1": 62, "e1:1": 62}, 0.5) == "e2:1"
+    # Held everywhere: the charge is equal, and load alone decides.
+    load(eps[1], running=3)
+    assert picked({"e0:1": 62, "e1:1": 62, "e2:1": 62}, 0.5) == "e1:1"
+    # A prefix over the threshold is followed (6,000 of 7,200 tokens).
+    load(eps[1], running=4)
+    assert picked({"e0:1": 375}, 0.5) == "e0:1"
+    # A saturated pool (every replica has requests waiting) follows a short prefix too.
+    for e in eps:
+        load(e, waiting=10, waiting_tokens=72_000, running=4)
+    assert picked(system_prompt, 0.5) == "e0:1"
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5])
+def test_cache_threshold_is_a_fraction(bad: float) -> None:
+    with pytest.raises(ConfigError, match="cacheThreshold: must be in"):
+        create("t", {"cacheThreshold": bad}, PluginHandle(Datalayer()))
