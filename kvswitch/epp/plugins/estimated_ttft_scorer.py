@@ -109,8 +109,8 @@ class EstimatedTtftScorer:
             everywhere_waiting = min(e.metrics.waiting for e in endpoints)
             own += self.saturation_miss_weight * everywhere_waiting * prompt
         # The cached fraction lowers c(e) (followed), or raises it (copied: a short prefix).
-        follow = -1.0 if (matched and not everywhere_waiting and max(matched.values())
-                          < self.cache_threshold * blocks) else 1.0
+        follow = -1.0 if (self.cache_threshold and matched and not everywhere_waiting
+                          and max(matched.values()) < self.cache_threshold * blocks) else 1.0
         work = []
         # est(e) of the module docstring, inline (a helper call per endpoint cost ~0.3 us).
         for e in endpoints:
