@@ -8,6 +8,11 @@ summary is its median and worst over the replays and how many replays meet the t
 holds the router and its references, so a burst that lands badly for every router cancels
 out; what it does not show is a router worse on every replay by less than the spread.
 
+`--references SUMMARY_JSON` takes a reference the panels do not hold from an earlier summary
+of the same replays (same members, steps, seeds and jitter), per member, step and seed: the
+fleet simulator is deterministic, so a reference's replay reproduces to the last digit and
+need not be rerun beside each candidate.
+
     python benchmarks/routing_replays.py j1/panel.json j2/panel.json ... --out replays.json
 """
 
@@ -31,10 +36,28 @@ def _p90(member: dict[str, Any], router: str, step: int) -> float | None:
     return None if value is None else float(value)
 
 
-def summarise(replays: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
+Saved = dict[tuple[str, float, int, str], float]
+"""(member, QPS, seed, reference router) -> TTFT p90, from an earlier summary."""
+
+
+def saved_references(summary: dict[str, Any]) -> Saved:
+    """The references' TTFT p90 per replay of an earlier `summarise` output (as written)."""
+    saved: Saved = {}
+    for rows in summary["summary"].values():
+        for row in rows:
+            for ref, values in row["references"].items():
+                for seed, p90 in zip(summary["seeds"], values["ttft_p90"], strict=True):
+                    if p90 is not None:
+                        saved[(row["member"], round(row["qps"], 6), seed, ref)] = p90
+    return saved
+
+
+def summarise(replays: list[dict[str, Any]], tolerance: float,
+              saved: Saved | None = None) -> dict[str, Any]:
     """{epp router: [{member, qps, ttft_p90, references: {name: {ttft_p90, ratios, median,
-    worst, target, met}}}]}."""
+    worst, target, met}}}]}; a reference a replay lacks comes from `saved` if there."""
     epp = list(replays[0]["meta"]["epp"])
+    seeds = [r["meta"]["seed"] for r in replays]
     out: dict[str, Any] = {}
     for name in epp:
         rows = []
@@ -47,7 +70,9 @@ def summarise(replays: list[dict[str, Any]], tolerance: float) -> dict[str, Any]
                 row: dict[str, Any] = {"member": first["member"], "qps": step["qps"],
                                        "ttft_p90": mine, "references": {}}
                 for ref, factor in TARGETS:
-                    theirs = [_p90(x, ref, i) for x in members]
+                    theirs = [_p90(x, ref, i) if ref in x["routers"] else
+                              (saved or {}).get((first["member"], round(step["qps"], 6), s, ref))
+                              for x, s in zip(members, seeds, strict=True)]
                     ratios = [a / b for a, b in zip(mine, theirs, strict=True)
                               if a is not None and b]
                     if not ratios:
@@ -95,10 +120,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="one routing_panel.py panel.json per replay")
     parser.add_argument("--tolerance", type=float, default=0.02,
                         help="relative slack on each target (default 0.02)")
+    parser.add_argument("--references", type=Path, default=None, metavar="SUMMARY_JSON",
+                        help="an earlier --out of the same replays: references the panels "
+                             "lack are read from it")
     parser.add_argument("--out", type=Path, default=None, help="write the summary as JSON")
     args = parser.parse_args(argv)
     replays = [json.loads(p.read_text()) for p in args.panels]
-    summary = summarise(replays, args.tolerance)
+    saved = (saved_references(json.loads(args.references.read_text()))
+             if args.references is not None else None)
+    summary = summarise(replays, args.tolerance, saved)
     text = markdown(summary, len(replays), args.tolerance)
     print(text)
     if args.out is not None:
@@ -110,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             "trees": sorted({r["meta"]["git"] for r in replays}),
             "seeds": [r["meta"]["seed"] for r in replays],
             "jitter_ms": [r["meta"].get("jitter_ms", 0.0) for r in replays],
+            "references_from": None if args.references is None else str(args.references),
             "tolerance": args.tolerance, "summary": summary}, indent=1))
     return 0
 

@@ -64,7 +64,7 @@ READY_ENDPOINTS_METRIC = "kvswitch_epp_pool_ready_endpoints"
 # request's own uncached prefill counted twice (a miss also spends prefill later requests of its
 # prefix would get from the cache, and once more per request every replica has waiting) and 160
 # prefill tokens per running request (its decode in every step ahead); a prefix under half the
-# prompt is copied to replicas without it while some replica has nothing waiting
+# prompt is copied to replicas without it while some replica has no prefill ahead
 # (cacheThreshold). The precise scorer is listed for its KV-event index. Chosen on the routing
 # panel (docs/benchmarks/routing-panel/default.md); kvswitch/bench/configs/kvswitch.yaml is the
 # same profile (a test keeps them equal).

@@ -57,6 +57,29 @@ def test_targets_are_judged_against_references_of_the_same_replay() -> None:
     assert row_text in text
 
 
+def test_references_a_replay_lacks_come_from_an_earlier_summary_of_the_same_seeds() -> None:
+    replays = load_script("routing_replays")
+    earlier = replays.summarise([_replay(1.1, 1.0, 1.2, 1.0), _replay(3.3, 2.5, 3.0, 3.5)],
+                                tolerance=0.02)
+    written = {"seeds": [1, 2], "summary": earlier}
+    saved = replays.saved_references(written)
+    assert saved[("m", 5.0, 2, "round-robin")] == 3.0
+
+    def candidate(mine: float, seed: int) -> dict[str, Any]:
+        replay = _replay(mine, 0.0, 0.0, 0.0)
+        replay["meta"]["seed"] = seed
+        replay["members"][0]["routers"] = {"kvswitch": replay["members"][0]["routers"]
+                                           ["kvswitch"]}
+        return replay
+
+    # The candidate's replays in the other order: each ratio is against its own seed's run.
+    [row] = replays.summarise([candidate(2.7, 2), candidate(1.3, 1)], 0.02, saved)["kvswitch"]
+    assert row["references"]["round-robin"]["ttft_p90"] == [3.0, 1.2]
+    assert row["references"]["round-robin"]["ratios"] == [0.9, 1.0833]
+    assert row["references"]["oracle-best"]["ratios"] == [1.08, 1.3]
+    assert row["references"]["oracle-best"]["met"] == 1
+
+
 def test_a_negative_jitter_is_refused_before_anything_runs(capsys: Any) -> None:
     panel = load_script("routing_panel")
     with pytest.raises(SystemExit):

@@ -25,7 +25,8 @@ replica and cancels out):
     F        = min over the candidates of waiting(e): requests every replica has waiting,
                0 unless the whole pool queues
     c(e)     = 1 - m(e); 1 + m(e) when the longest match on any candidate is under
-               cacheThreshold of the prompt and F = 0 (a short prefix is copied, not followed)
+               cacheThreshold of the prompt and some candidate has no prefill ahead
+               (min_e' max(Wq(e') + Ws(e'), Wp(e')) = 0): a short prefix is copied, not followed
     est(e)   = max(Wq(e) + Ws(e), Wp(e))
                + (uncachedWeight + saturationMissWeight x F) x c(e) x P
                + runningRequestTokens x R(e)
@@ -42,12 +43,14 @@ What it does, by construction:
   repeats also delays the requests that queue behind it, about F of them: the miss is charged
   for those too, so a group stays on its holders over queue differences that even out anyway.
 - a prefix that saves under cacheThreshold of the prompt (a system prompt before a long
-  question) is copied while the pool has room (F = 0): its holders are charged it instead of
+  question) is copied while the pool has room, some replica with no prefill ahead by its
+  report, the EPP's own sends and the KV events: its holders are charged it instead of
   credited, so the next requests go to replicas without it, and once every replica holds it
   the charge is equal everywhere and load alone decides. A greedy choice follows such a
   prefix until its few holders are busy and then copies it one miss at a time at the busiest
   moments; copying it while the pool has room costs a few cheap misses early, as round robin
-  does by accident. When the whole pool queues (F > 0) the match counts as usual.
+  does by accident. While every replica has prefill ahead (a burst, or a saturated pool) a
+  copy would add prefill where there is no room for it, and the match counts as usual.
 This is SGLang's cache-aware rule (prefix match above a threshold while the fleet is balanced,
 shortest queue when imbalanced) turned continuous: the threshold is where the saved prefill
 equals the extra queue, measured in the same unit, instead of fixed ratios (0.5, 32, 1.1).
@@ -103,15 +106,12 @@ class EstimatedTtftScorer:
         prefilling = match.prefilling if match is not None else None
         running_tokens = self.running_tokens
         own = self.uncached_weight * prompt
-        everywhere_waiting = 0
-        if self.saturation_miss_weight or self.cache_threshold:
+        if self.saturation_miss_weight:
             # F of the module docstring: the requests a repeated prefill delays when all queue.
             everywhere_waiting = min(e.metrics.waiting for e in endpoints)
             own += self.saturation_miss_weight * everywhere_waiting * prompt
-        # The cached fraction lowers c(e) (followed), or raises it (copied: a short prefix).
-        follow = -1.0 if (self.cache_threshold and matched and not everywhere_waiting
-                          and max(matched.values()) < self.cache_threshold * blocks) else 1.0
-        work = []
+        queues = []
+        runs = []
         # est(e) of the module docstring, inline (a helper call per endpoint cost ~0.3 us).
         for e in endpoints:
             m = e.metrics
@@ -127,9 +127,16 @@ class EstimatedTtftScorer:
                                    - m.waiting)
                         if charged > 0:
                             running -= charged
+            queues.append(queued)
+            runs.append(running_tokens * running if running > 0 else 0.0)
+        # The cached fraction lowers c(e) (followed), or raises it (copied: a short prefix
+        # while some replica has no prefill ahead).
+        follow = -1.0 if (self.cache_threshold and matched and min(queues) <= 0
+                          and max(matched.values()) < self.cache_threshold * blocks) else 1.0
+        work = []
+        for e, queued, run in zip(endpoints, queues, runs, strict=True):
             held = matched.get(e.address, 0) if matched else 0
-            work.append(queued + (1.0 - follow * held / blocks if held else 1.0) * own
-                        + (running_tokens * running if running > 0 else 0.0))
+            work.append(queued + (1.0 - follow * held / blocks if held else 1.0) * own + run)
         least = min(work) + 1.0
         return [least / (w + 1.0) for w in work]
 

@@ -193,6 +193,13 @@ def test_a_short_prefix_is_copied_while_the_pool_has_room() -> None:
     # A prefix over the threshold is followed (6,000 of 7,200 tokens).
     load(eps[1], running=4)
     assert picked({"e0:1": 375}, 0.5) == "e0:1"
+    # A burst that has just sent every replica a prefill no report shows yet: no replica has
+    # room for a copy, so the short prefix is followed.
+    for e in eps:
+        sent(e, 1, 7200)
+    assert picked(system_prompt, 0.5) == "e0:1"
+    for e in eps:
+        sent(e, 0, 0)
     # A saturated pool (every replica has requests waiting) follows a short prefix too.
     for e in eps:
         load(e, waiting=10, waiting_tokens=72_000, running=4)
