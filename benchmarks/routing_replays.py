@@ -8,7 +8,7 @@ summary is its median and worst over the replays and how many replays meet the t
 holds the router and its references, so a burst that lands badly for every router cancels
 out; what it does not show is a router worse on every replay by less than the spread.
 
-`--references SUMMARY_JSON` takes a reference the panels do not hold from an earlier summary
+`--references SUMMARY_JSON ...` takes a reference the panels do not hold from earlier summaries
 of the same replays (same members, steps, seeds and jitter), per member, step and seed: the
 fleet simulator is deterministic, so a reference's replay reproduces to the last digit and
 need not be rerun beside each candidate.
@@ -120,14 +120,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="one routing_panel.py panel.json per replay")
     parser.add_argument("--tolerance", type=float, default=0.02,
                         help="relative slack on each target (default 0.02)")
-    parser.add_argument("--references", type=Path, default=None, metavar="SUMMARY_JSON",
-                        help="an earlier --out of the same replays: references the panels "
-                             "lack are read from it")
+    parser.add_argument("--references", type=Path, nargs="+", default=None,
+                        metavar="SUMMARY_JSON",
+                        help="earlier --out files of the same replays: references the panels "
+                             "lack are read from them")
     parser.add_argument("--out", type=Path, default=None, help="write the summary as JSON")
     args = parser.parse_args(argv)
     replays = [json.loads(p.read_text()) for p in args.panels]
-    saved = (saved_references(json.loads(args.references.read_text()))
-             if args.references is not None else None)
+    saved: Saved = {}
+    for path in args.references or ():
+        saved.update(saved_references(json.loads(path.read_text())))
     summary = summarise(replays, args.tolerance, saved)
     text = markdown(summary, len(replays), args.tolerance)
     print(text)
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             "trees": sorted({r["meta"]["git"] for r in replays}),
             "seeds": [r["meta"]["seed"] for r in replays],
             "jitter_ms": [r["meta"].get("jitter_ms", 0.0) for r in replays],
-            "references_from": None if args.references is None else str(args.references),
+            "references_from": [str(p) for p in args.references or ()],
             "tolerance": args.tolerance, "summary": summary}, indent=1))
     return 0
 
