@@ -199,7 +199,7 @@ def test_a_short_prefix_is_copied_while_the_pool_has_room() -> None:
         sent(e, 1, 7200)
     assert picked(system_prompt, 0.5) == "e0:1"
     for e in eps:
-        sent(e, 0, 0)
+        sent(e, 0, 0)  # a report covers the burst
     # A saturated pool (every replica has requests waiting) follows a short prefix too.
     for e in eps:
         load(e, waiting=10, waiting_tokens=72_000, running=4)
