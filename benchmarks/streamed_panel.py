@@ -81,6 +81,20 @@ MEMBERS: dict[str, Member] = {
         args=(f"--trace {TRACE} --trace-start 0 --trace-duration 180 --speedup 1.5 "
               "--profile qwen3-32b-2xh100-128k --time-scale 1.25 --drain-timeout 150"),
         targets="kvswitch"),
+    # The trace and the multi-turn member again with the default as of 9ce25e7 (the copy of a
+    # short prefix, gated on a replica with no prefill ahead): kvswitch alone.
+    "trace-0-x1.5-9ce25e7": Member(
+        description="trace-0-x1.5 again, kvswitch only, with the default of 9ce25e7",
+        panel_row="trace-0-x1.5",
+        args=(f"--trace {TRACE} --trace-start 0 --trace-duration 180 --speedup 1.5 "
+              "--profile qwen3-32b-2xh100-128k --time-scale 1.25 --drain-timeout 150"),
+        targets="kvswitch"),
+    "mt-1000-30-9ce25e7": Member(
+        description="mt-1000-30 again, kvswitch only, with the default of 9ce25e7",
+        panel_row="mt-1000-30",
+        args=("--preset multi-turn-6x1000-1000-30-1000 --qps 5,12,20 --duration 20 "
+              "--time-scale 0.5 --drain-timeout 240"),
+        targets="kvswitch"),
 }
 
 
