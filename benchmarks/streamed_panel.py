@@ -49,13 +49,17 @@ class Member:
     targets: str = TARGETS
 
 
+TRACE_ARGS = (f"--trace {TRACE} --trace-start 0 --trace-duration 180 --speedup 1.5 "
+              "--profile qwen3-32b-2xh100-128k --time-scale 1.25 --drain-timeout 150")
+MT_1000_30_ARGS = ("--preset multi-turn-6x1000-1000-30-1000 --qps 5,12,20 --duration 20 "
+                   "--time-scale 0.5 --drain-timeout 240")
+
 MEMBERS: dict[str, Member] = {
     "trace-0-x1.5": Member(
         description=("Mooncake conversation trace 0-180 s at 1.5x (556 requests, mean output "
                      "~340 tokens)"),
         panel_row="trace-0-x1.5",
-        args=(f"--trace {TRACE} --trace-start 0 --trace-duration 180 --speedup 1.5 "
-              "--profile qwen3-32b-2xh100-128k --time-scale 1.25 --drain-timeout 150")),
+        args=TRACE_ARGS),
     "bursts-6000-1200": Member(
         description=("150x5 shared prefix (6,000-token system prompts) in bursts of 10-50, "
                      "QPS 10 / 20, 20 s each"),
@@ -72,28 +76,24 @@ MEMBERS: dict[str, Member] = {
         description=("multi-turn 6 x 1,000 conversations, 30-token questions, QPS 5 / 12 / 20, "
                      "20 s each"),
         panel_row="mt-1000-30",
-        args=("--preset multi-turn-6x1000-1000-30-1000 --qps 5,12,20 --duration 20 "
-              "--time-scale 0.5 --drain-timeout 240")),
+        args=MT_1000_30_ARGS),
     # The trace again on a later EPP tree: kvswitch alone, as the other targets run no EPP.
     "trace-0-x1.5-0b07caf": Member(
         description="trace-0-x1.5 again, kvswitch only, with the EPP of 0b07caf",
         panel_row="trace-0-x1.5",
-        args=(f"--trace {TRACE} --trace-start 0 --trace-duration 180 --speedup 1.5 "
-              "--profile qwen3-32b-2xh100-128k --time-scale 1.25 --drain-timeout 150"),
+        args=TRACE_ARGS,
         targets="kvswitch"),
     # The trace and the multi-turn member again with the default as of 9ce25e7 (the copy of a
     # short prefix, gated on a replica with no prefill ahead): kvswitch alone.
     "trace-0-x1.5-9ce25e7": Member(
         description="trace-0-x1.5 again, kvswitch only, with the default of 9ce25e7",
         panel_row="trace-0-x1.5",
-        args=(f"--trace {TRACE} --trace-start 0 --trace-duration 180 --speedup 1.5 "
-              "--profile qwen3-32b-2xh100-128k --time-scale 1.25 --drain-timeout 150"),
+        args=TRACE_ARGS,
         targets="kvswitch"),
     "mt-1000-30-9ce25e7": Member(
         description="mt-1000-30 again, kvswitch only, with the default of 9ce25e7",
         panel_row="mt-1000-30",
-        args=("--preset multi-turn-6x1000-1000-30-1000 --qps 5,12,20 --duration 20 "
-              "--time-scale 0.5 --drain-timeout 240"),
+        args=MT_1000_30_ARGS,
         targets="kvswitch"),
 }
 
