@@ -51,6 +51,22 @@ def test_a_drain_limit_reports_the_requests_still_running(shared_prefix: Any) ->
     assert result.unfinished and len(result.records) + len(result.unfinished) == n
 
 
+def test_on_step_sees_every_step_that_produced_a_token(shared_prefix: Any) -> None:
+    seen: dict[int, list[tuple[float, float, int]]] = {}
+
+    def on_step(replica: Any, start: float, step: Any) -> None:
+        seen.setdefault(replica.index, []).append((start, step.duration, len(step.outputs)))
+
+    result = run_fleet(shared_prefix, RoundRobin(), PROFILE, 4, on_step=on_step)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for index, steps in seen.items():
+        # A replica runs one step at a time, and each token is produced by a step it ran.
+        assert all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(steps))
+        tokens = sum(r.completion_tokens for r in result.records
+                     if result.replica_of[r.request_id] == index)
+        assert sum(produced for _, _, produced in steps) == tokens > 0
+
+
 def test_round_robin_spreads_evenly(shared_prefix: Any) -> None:
     result = run_fleet(shared_prefix, make_router("round-robin"), PROFILE, 4)
     counts = result.requests_per_replica

@@ -1,5 +1,6 @@
 """The routing panel's members, its jittered replays, the summary of issue 24's targets over
-them, the tail of a step (ttft_tail) and a trace slice's TTFT floor (trace_floor)."""
+them, the tail of a step (ttft_tail), its occupancy (step_occupancy) and a trace slice's TTFT
+floor (trace_floor)."""
 
 from __future__ import annotations
 
@@ -215,3 +216,18 @@ def test_a_miss_is_routed_past_a_holder_only_when_a_replica_really_held_more() -
     assert rows["routed past a holder"] == {"requests": 1, "uncached_tokens": 64, "saturated": 0}
     assert rows["lost while queued"] == {"requests": 1, "uncached_tokens": 64, "saturated": 1}
     assert rows["served"] == {"requests": 1, "uncached_tokens": 32, "saturated": 0}
+
+
+def test_step_occupancy_weighs_each_step_by_its_time_in_the_window() -> None:
+    from kvswitch.bench.fleet.replica import Replica
+    from kvswitch.engine.sim.profiles import get_profile
+    from kvswitch.engine.sim.scheduler import StepResult
+
+    occupancy = load_script("step_occupancy").Occupancy(2, 1.0, 3.0)
+    replica = Replica(1, get_profile("qwen3-32b-2xh100"))
+    occupancy(replica, 0.0, StepResult(2.0, 0, 4, scheduled=4))  # 1 s inside the window
+    occupancy(replica, 2.5, StepResult(1.0, 0, 2, scheduled=2))  # 0.5 s inside
+    occupancy(replica, 3.0, StepResult(1.0, 0, 9, scheduled=9))  # after the window
+    idle, busy = occupancy.means()
+    assert busy["running"] == pytest.approx((4 * 1.0 + 2 * 0.5) / 2.0)
+    assert idle == {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}

@@ -12,6 +12,8 @@ streams per replica (several EPPs), an arrival makes its replica push its load
 routing core repeats the last load the replica delivered is not sent, as
 `kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
 the previous push whose prefill has not ended (`queued_prompts`; such a push always goes out).
+`on_step(replica, start, step)`, when given, sees each replica step (a `StepResult`: its
+duration, batch and outputs) as it starts, with the replica's waiting queue and KV cache then.
 The run ends when every request has finished or was rejected (then its timers run one more
 `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual seconds (the rest are
 reported unfinished).
@@ -41,6 +43,7 @@ from kvswitch.engine.sim.events import (
     next_push_at,
 )
 from kvswitch.engine.sim.profiles import SimProfile
+from kvswitch.engine.sim.scheduler import StepResult
 
 
 @dataclass
@@ -76,8 +79,10 @@ class _Fleet:
     def __init__(self, requests: Sequence[Any], profile: SimProfile, replicas: int,
                  router: FleetRouter, seed: int, coalesce_seconds: float,
                  load_push_seconds: float = LOAD_PUSH_SECONDS,
-                 queued_prompts: bool = True) -> None:
+                 queued_prompts: bool = True,
+                 on_step: Callable[[Replica, float, StepResult], None] | None = None) -> None:
         self.requests = requests
+        self.on_step = on_step
         self.profile = profile
         self.replicas = [Replica(i, profile, seed, coalesce_seconds) for i in range(replicas)]
         self.router = router
@@ -146,6 +151,8 @@ class _Fleet:
         if end is None:
             self._publish(i)
         else:
+            if self.on_step is not None and rep.current is not None:
+                self.on_step(rep, now, rep.current[0])
             self.call_at(end, lambda: self._step(i))
 
     def _finish(self, flight: Flight) -> None:
@@ -222,13 +229,14 @@ def run_fleet(workload: Any, router: FleetRouter, profile: SimProfile, replicas:
               seed: int = 0, coalesce_seconds: float = COALESCE_SECONDS,
               load_push_seconds: float = LOAD_PUSH_SECONDS, queued_prompts: bool = True,
               drain_limit: float = 600.0,
-              progress: Callable[[int], None] | None = None) -> FleetResult:
+              progress: Callable[[int], None] | None = None,
+              on_step: Callable[[Replica, float, StepResult], None] | None = None) -> FleetResult:
     """Replay `workload.requests` (send_at, prompt_ids, max_tokens, stage, qps) through `router`
     onto `replicas` simulated engines of `profile`; deterministic for a seed. The run stops
     `drain_limit` virtual seconds after the last arrival at the latest."""
     requests = list(workload.requests)
     fleet = _Fleet(requests, profile, replicas, router, seed, coalesce_seconds,
-                   load_push_seconds, queued_prompts)
+                   load_push_seconds, queued_prompts, on_step)
     last = max((r.send_at for r in requests), default=0.0)
     started = time.perf_counter()
     try:
