@@ -68,13 +68,24 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/step_occupancy.py",
                                                    *(argv or sys.argv[1:])]),
                               "member": args.member, "steps": {}}
+    windows = {}
     for stage in replay.stages:
         sent = [r.send_at for r in workload.requests if r.stage == stage]
-        for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
-            occupancy = Occupancy(args.replicas, min(sent), max(sent))
-            result = run_fleet(workload, make_router(name, seed=args.seed),
-                               get_profile(replay.member.profile), args.replicas,
-                               seed=args.seed, on_step=occupancy)
+        windows[stage] = (min(sent), max(sent))
+    for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
+        # One run per router; each chosen step's window samples the same run.
+        occupancies = {stage: Occupancy(args.replicas, *window)
+                       for stage, window in windows.items()}
+
+        def on_step(replica: Replica, at: float, step: StepResult,
+                    occupancies: dict[int, Occupancy] = occupancies) -> None:
+            for occupancy in occupancies.values():
+                occupancy(replica, at, step)
+
+        result = run_fleet(workload, make_router(name, seed=args.seed),
+                           get_profile(replay.member.profile), args.replicas,
+                           seed=args.seed, on_step=on_step)
+        for stage, occupancy in occupancies.items():
             records = [r for r in result.records if stage_of[r.request_id] == stage]
             per_replica = occupancy.means()
             found = {
