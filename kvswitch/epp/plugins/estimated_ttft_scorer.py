@@ -177,8 +177,8 @@ class EstimatedTtftScorer:
                      and longest < self.cache_threshold * blocks)
         copy = short and min(queues) <= 0
         if self.recent_prefixes is not None:
-            assert match is not None  # `longest` is 0 without one
-            share = self.recent_prefixes.add(match.hashes[longest - 1] if short else None)
+            key = match.hashes[longest - 1] if short and match is not None else None
+            share = self.recent_prefixes.add(key)
             if copy:
                 holders = sum(1 for held in matched.values() if held == longest)
                 copy = holders < 2 or share * len(endpoints) > self.hot_prefix_share * holders

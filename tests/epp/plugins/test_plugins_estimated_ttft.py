@@ -247,6 +247,9 @@ def test_beyond_two_holders_only_a_hot_prefix_is_copied() -> None:
     # Held by every replica: the match is equal everywhere, and load alone decides.
     load(eps[2], running=3)
     assert picked(0, 3) == "e2:1"
+    # No prefix producer ran: load alone decides, and the request counts toward the window.
+    load(eps[1], running=2)
+    assert profile.run(request, {}, eps).endpoints[0].address == "e1:1"
 
 
 def test_recent_shares_counts_a_sliding_window() -> None:
