@@ -65,9 +65,11 @@ READY_ENDPOINTS_METRIC = "kvswitch_epp_pool_ready_endpoints"
 # prefix would get from the cache, and once more per request every replica has waiting) and 160
 # prefill tokens per running request (its decode in every step ahead); a prefix under half the
 # prompt is copied to replicas without it while some replica has no prefill ahead
-# (cacheThreshold). The precise scorer is listed for its KV-event index. Chosen on the routing
-# panel (docs/benchmarks/routing-panel/default.md); kvswitch/bench/configs/kvswitch.yaml is the
-# same profile (a test keeps them equal).
+# (cacheThreshold): to a second replica always, beyond two only while it is hot, each holder
+# getting over 1/8 of a replica's fair share of requests from it alone (hotPrefixShare). The
+# precise scorer is listed for its KV-event index. Chosen on the routing panel
+# (docs/benchmarks/routing-panel/default.md); kvswitch/bench/configs/kvswitch.yaml is the same
+# profile (a test keeps them equal).
 DEFAULT_EPP_CONFIG = {
     "apiVersion": "llm-d.ai/v1alpha1",
     "kind": "EndpointPickerConfig",
@@ -79,7 +81,8 @@ DEFAULT_EPP_CONFIG = {
          "parameters": {"blockSize": 16}},
         {"name": "estimated-ttft-scorer", "type": "estimated-ttft-scorer",
          "parameters": {"uncachedWeight": 2, "runningRequestTokens": 160,
-                        "saturationMissWeight": 1, "cacheThreshold": 0.5}},
+                        "saturationMissWeight": 1, "cacheThreshold": 0.5,
+                        "hotPrefixShare": 0.125}},
         # The pick plus one fallback: Envoy retries a refused connection (a replica that died
         # before the EPP noticed) on the fallback instead of failing the request.
         {"name": "max-score-picker", "type": "max-score-picker",

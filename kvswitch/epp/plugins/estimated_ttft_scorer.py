@@ -25,8 +25,12 @@ replica and cancels out):
     F        = min over the candidates of waiting(e): requests every replica has waiting,
                0 unless the whole pool queues
     c(e)     = 1 - m(e); 1 + m(e) when the longest match on any candidate is under
-               cacheThreshold of the prompt and some candidate has no prefill ahead
-               (min_e' max(Wq(e') + Ws(e'), Wp(e')) = 0): a short prefix is copied, not followed
+               cacheThreshold of the prompt, some candidate has no prefill ahead
+               (min_e' max(Wq(e') + Ws(e'), Wp(e')) = 0) and the prefix is not spread enough
+               (below): a short prefix is copied, not followed
+    spread   = with hotPrefixShare h > 0: H replicas hold the longest match, H >= 2 and
+               s x N <= h x H, where s is the prefix's share of the last hotPrefixWindow
+               requests (counted by the hash of the match's last block) and N the candidates
     est(e)   = max(Wq(e) + Ws(e), Wp(e))
                + (uncachedWeight + saturationMissWeight x F) x c(e) x P
                + runningRequestTokens x R(e)
@@ -51,6 +55,11 @@ What it does, by construction:
   moments; copying it while the pool has room costs a few cheap misses early, as round robin
   does by accident. While every replica has prefill ahead (a burst, or a saturated pool) a
   copy would add prefill where there is no room for it, and the match counts as usual.
+- with hotPrefixShare, a short prefix goes to a second replica whatever its traffic (a
+  conversation's opening, a group's first users), and beyond two only while it is hot: while
+  each holder would get more than hotPrefixShare of a replica's fair share (1/N) of all
+  requests from it alone. A hot system prompt reaches every replica; a prefix that a few users
+  share stays on two, where its requests share KV blocks when the caches are full.
 This is SGLang's cache-aware rule (prefix match above a threshold while the fleet is balanced,
 shortest queue when imbalanced) turned continuous: the threshold is where the saved prefill
 equals the extra queue, measured in the same unit, instead of fixed ratios (0.5, 32, 1.1).
@@ -70,12 +79,17 @@ a token of the request's own uncached prefill counts, per request every replica 
 1 charges the miss for each of them once. cacheThreshold (float in [0, 1], default 0: off):
 below this fraction of the prompt, the longest match anywhere is copied rather than followed
 (c(e) above); SGLang's router has a cache threshold of the same default, 0.5, below which it
-routes to the replica with the least cached (`--cache-threshold`).
+routes to the replica with the least cached (`--cache-threshold`). hotPrefixShare (float >= 0,
+default 0: off, every short prefix is copied): the least share of a replica's fair share of
+requests that one holder of a short prefix gets from it for a copy beyond a second holder
+(`spread` above). hotPrefixWindow (int in [1, 65536], default 256): the last requests that
+share counts (the count table holds at most that many prefixes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from kvswitch.epp.contracts import InferenceRequest
@@ -84,17 +98,44 @@ from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, param
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, prompt_tokens
 
 TYPE = "estimated-ttft-scorer"
+MAX_HOT_PREFIX_WINDOW = 65_536  # requests; the count table's memory bound
+
+
+class RecentShares:
+    """Each key's share of the last `window` keys seen (None counts toward the total only)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._recent: deque[Hashable | None] = deque()
+        self._counts: Counter[Hashable] = Counter()
+
+    def add(self, key: Hashable | None) -> float:
+        """Record `key` and return its share of the window, itself included (0 for None)."""
+        self._recent.append(key)
+        if key is not None:
+            self._counts[key] += 1
+        if len(self._recent) > self.window:
+            oldest = self._recent.popleft()
+            if oldest is not None:
+                self._counts[oldest] -= 1
+                if not self._counts[oldest]:
+                    del self._counts[oldest]
+        return self._counts[key] / len(self._recent) if key is not None else 0.0
 
 
 class EstimatedTtftScorer:
     def __init__(self, name: str, running_tokens: float = 16.0,
                  uncached_weight: float = 1.0, saturation_miss_weight: float = 0.0,
-                 cache_threshold: float = 0.0) -> None:
+                 cache_threshold: float = 0.0, hot_prefix_share: float = 0.0,
+                 hot_prefix_window: int = 256) -> None:
         self.name = name
         self.running_tokens = running_tokens
         self.uncached_weight = uncached_weight
         self.saturation_miss_weight = saturation_miss_weight
         self.cache_threshold = cache_threshold
+        self.hot_prefix_share = hot_prefix_share
+        # Counted on the scorer instance: one EPP's requests, its configured profile.
+        self.recent_prefixes = RecentShares(hot_prefix_window) if hot_prefix_share else None
 
     def score(self, request: InferenceRequest, state: CycleState,
               endpoints: Sequence[Endpoint]) -> list[float]:
@@ -130,9 +171,18 @@ class EstimatedTtftScorer:
             queues.append(queued)
             runs.append(running_tokens * running if running > 0 else 0.0)
         # The cached fraction lowers c(e) (followed), or raises it (copied: a short prefix
-        # while some replica has no prefill ahead).
-        follow = -1.0 if (self.cache_threshold and matched and min(queues) <= 0
-                          and max(matched.values()) < self.cache_threshold * blocks) else 1.0
+        # while some replica has no prefill ahead, and it is not spread enough).
+        longest = max(matched.values()) if matched else 0
+        short = bool(self.cache_threshold and longest
+                     and longest < self.cache_threshold * blocks)
+        copy = short and min(queues) <= 0
+        if self.recent_prefixes is not None:
+            key = match.hashes[longest - 1] if short and match is not None else None
+            share = self.recent_prefixes.add(key)
+            if copy:
+                holders = sum(1 for held in matched.values() if held == longest)
+                copy = holders < 2 or share * len(endpoints) > self.hot_prefix_share * holders
+        follow = -1.0 if copy else 1.0
         work = []
         for e, queued, run in zip(endpoints, queues, runs, strict=True):
             held = matched.get(e.address, 0) if matched else 0
@@ -155,4 +205,12 @@ def create(name: str, parameters: Mapping[str, Any],
     threshold = param(parameters, "cacheThreshold", float, 0.0)
     if not 0 <= threshold <= 1:
         raise ConfigError(f"parameters.cacheThreshold: must be in [0, 1], got {threshold}")
-    return EstimatedTtftScorer(name, running_tokens, uncached_weight, saturation, threshold)
+    hot_share = param(parameters, "hotPrefixShare", float, 0.0)
+    if hot_share < 0:
+        raise ConfigError(f"parameters.hotPrefixShare: must be >= 0, got {hot_share}")
+    hot_window = param(parameters, "hotPrefixWindow", int, 256)
+    if not 1 <= hot_window <= MAX_HOT_PREFIX_WINDOW:
+        raise ConfigError(f"parameters.hotPrefixWindow: must be in [1, {MAX_HOT_PREFIX_WINDOW}],"
+                          f" got {hot_window}")
+    return EstimatedTtftScorer(name, running_tokens, uncached_weight, saturation, threshold,
+                               hot_share, hot_window)

@@ -9,7 +9,7 @@ import pytest
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec, Metrics
 from kvswitch.epp.framework import ConfigError, PluginHandle, SchedulerProfile
-from kvswitch.epp.plugins.estimated_ttft_scorer import TYPE, create
+from kvswitch.epp.plugins.estimated_ttft_scorer import TYPE, RecentShares, create
 from kvswitch.epp.plugins.max_score_picker import MaxScorePicker
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
 
@@ -210,3 +210,63 @@ def test_a_short_prefix_is_copied_while_the_pool_has_room() -> None:
 def test_cache_threshold_is_a_fraction(bad: float) -> None:
     with pytest.raises(ConfigError, match="cacheThreshold: must be in"):
         create("t", {"cacheThreshold": bad}, PluginHandle(Datalayer()))
+
+
+def test_beyond_two_holders_only_a_hot_prefix_is_copied() -> None:
+    scorer = create("t", {"uncachedWeight": 2.0, "runningRequestTokens": 160,
+                          "saturationMissWeight": 1.0, "cacheThreshold": 0.5,
+                          "hotPrefixShare": 0.5, "hotPrefixWindow": 8},
+                    PluginHandle(Datalayer()))
+    profile = SchedulerProfile("p", [], [(scorer, 1.0)], MaxScorePicker("m"))
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    eps = endpoints(3)
+    for e in eps:
+        load(e, running=4)
+
+    def picked(prefix: int, holders: int) -> str:
+        """Route a prompt whose 62-block short prefix `prefix` the first `holders` replicas hold."""
+        hashes = tuple(range(prefix * BLOCKS, (prefix + 1) * BLOCKS))
+        matched = {e.address: 62 for e in eps[:holders]}
+        state = {STATE_KEY: PrefixMatch(hashes, matched)}
+        return profile.run(request, state, eps).endpoints[0].address
+
+    for other in range(1, 8):  # seven other prefixes, once each
+        picked(other, 1)
+    # A cold prefix (1 of the last 8 requests) on one replica: copied to a second.
+    assert picked(0, 1) != "e0:1"
+    # On two replicas at 2 of 8 requests, a holder would get 1/8 of all requests from it, not
+    # over half of a replica's fair share (1/3 x 1/2): followed.
+    assert picked(0, 2) in {"e0:1", "e1:1"}
+    # Hot at 3 of 8 (3/8 x 3 replicas > 0.5 x 2 holders): copied to the third.
+    assert picked(0, 2) == "e2:1"
+    # Requests without a short prefix count toward the window: after 8 of them it is cold.
+    long_match = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {"e0:1": 375})}
+    for _ in range(8):
+        profile.run(request, long_match, eps)
+    assert picked(0, 2) in {"e0:1", "e1:1"}
+    # Held by every replica: the match is equal everywhere, and load alone decides.
+    load(eps[2], running=3)
+    assert picked(0, 3) == "e2:1"
+    # No prefix producer ran: load alone decides, and the request counts toward the window.
+    load(eps[1], running=2)
+    assert profile.run(request, {}, eps).endpoints[0].address == "e1:1"
+
+
+def test_recent_shares_counts_a_sliding_window() -> None:
+    shares = RecentShares(3)
+    assert shares.add("a") == 1.0
+    assert shares.add("b") == 0.5
+    assert shares.add("a") == 2 / 3
+    assert shares.add(None) == 0.0  # the window is b, a, None
+    assert shares.add("b") == 1 / 3  # a, None, b: the first b has left
+    assert shares.add("c") == 1 / 3
+    assert shares.add("c") == 2 / 3  # b, c, c
+    assert shares.add("d") == 1 / 3
+    assert len(shares._counts) <= shares.window
+
+
+@pytest.mark.parametrize(("key", "bad"), [("hotPrefixShare", -0.5), ("hotPrefixWindow", 0),
+                                          ("hotPrefixWindow", 65_537)])
+def test_hot_prefix_parameters_are_bounded(key: str, bad: float) -> None:
+    with pytest.raises(ConfigError, match=f"{key}: must be"):
+        create("t", {key: bad}, PluginHandle(Datalayer()))
