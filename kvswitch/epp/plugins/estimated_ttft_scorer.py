@@ -80,9 +80,9 @@ a token of the request's own uncached prefill counts, per request every replica 
 below this fraction of the prompt, the longest match anywhere is copied rather than followed
 (c(e) above); SGLang's router has a cache threshold of the same default, 0.5, below which it
 routes to the replica with the least cached (`--cache-threshold`). hotPrefixShare (float >= 0,
-default 0: off, every short prefix is copied): the least share of a replica's fair share of
-requests that one holder of a short prefix gets from it for a copy beyond a second holder
-(`spread` above). hotPrefixWindow (int in [1, 65536], default 256): the last requests that
+default 0: off, every short prefix is copied): the fraction of a replica's fair share of
+requests that each holder of a short prefix would have to get from it alone for a copy beyond
+a second holder (`spread` above). hotPrefixWindow (int in [1, 65536], default 256): the last requests that
 share counts (the count table holds at most that many prefixes).
 """
 
