@@ -2,8 +2,8 @@
 
 `kvswitch_table` (`ByteLevelDetokenizer`, used for byte-level BPE tokenizers), `kvswitch_stream`
 (`StreamDetokenizer`, used for any other decoder: DecodeStream plus an end of stream) and
-`decode_stream` (`tokenizers.decoders.DecodeStream` alone) turn streamed token ids into text deltas with the bundled Qwen3 tokenizer. Two
-measures:
+`decode_stream` (`tokenizers.decoders.DecodeStream` alone) turn streamed token ids into text deltas
+with the bundled Qwen3 tokenizer. Two measures:
 
 - exactness: for each sequence, whether the concatenated deltas (plus the end of the stream)
   equal `tokenizer.decode(ids)`, and whether any delta shows a "\\ufffd" that the full decode
@@ -16,7 +16,8 @@ measures:
 The engine sends token ids; the frontend detokenizes every streamed token, so this is its hot
 path. Prints and saves JSON.
 
-    .venv/bin/python benchmarks/detokenizer_stream.py --out benchmarks/results/detokenizer_stream.json
+    .venv/bin/python benchmarks/detokenizer_stream.py \\
+        --out benchmarks/results/detokenizer_stream.json
 """
 
 from __future__ import annotations

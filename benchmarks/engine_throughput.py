@@ -149,8 +149,8 @@ def main() -> int:
         target = f"127.0.0.1:{port}"
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         # The engine's log goes to a temporary file: nothing to keep next to the results.
-        log = tempfile.NamedTemporaryFile("w", prefix="kvswitch-engine-", suffix=".log",  # noqa: SIM115
-                                          delete=False)
+        log = tempfile.NamedTemporaryFile("w", prefix="kvswitch-engine-",  # noqa: SIM115
+                                          suffix=".log", delete=False)
         engine = subprocess.Popen(
             [sys.executable, "-m", "kvswitch", "engine", "--port", str(port),
              "--time-scale", str(args.time_scale),

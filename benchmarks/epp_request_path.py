@@ -322,21 +322,24 @@ def run_server(n: int, concurrency: int, code: str, prompt_tokens: int) -> tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--repeat", type=int, default=5,
                         help="in-process runs of requests/repeat each; the best is reported")
     parser.add_argument("--server-requests", type=int, default=4000)
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved server rounds (0: in-process figures only)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved server rounds (0: in-process figures only)")
     parser.add_argument("--transports", default="h2,grpcio", help="EppServer transports to run")
     parser.add_argument("--skip-response-headers", action="store_true",
                         help="drive the server as Envoy does with response_header_mode SKIP")
     parser.add_argument("--kvswitch-bootstrap", action="store_true",
                         help="every figure runs the stream kvswitch's Envoy bootstrap runs for "
                              "a gRPC pool: fewer request headers, no response messages, reset")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "epp_request_path.json"))
+    parser.add_argument("--out",
+                        default=str(REPO / "benchmarks" / "results" / "epp_request_path.json"))
     args = parser.parse_args()
     global SKIP_RESPONSE_HEADERS, KVSWITCH_BOOTSTRAP
     SKIP_RESPONSE_HEADERS = args.skip_response_headers

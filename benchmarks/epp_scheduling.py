@@ -85,7 +85,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-_WORDS = ["the", "model", "serves", "requests", "from", "many", "tenants", "while", "the", "gateway", "routes", "each", "prompt", "to", "a", "replica", "that", "already", "holds", "its", "prefix", "in", "the", "key", "value", "cache", "so", "prefill", "work", "is", "saved", "and", "latency", "drops", "under", "load", "for", "long", "system", "prompts", "shared", "by", "users"]
+_WORDS = ["the", "model", "serves", "requests", "from", "many", "tenants", "while", "the",
+          "gateway", "routes", "each", "prompt", "to", "a", "replica", "that", "already", "holds",
+          "its", "prefix", "in", "the", "key", "value", "cache", "so", "prefill", "work", "is",
+          "saved", "and", "latency", "drops", "under", "load", "for", "long", "system", "prompts",
+          "shared", "by", "users"]
 
 
 def text_of(tokenizer, tokens: int, rnd: random.Random) -> str:  # type: ignore[no-untyped-def]

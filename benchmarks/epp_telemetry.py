@@ -12,8 +12,8 @@ EPP schedules nothing and its CPU is the telemetry path: SubscribeKvEvents decod
   epp_cpu_ms_per_request  EPP CPU milliseconds per completed request (telemetry scales with work)
 `--api sglang --page-size N` runs SGLang engines publishing N-token pages, which the EPP regroups
 into its 16-token blocks (the engines' requests are then SGLang's). Each tree (`--tree
-label=path`, e.g. a `git archive` of an older commit) runs engines and EPP from its own sources; trees alternate within each round and medians over rounds are reported.
-Prints and saves JSON.
+label=path`, e.g. a `git archive` of an older commit) runs engines and EPP from its own sources;
+trees alternate within each round and medians over rounds are reported. Prints and saves JSON.
 
     git archive <commit> | tar -x -C /tmp/before
     .venv/bin/python benchmarks/epp_telemetry.py --tree before=/tmp/before --tree after=. \\

@@ -426,7 +426,8 @@ def _medians(cells: list[CellResult]) -> list[CellResult]:
                 values = [getattr(c, key) for c in group if getattr(c, key) is not None]
                 median = statistics.median(values) if values else None
                 # an even number of rounds makes a count's median a float: keep counts whole
-                merged[key] = round(median) if isinstance(value, int) and median is not None else median
+                merged[key] = (round(median) if isinstance(value, int) and median is not None
+                               else median)
         merged["first_error"] = next((c.first_error for c in group if c.first_error), "")
         out.append(CellResult(**merged))
     return out

@@ -20,8 +20,8 @@ Routers: round-robin, random, oracle (the bench's greedy oracle), oracle-best (p
 step, the best by TTFT p90 of the oracle variants `kvswitch.bench.fleet.ORACLE_VARIANTS`: the greedy
 oracle, its cache-conserving variant and its look-ahead variant), smg-cache-aware-model (a
 model of SMG's policy with KV events, as SMG runs against kvswitch's engines, not SMG;
-`--baselines` can add its no-events variant), kvswitch (`kvswitch up`'s default EPP config), and every
-`--epp NAME=PATH` given.
+`--baselines` can add its no-events variant), kvswitch (`kvswitch up`'s default EPP config), and
+every `--epp NAME=PATH` given.
 
 Output (`--out`): panel.json (every router x member x step: engine-side TTFT p50/p90/p99,
 queue, ITL, e2e, output tok/s, cache hit, requests per replica, rejected and unfinished

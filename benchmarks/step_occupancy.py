@@ -4,9 +4,9 @@ For a member of `routing_panel.MEMBERS`, replayed as the panel replays it (same 
 jitter), each router runs in the fleet simulator; over the step's arrival window [first, last
 arrival] every replica's running requests (a step's batch), waiting requests and KV-cache
 blocks in use are averaged over time: each scheduler step weighs its state at its start by its
-duration within the window, and an idle replica counts as empty. Beside them, the step's TTFT p90, its prefix
-cache hit rate (cached / prompt tokens of the step's requests) and its preemptions. When the
-KV cache is the bound, a router whose requests share more blocks runs more of them at once:
+duration within the window, and an idle replica counts as empty. Beside them, the step's TTFT p90,
+its prefix cache hit rate (cached / prompt tokens of the step's requests) and its preemptions. When
+the KV cache is the bound, a router whose requests share more blocks runs more of them at once:
 docs/benchmarks/routing-panel/replays.md reads sp-1000-6200 at 20 QPS this way.
 
     python benchmarks/step_occupancy.py --member sp-1000-6200 --step 2 --seed 1 --jitter-ms 1 \\

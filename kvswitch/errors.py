@@ -171,7 +171,8 @@ def http_status_for_grpc(code: grpc.StatusCode) -> int:
 
 
 def grpc_code_for_http(status: int) -> grpc.StatusCode:
-    return _HTTP_TO_GRPC.get(status, grpc.StatusCode.INTERNAL if status >= 500 else grpc.StatusCode.UNKNOWN)
+    return _HTTP_TO_GRPC.get(status, grpc.StatusCode.INTERNAL if status >= 500
+                             else grpc.StatusCode.UNKNOWN)
 
 
 def openai_type_for_http(status: int) -> str:

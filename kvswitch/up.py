@@ -336,7 +336,8 @@ def _sglang_usage(caller: _Caller, proto_dir: Path) -> list[str]:
 def startup_message(ports: Ports, with_frontend: bool, state_dir: Path,
                     api: str = "vllm", tls: TlsDir | None = None) -> str:
     caller = _caller(ports.public, tls)
-    proto_dir = Path(importlib.util.find_spec("smg_grpc_proto").origin or "").parent / "proto"  # type: ignore[union-attr]
+    proto_dir = Path(importlib.util.find_spec("smg_grpc_proto").origin  # type: ignore[union-attr]
+                     or "").parent / "proto"
     lines = _sglang_usage(caller, proto_dir) if api == "sglang" else [
         "",
         "gRPC (grpcurl):",

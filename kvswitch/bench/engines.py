@@ -165,7 +165,8 @@ class EnginePool:
         async def one(address: str) -> bool:
             async with grpc.aio.insecure_channel(address) as channel:
                 stub: Any = (sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
-                             if self.api == "sglang" else vllm_engine_pb2_grpc.VllmEngineStub(channel))
+                             if self.api == "sglang"
+                             else vllm_engine_pb2_grpc.VllmEngineStub(channel))
                 reply = await stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=timeout),
                                               timeout=timeout + 10)
                 return bool(reply.success)

@@ -2,11 +2,11 @@
 
 `smg launch --worker-urls grpc://<engine>... --policy cache_aware|round_robin` routes OpenAI
 HTTP requests to the engines over the vLLM gRPC API, or SGLang's (`--backend sglang`, for a
-pool started with `--api sglang`); it fetches the tokenizer from the engines with GetTokenizer. The bench sends `/v1/completions` with the prompt as text (the workload's
-text tokenizes back to exactly its token ids), streamed (`stream: true`, the SSE stream is timed)
-or not (one JSON response; TTFT then comes from the engines' request logs).
-The target is unavailable (with the reason) when `smg` or `httpx` is not installed or SMG does
-not come up.
+pool started with `--api sglang`); it fetches the tokenizer from the engines with GetTokenizer. The
+bench sends `/v1/completions` with the prompt as text (the workload's text tokenizes back to exactly
+its token ids), streamed (`stream: true`, the SSE stream is timed) or not (one JSON response; TTFT
+then comes from the engines' request logs). The target is unavailable (with the reason) when `smg`
+or `httpx` is not installed or SMG does not come up.
 """
 
 from __future__ import annotations

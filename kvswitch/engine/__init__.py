@@ -1,1 +1,2 @@
-"""The model server: the vLLM gRPC engine API over an `Engine` backend (the simulator by default)."""
+"""The model server: the vLLM gRPC engine API over an `Engine` backend (the simulator by
+default)."""

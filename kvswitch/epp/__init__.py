@@ -1,1 +1,2 @@
-"""The endpoint picker (EPP): an Envoy ext_proc server that picks a model-server replica per request."""
+"""The endpoint picker (EPP): an Envoy ext_proc server that picks a model-server replica per
+request."""

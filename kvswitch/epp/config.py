@@ -1,9 +1,9 @@
 """Load an EndpointPickerConfig and an InferencePool and build the endpoint picker.
 
 Two phases, as upstream: `parse_config` (`kvswitch.epp.config_spec`) / `parse_pool` read YAML
-documents STRICTLY into frozen specs (unknown fields, unknown plugin types, dangling refs -> `ConfigError` naming the field
-path); `build_endpoint_picker` fills defaults (in `apply_defaults`, the one place) and
-instantiates plugins. Accepted documents:
+documents STRICTLY into frozen specs (unknown fields, unknown plugin types, dangling refs ->
+`ConfigError` naming the field path); `build_endpoint_picker` fills defaults (in `apply_defaults`,
+the one place) and instantiates plugins. Accepted documents:
 
 - `EndpointPickerConfig` (apiVersion llm-d.ai/v1alpha1, or upstream's older
   inference.networking.x-k8s.io/v1alpha1): plugins, schedulingProfiles, requestHandler,
@@ -126,7 +126,8 @@ def apply_defaults(spec: ConfigSpec, plugin_roles: Mapping[str, str] | None = No
         profiles.append(ProfileSpec(DEFAULT_PROFILE, refs))
     fixed = []
     for profile in profiles:
-        if plugin_roles is not None and not any(roles.get(r.plugin_ref) == "picker" for r in profile.plugins):
+        if plugin_roles is not None and not any(roles.get(r.plugin_ref) == "picker"
+                                                for r in profile.plugins):
             ref = ProfilePluginRef(_ensure(plugins, DEFAULT_PICKER), None)
             profile = ProfileSpec(profile.name, profile.plugins + (ref,))
         fixed.append(profile)
@@ -225,7 +226,8 @@ def _profiles(spec: ConfigSpec, built: Mapping[str, object]) -> dict[str, Schedu
             plugin = built[ref.plugin_ref]
             role = _role(plugin)
             if role == "scorer":
-                scorers.append((plugin, 1.0 if ref.weight is None else ref.weight))  # type: ignore[arg-type]
+                scorers.append(
+                    (plugin, 1.0 if ref.weight is None else ref.weight))  # type: ignore[arg-type]
             elif ref.weight is not None:
                 raise ConfigError(f"{path}.weight: {ref.plugin_ref!r} is a {role}, not a scorer")
             elif role == "filter":

@@ -46,7 +46,8 @@ class ExtProcServicer:
             (grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": process}),))
 
     async def Process(
-        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+        context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         stream = ExtProcStream(self._picker)
         try:

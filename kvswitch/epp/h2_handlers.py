@@ -52,12 +52,14 @@ def _resume(coro: Coroutine[Any, Any, RoutingDecision], yielded: Any) -> Generat
                 return stop.value
 
 
-async def _finish_route(coro: Coroutine[Any, Any, RoutingDecision], yielded: Any) -> RoutingDecision:
+async def _finish_route(coro: Coroutine[Any, Any, RoutingDecision],
+                        yielded: Any) -> RoutingDecision:
     decision: RoutingDecision = await _resume(coro, yielded)
     return decision
 
 
-def start_route(router: Router, need: NeedRouting) -> RoutingDecision | asyncio.Task[RoutingDecision]:
+def start_route(router: Router, need: NeedRouting
+                ) -> RoutingDecision | asyncio.Task[RoutingDecision]:
     """The decision if `route()` finishes without waiting (the usual case), else a task."""
     coro = router.route(need.request, need.subset)
     try:

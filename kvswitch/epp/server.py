@@ -1,10 +1,11 @@
 """The EPP's gRPC server: Envoy's `ExternalProcessor` over `ExtProcStream`, health and reflection.
 
 Each transport's Process handler is a thin driver: it reads ProcessingRequests, feeds them to a
-sans-IO `ExtProcStream`, writes the responses it returns, resolves `NeedRouting` with `router.route()`
-and hands `RequestFinished` to `router.request_finished()`. When the stream ends for any reason
-(end of request, client cancel, upstream reset -- Envoy closes or cancels the ext_proc stream)
-`ExtProcStream.close()` reports a routed request that has not finished yet, exactly once.
+sans-IO `ExtProcStream`, writes the responses it returns, resolves `NeedRouting` with
+`router.route()` and hands `RequestFinished` to `router.request_finished()`. When the stream ends
+for any reason (end of request, client cancel, upstream reset -- Envoy closes or cancels the
+ext_proc stream) `ExtProcStream.close()` reports a routed request that has not finished yet,
+exactly once.
 
 Health (`grpc.health.v1`): `liveness` is SERVING while the process runs; `readiness` and
 `envoy.service.ext_proc.v3.ExternalProcessor` become SERVING once the router has started and the

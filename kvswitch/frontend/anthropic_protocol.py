@@ -6,7 +6,8 @@
 function parameters, `tool_choice` (auto, any -> required, tool -> named, none,
 `disable_parallel_tool_use`), `stop_sequences`, `thinking` (-> `enable_thinking`: on only
 when enabled, as in Anthropic's API; `budget_tokens` >= 1024 and below max_tokens, but not
-enforced on the output) and `metadata.user_id` (-> `user`). Images, documents and server tools are a 400.
+enforced on the output) and `metadata.user_id` (-> `user`). Images, documents and server tools
+are a 400.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """`kvswitch frontend`: serve the OpenAI API over HTTP (HTTPS with `--tls-cert`) and call a vLLM
 gRPC target (over TLS with `--target-tls-ca`).
 
-Our own HTTP/1.1 server (`http_server`, httptools) on uvloop. `--workers N` starts N processes that each bind the same
-port with SO_REUSEPORT (the kernel spreads connections across them); each builds its own
-event loop and gRPC channel after it starts, never inheriting one across a fork.
+Our own HTTP/1.1 server (`http_server`, httptools) on uvloop. `--workers N` starts N processes that
+each bind the same port with SO_REUSEPORT (the kernel spreads connections across them); each builds
+its own event loop and gRPC channel after it starts, never inheriting one across a fork.
 """
 
 from __future__ import annotations

@@ -354,7 +354,8 @@ def parse_request(model: type[_Model], body: Any) -> _Model:
         error = exc.errors(include_url=False)[0]
         # Union branches add type tags ("str", "list[int]", "function-after[...]") to the path.
         loc = [str(part) for part in error["loc"]
-               if not (isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part))]
+               if not (isinstance(part, str)
+                       and (part in _TYPE_TAGS or "[" in part or "-" in part))]
         param = ".".join(loc) or None
         if error["type"] == "extra_forbidden":
             message = f"Unsupported field '{param}': kvswitch does not implement it"

@@ -47,9 +47,9 @@ async def choice_events(deltas: AsyncIterator[ChoiceDelta], generation: Generati
                         ) -> AsyncIterator[bytes]:
     """A streamed response's SSE events: one chunk per delta (`choice_of` builds its choice, or
     None to send nothing for it; vLLM's `stop_reason` is added on the finishing one). `lead`
-    (role or echo chunks) rides with the first event, and the deltas that finish the generation ride with the usage chunk
-    (`stream_options.include_usage`) and [DONE] in one last write. `head` is the chunk object's
-    JSON without choices; `on_end` runs once the deltas are done."""
+    (role or echo chunks) rides with the first event, and the deltas that finish the generation ride
+    with the usage chunk (`stream_options.include_usage`) and [DONE] in one last write. `head` is
+    the chunk object's JSON without choices; `on_end` runs once the deltas are done."""
     start, dumps = chunk_start(head), orjson.dumps
     tail = b""
     async for delta in deltas:

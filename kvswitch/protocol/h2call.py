@@ -132,7 +132,8 @@ class StreamCall:
         for message in messages:
             try:
                 go_on = on_message(message)
-            except Exception as exc:  # noqa: BLE001 - the owner's error ends its call; ended() raises it
+            except Exception as exc:  # noqa: BLE001 - the owner's error ends its call;
+                # ended() raises it
                 self._fail(exc)
                 return
             if not go_on:

@@ -199,7 +199,8 @@ class _Connection(asyncio.Protocol):
                 if call is not None:
                     status = event.status  # type: ignore[union-attr]
                     call._finish(None if not status else StreamError(
-                        _CODES.get(status, grpc.StatusCode.UNKNOWN), event.details))  # type: ignore[union-attr]
+                        _CODES.get(status, grpc.StatusCode.UNKNOWN),
+                        event.details))  # type: ignore[union-attr]
             elif kind is PingAcked:
                 self._ping_answered = True
             elif kind is GoAwayReceived:

@@ -83,8 +83,8 @@ class ConnectionState:
                 + frame(WINDOW_UPDATE, 0, 0, U32.pack(MAX_WINDOW - DEFAULT_WINDOW)))
 
     def on_settings(self, payload: bytes) -> int:
-        """Apply the peer's SETTINGS (not an ACK; the caller answers with `SETTINGS_ACK`); returns how
-        much its initial stream window changed, for the open streams' send windows."""
+        """Apply the peer's SETTINGS (not an ACK; the caller answers with `SETTINGS_ACK`); returns
+        how much its initial stream window changed, for the open streams' send windows."""
         delta = 0
         for key, value in settings_entries(payload):
             if key == SETTINGS_INITIAL_WINDOW_SIZE:

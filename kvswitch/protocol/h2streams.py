@@ -4,10 +4,10 @@ client; no I/O.
 `StreamFlow` is one stream's windows both ways; each side's stream class extends it. Inbound:
 `received(length)` counts a DATA frame against the window (False: the peer overran it, a
 FLOW_CONTROL_ERROR for the stream); `consumed(length)` returns the WINDOW_UPDATE that gives the
-bytes back once `refill_at` of them have been consumed; `arrived(length)` is both at once. Outbound: `window_update()` grows the
-window; `pending` holds DATA (bytes) and, last, the trailers (a 1-tuple of a header block) that
-wait for window, and `write_pending()` writes as much as the stream's and the connection's windows
-and the peer's frame size allow.
+bytes back once `refill_at` of them have been consumed; `arrived(length)` is both at once. Outbound:
+`window_update()` grows the window; `pending` holds DATA (bytes) and, last, the trailers (a 1-tuple
+of a header block) that wait for window, and `write_pending()` writes as much as the stream's and
+the connection's windows and the peer's frame size allow.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the EPP reads these messages through *views*: copies of the real schemas in a pr
 in which those two fields are declared `bytes`. upb then hands over each field's payload as one
 bytes object instead of an int per token (a third of the conversion cost per stored block),
 and the precise prefix index hashes those bytes
-(`kvswitch.epp.kvindex.hashing.chained_block_hashes`). Both sides are the same varints of the same ids,
-so a prompt's blocks and an engine's stored blocks hash alike (encoders write each varint in
+(`kvswitch.epp.kvindex.hashing.chained_block_hashes`). Both sides are the same varints of the same
+ids, so a prompt's blocks and an engine's stored blocks hash alike (encoders write each varint in
 its shortest form; a client that pads them is still served, it only gets no prefix matches).
 
 A view checks no varint inside the payload, so the request parser parses with the real schema

@@ -74,7 +74,8 @@ class ChatTemplate:
         if source is None:
             raise InvalidRequest("the tokenizer has no chat template; pass one as chat_template")
         config = bundle.config
-        variables: dict[str, Any] = {k: special_token_text(config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+        variables: dict[str, Any] = {k: special_token_text(config.get(k))
+                                     for k in _SPECIAL_TOKEN_KEYS}
         extra = config.get("additional_special_tokens")
         if isinstance(extra, list):
             variables["additional_special_tokens"] = [special_token_text(t) for t in extra]

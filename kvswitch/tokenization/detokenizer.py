@@ -175,7 +175,8 @@ class StreamDetokenizer:
 def new_detokenizer(tokenizer: Tokenizer, table: DecodeTable | None, *,
                     skip_special_tokens: bool,
                     prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
-    """The fast table detokenizer when `table` is given (byte-level tokenizers), else DecodeStream."""
+    """The fast table detokenizer when `table` is given (byte-level tokenizers), else
+    DecodeStream."""
     if table is not None:
         return ByteLevelDetokenizer(table, skip_special_tokens=skip_special_tokens)
     return StreamDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens,

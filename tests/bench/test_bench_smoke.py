@@ -50,8 +50,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "kvswitch", "bench", "--preset", "tiny", "--replicas", "3",
             "--profile", "llama3-8b-h100", "--time-scale", "4", "--groups", "6",
-            "--targets", "kvswitch,kvswitch@2,round-robin,oracle", "--out", str(out), "--no-progress",
-            "--drain-timeout", "30", "--no-stream"]
+            "--targets", "kvswitch,kvswitch@2,round-robin,oracle", "--out", str(out),
+            "--no-progress", "--drain-timeout", "30", "--no-stream"]
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())

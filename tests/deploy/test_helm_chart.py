@@ -53,7 +53,8 @@ MODES: dict[str, dict[str, Any]] = {
     "standalone-tls-frontend-simulated": {
         "tls": {"secretName": "qwen3-tls", "handshakeTimeout": 5},
         "router": {"frontend": {"enabled": True}}, "modelServers": {"enabled": True}},
-    "standalone-tls-3-epps": {"tls": {"secretName": "qwen3-tls"}, "router": {"epp": {"replicas": 3}},
+    "standalone-tls-3-epps": {"tls": {"secretName": "qwen3-tls"},
+                              "router": {"epp": {"replicas": 3}},
                               "modelServers": {"enabled": True}},
     "gateway-tls-2-epps-istio": {
         "mode": "gateway", "tls": {"secretName": "qwen3-tls"}, "router": {"epp": {"replicas": 2}},
@@ -377,7 +378,8 @@ def test_several_epps_with_tls_serve_and_are_called_over_mtls(tmp_path: Path) ->
             if not a.startswith(("--output=", "--epp-config="))]
     with contextlib.redirect_stdout(io.StringIO()):
         assert kvswitch_main([*argv, f"--epp-config={config}", f"--output={out}"]) == 0
-    clusters = {c["name"]: c for c in yaml.safe_load(out.read_text())["static_resources"]["clusters"]}
+    clusters = {c["name"]: c
+                for c in yaml.safe_load(out.read_text())["static_resources"]["clusters"]}
     epp_clusters = [c for name, c in clusters.items() if name.startswith("kvswitch_epp")]
     assert len(epp_clusters) == 4  # ext_proc, and one access-log cluster per EPP
     for cluster in epp_clusters:

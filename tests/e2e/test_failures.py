@@ -156,7 +156,8 @@ def test_sheddable_request_is_shed_under_saturation(saturating_gateway: Gateway)
     shed = None
     for attempt in range(40):  # bounded: until the EPP's view shows the queue
         try:
-            generate(gw.stub, prompt(100 + attempt), max_tokens=1, metadata=[(OBJECTIVE, SHEDDABLE)])
+            generate(gw.stub, prompt(100 + attempt), max_tokens=1,
+                     metadata=[(OBJECTIVE, SHEDDABLE)])
         except grpc.RpcError as exc:
             shed = exc
             break

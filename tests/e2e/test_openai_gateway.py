@@ -111,8 +111,10 @@ def test_stop_strings_cut(gateway: Gateway, model: str, stream: bool) -> None:
     prompt = "one two three four five six seven"
     kwargs = {"model": model, "prompt": prompt, "max_tokens": None, "stop": [" five"]}
     if stream:
-        chunks = list(client.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
-        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        chunks = list(
+            client.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+        text, reason = ("".join(c.choices[0].text for c in chunks),
+                        chunks[-1].choices[0].finish_reason)
     else:
         reply = client.completions.create(**kwargs)  # type: ignore[call-overload]
         text, reason = reply.choices[0].text, reply.choices[0].finish_reason
@@ -159,7 +161,8 @@ def test_embeddings(gateway: Gateway, model: str) -> None:
     reply = _client(gateway).embeddings.create(model=model, input=["héllo", "wörld 你好"])
     assert [d.index for d in reply.data] == [0, 1]
     assert len(reply.data[0].embedding) > 0
-    assert reply.usage.prompt_tokens == len(BUNDLE.encode("héllo")) + len(BUNDLE.encode("wörld 你好"))
+    assert reply.usage.prompt_tokens == (len(BUNDLE.encode("héllo"))
+                                         + len(BUNDLE.encode("wörld 你好")))
 
 
 def test_error_paths(gateway: Gateway, model: str) -> None:

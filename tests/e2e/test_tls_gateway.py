@@ -90,7 +90,8 @@ def test_a_shared_prefix_is_routed_by_kv_events(gateway: TlsGateway) -> None:
         stub = rpc.VllmEngineStub(channel)
         assert generate(stub, [*shared, *prompt(11, blocks=1)]).cached_tokens == 0
         deadline = time.monotonic() + 10
-        while sum(epp_samples(gateway, "kvswitch_epp_indexed_kv_blocks")) < before + 5:  # type: ignore[arg-type]
+        while (sum(epp_samples(gateway, "kvswitch_epp_indexed_kv_blocks"))  # type: ignore[arg-type]
+               < before + 5):
             assert time.monotonic() < deadline, "the EPP indexed no KV event"
             time.sleep(0.05)
         for seed in (12, 13, 14):

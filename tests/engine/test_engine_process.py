@@ -108,8 +108,8 @@ async def load(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> pb.SchedulerLoad:
     return (await stub.GetLoads(pb.GetLoadsRequest())).loads[0]
 
 
-async def wait_until(stub: vllm_engine_pb2_grpc.VllmEngineStub, predicate, timeout: float = 20.0  # type: ignore[no-untyped-def]
-                     ) -> pb.SchedulerLoad:
+async def wait_until(stub: vllm_engine_pb2_grpc.VllmEngineStub,  # type: ignore[no-untyped-def]
+                     predicate, timeout: float = 20.0) -> pb.SchedulerLoad:
     deadline = time.monotonic() + timeout
     while True:
         current = await load(stub)

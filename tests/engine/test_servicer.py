@@ -242,7 +242,8 @@ async def test_more_requests_than_slots_wait(served: Served) -> None:
     await wait_until(lambda: not served.engine.running and not served.engine.waiting)
 
 
-async def test_get_tokenizer_zip_rebuilds_the_tokenizer(served: Served, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_get_tokenizer_zip_rebuilds_the_tokenizer(  # type: ignore[no-untyped-def]
+        served: Served, tmp_path) -> None:
     import hashlib
     import json
 
@@ -301,7 +302,8 @@ async def test_metrics_endpoint(served: Served) -> None:
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-                 'vllm:request_success_total{engine="0",finished_reason="length",model_name="fake"}',
+                 ('vllm:request_success_total{engine="0",finished_reason="length",'
+                  'model_name="fake"}'),
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds",
                  "vllm:cache_config_info{"):

@@ -57,7 +57,8 @@ def gen(rid: str, ids: list[int] | None = None, *, stream: bool = False, **param
     sampling.update(params)
     return pb.GenerateRequest(request_id=rid, stream=stream,
                               tokenized=pb.TokenizedInput(input_ids=PROMPT if ids is None else ids),
-                              sampling_params=pb.SamplingParams(**sampling))  # type: ignore[arg-type]
+                              sampling_params=pb.SamplingParams(
+                                  **sampling))  # type: ignore[arg-type]
 
 
 def kinds(messages: list[pb.GenerateResponse]) -> list[str]:

@@ -22,7 +22,9 @@ async def test_stream_reset_while_queued_releases_the_queue_slot() -> None:
     router = make_router(config(featureGates=["flowControl"], flowControl={"maxWait": "30s"}))
     for a in ADDRS:
         set_load(router, a, waiting=9)  # saturated: the request queues
-    server = EppServer(EndpointPicker(default_parsers(), NoBackground(router)), port=0)  # type: ignore[arg-type]
+    server = EppServer(EndpointPicker(default_parsers(),
+                                      NoBackground(router)),  # type: ignore[arg-type]
+                       port=0)
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:

@@ -172,7 +172,8 @@ endpoints: ["10.0.0.1:9000", "10.0.0.2"]
 """, "pool")
     pool = parse_pool(docs)
     assert pool.name == "p" and pool.endpoint_picker == "p-epp"
-    assert pool.endpoints == (EndpointSpec("10.0.0.1:9000", HTTP), EndpointSpec("10.0.0.2:8000", H2C),
+    assert pool.endpoints == (EndpointSpec("10.0.0.1:9000", HTTP),
+                              EndpointSpec("10.0.0.2:8000", H2C),
                               EndpointSpec("10.0.0.2:9000", HTTP))
 
 

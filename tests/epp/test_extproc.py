@@ -140,7 +140,8 @@ def test_empty_subset_hint_is_503_without_routing() -> None:
     stream = make_stream()
     stream.receive(grpc_headers(metadata=subset_metadata(Value(list_value=ListValue()))))
     [reply] = stream.receive(body(GENERATE, eos=True))
-    assert reply == grpc_error(14, "subset hint lists no endpoints", "subset hint lists no endpoints")
+    assert reply == grpc_error(14, "subset hint lists no endpoints",
+                               "subset hint lists no endpoints")
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -233,7 +234,8 @@ def test_bad_slo_header_is_400() -> None:
     stream.receive(grpc_headers(("x-llm-d-slo-ttft-ms", "soon")))
     [reply] = stream.receive(body(GENERATE, eos=True))
     assert reply.immediate_response.grpc_status.status == 3
-    assert b"x-llm-d-slo-ttft-ms" in reply.immediate_response.headers.set_headers[2].header.raw_value
+    assert (b"x-llm-d-slo-ttft-ms"
+            in reply.immediate_response.headers.set_headers[2].header.raw_value)
 
 
 def test_garbage_input_never_raises() -> None:

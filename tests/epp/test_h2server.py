@@ -454,7 +454,8 @@ def test_malformed_input_is_a_connection_error(wire: bytes, code: int) -> None:
     assert peer.conn.closed and peer.send(frame(PING, 0, 0, b"12345678")) == []
 
 
-@pytest.mark.parametrize("start", [b"GET / HTTP/1.1\r\n\r\n", PREFACE + frame(PING, 0, 0, b"8" * 8)])
+@pytest.mark.parametrize("start", [b"GET / HTTP/1.1\r\n\r\n",
+                                   PREFACE + frame(PING, 0, 0, b"8" * 8)])
 def test_bad_preface_is_a_protocol_error(start: bytes) -> None:
     conn = H2GrpcConnection()
     [event] = conn.receive(start)

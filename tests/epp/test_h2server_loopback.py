@@ -50,7 +50,8 @@ class GatedRouter(FakeRouter):
         self.task: asyncio.Task[object] | None = None
         """The task a cancelled route ran in (the server's)."""
 
-    async def route(self, request: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
+    async def route(self, request: InferenceRequest,
+                    subset: Sequence[str] | None) -> RoutingDecision:
         self.entered.set()
         try:
             await self.gate.wait()
@@ -222,7 +223,8 @@ async def test_graceful_stop_lets_an_open_stream_finish(router: FakeRouter) -> N
     assert outcome.ok and router.stopped
 
 
-async def read_frames(reader: asyncio.StreamReader, until: Callable[[list[tuple[int, int, int, bytes]]], bool]
+async def read_frames(reader: asyncio.StreamReader,
+                      until: Callable[[list[tuple[int, int, int, bytes]]], bool]
                       ) -> list[tuple[int, int, int, bytes]]:
     """Frames as (type, flags, stream, payload) until `until(frames)` holds."""
     frames: list[tuple[int, int, int, bytes]] = []
@@ -263,7 +265,8 @@ async def test_stop_serves_a_stream_sent_across_its_first_goaway(router: FakeRou
                                   (":authority", "epp"), ("content-type", "application/grpc")])
         request = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
         writer.write(frame(HEADERS, END_HEADERS, 1, block)
-                     + frame(DATA, END_STREAM, 1, b"\x00" + struct.pack(">I", len(request)) + request))
+                     + frame(DATA, END_STREAM, 1,
+                             b"\x00" + struct.pack(">I", len(request)) + request))
         frames = await read_frames(
             reader, lambda f: any(k == HEADERS and fl & END_STREAM for k, fl, _, _ in f))
         assert not any(k == RST_STREAM for k, _, _, _ in frames)

@@ -269,8 +269,10 @@ async def test_router_starts_and_stops_plugin_subscriptions() -> None:
     await router.start()
     try:
         # Started with the router, before any request: one subscription per pool endpoint.
-        assert set(scorer.subscriptions.subscribers) == {"127.0.0.1:1", "127.0.0.1:2"}  # type: ignore[attr-defined]
-        tasks = [s._task for s in scorer.subscriptions.subscribers.values()]  # type: ignore[attr-defined]
+        assert (set(scorer.subscriptions.subscribers)  # type: ignore[attr-defined]
+                == {"127.0.0.1:1", "127.0.0.1:2"})
+        tasks = [s._task
+                 for s in scorer.subscriptions.subscribers.values()]  # type: ignore[attr-defined]
     finally:
         await router.stop()
     assert scorer.subscriptions.subscribers == {}  # type: ignore[attr-defined]

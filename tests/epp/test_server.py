@@ -59,7 +59,8 @@ async def test_generate_round_trip_over_grpc(router: FakeRouter, channel: grpc.a
     await call.write(response_headers((":status", "200")))
     assert (await call.read()).HasField("response_headers")
     await call.write(response_trailers(("grpc-status", "0"),
-                                       ("x-kvswitch-usage", "prompt_tokens=100;completion_tokens=16")))
+                                       ("x-kvswitch-usage",
+                                        "prompt_tokens=100;completion_tokens=16")))
     assert (await call.read()).HasField("response_trailers")
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF

@@ -109,7 +109,8 @@ async def test_a_head_sent_a_byte_at_a_time_gets_408_at_the_head_deadline(
     reader, writer = await connect()
     answered = asyncio.ensure_future(read_response(reader))
     started = time.monotonic()
-    sent = await trickle(writer, post_request("/echo", b"hi", *("x-pad: " + "p" * 60,) * 10), answered)
+    sent = await trickle(writer, post_request("/echo", b"hi", *("x-pad: " + "p" * 60,) * 10),
+                         answered)
     status, _, body = await asyncio.wait_for(answered, 5)
     assert status == 408 and b"--head-timeout" in body
     assert sent < 700 and time.monotonic() - started < 3.0  # the head was still coming

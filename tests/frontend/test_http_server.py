@@ -218,7 +218,8 @@ async def test_head_gets_headers_without_the_body(served) -> None:
     writer.write(b"HEAD /echo HTTP/1.1\r\nhost: x\r\n\r\n" + post_request("/echo", b"next"))
     head = await reader.readuntil(b"\r\n\r\n")
     assert re.fullmatch(
-        rb"HTTP/1.1 200 OK\r\ndate: [^\r]+\r\ncontent-type: text/plain\r\ncontent-length: 11\r\n\r\n",
+        rb"HTTP/1.1 200 OK\r\ndate: [^\r]+\r\ncontent-type: text/plain\r\n"
+        rb"content-length: 11\r\n\r\n",
         head)  # the length of "HEAD /echo ", and no body
     assert (await read_response(reader))[2] == b"POST /echo next"
 

@@ -126,7 +126,8 @@ def test_long_prompts_tokenized_off_the_loop_come_back_exactly(stack: Stack) -> 
     assert chat.usage.prompt_tokens == len(_chat_prompt_ids(messages))
     assert chat.choices[0].message.content == _echoed(_chat_prompt_ids(messages))
     embedded = client.embeddings.create(model=MODEL, input=[long_text, "short"])
-    assert embedded.usage.prompt_tokens == len(BUNDLE.encode(long_text)) + len(BUNDLE.encode("short"))
+    assert embedded.usage.prompt_tokens == (len(BUNDLE.encode(long_text))
+                                            + len(BUNDLE.encode("short")))
 
 
 def test_completions_token_prompts_and_several_prompts(stack: Stack) -> None:
@@ -195,7 +196,8 @@ def test_embeddings(stack: Stack) -> None:
     reply = _client(stack).embeddings.create(model=MODEL, input=["héllo", "wörld 你好"])
     assert [d.index for d in reply.data] == [0, 1]
     assert len(reply.data[0].embedding) > 0
-    assert reply.usage.prompt_tokens == len(BUNDLE.encode("héllo")) + len(BUNDLE.encode("wörld 你好"))
+    assert reply.usage.prompt_tokens == (len(BUNDLE.encode("héllo"))
+                                         + len(BUNDLE.encode("wörld 你好")))
     b64 = _client(stack).embeddings.create(model=MODEL, input="héllo", encoding_format="base64")
     floats = struct.unpack(f"<{len(reply.data[0].embedding)}f",
                            base64.b64decode(b64.data[0].embedding))

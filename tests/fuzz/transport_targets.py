@@ -134,7 +134,8 @@ def check_http1(args: tuple[bytes, int]) -> None:
                                           max_headers=4, max_body_bytes=30))
         conn = _Connection(server)
         transport = FakeTransport()
-        transport.pause_reading = transport.resume_reading = lambda: None  # type: ignore[attr-defined]
+        transport.pause_reading = transport.resume_reading = (  # type: ignore[attr-defined]
+            lambda: None)
         transport.can_write_eof = lambda: False  # type: ignore[attr-defined]
         conn.connection_made(transport)  # type: ignore[arg-type]
         conn.data_received(data[:split])

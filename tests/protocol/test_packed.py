@@ -104,7 +104,8 @@ def test_a_parsed_prompt_hashes_like_the_engine_blocks_that_hold_it() -> None:
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt)).SerializeToString()
     hashes = chained_block_hashes(_parsed(GENERATE_PATH, message), 16)
     assert hashes == chained_block_hashes(prompt, 16) and len(hashes) == 2
-    stored = (KvBlockStored(11, None, tuple(prompt[:16])), KvBlockStored(12, 11, tuple(prompt[16:32])))
+    stored = (KvBlockStored(11, None, tuple(prompt[:16])),
+              KvBlockStored(12, 11, tuple(prompt[16:32])))
     wire = common_pb2.KvEventBatch(sequence_number=0, events=batch_events(
         KvEventBatchData(0, 0.0, stored), 16, 1)).SerializeToString()
     index = KvBlockIndex(16)

@@ -1,4 +1,5 @@
-"""ext_proc messages as Envoy sends them, the replies the EPP gives, and a sans-IO stream to feed."""
+"""ext_proc messages as Envoy sends them, the replies the EPP gives, and a sans-IO stream to
+feed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A whole gateway on loopback for end-to-end tests (`kvswitch up`'s launcher), and calls through it."""
+"""A whole gateway on loopback for end-to-end tests (`kvswitch up`'s launcher), and calls through
+it."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class Gateway:
 def start_gateway(tmp: Path, **spec: object) -> tuple[Gateway, Supervisor]:
     supervisor = Supervisor(tmp)
     try:
-        launched = launch_gateway(supervisor, GatewaySpec(port=free_port(), **spec), tmp)  # type: ignore[arg-type]
+        launched = launch_gateway(
+            supervisor, GatewaySpec(port=free_port(), **spec), tmp)  # type: ignore[arg-type]
     except BaseException:
         supervisor.stop_all()
         raise

@@ -20,7 +20,8 @@ __all__ = ["REPO", "Process", "free_port", "kvswitch_argv", "running", "wait_for
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_for_port(port: int, timeout: float = 30.0,
+                  proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:

@@ -89,7 +89,8 @@ class FakeRouter:
     async def stop(self) -> None:
         self.stopped = True
 
-    async def route(self, request: InferenceRequest, subset: Sequence[str] | None) -> RoutingDecision:
+    async def route(self, request: InferenceRequest,
+                    subset: Sequence[str] | None) -> RoutingDecision:
         if self.fail:
             raise RuntimeError("scheduler exploded")
         self.routed.append((request, subset))

@@ -35,7 +35,8 @@ def _chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
     return out
 
 
-def _stream(ids: list[int], skip: bool, use_table: bool, rng: random.Random) -> tuple[str, list[str]]:
+def _stream(ids: list[int], skip: bool, use_table: bool, rng: random.Random
+            ) -> tuple[str, list[str]]:
     detok = new_detokenizer(TOKENIZER, TABLE if use_table else None, skip_special_tokens=skip)
     deltas = [detok.push(chunk) for chunk in _chunks(ids, rng)]
     deltas.append(detok.flush())

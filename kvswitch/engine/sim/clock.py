@@ -7,10 +7,10 @@ the wall clock x `time_scale` while it is idle. The real time a step should end 
 
 The engine sleeps until then. `now()` is the simulated time the scheduler has reached (the end of
 the step being paced); `at_real_time()` maps the current real time into simulated time (clamped
-to `now()`), so an event during a paced step lands inside that step, as it would on a GPU. Sleeps shorter than `min_sleep` (the event loop's timer
-granularity, ~1 ms) are skipped and the debt carried, so pacing stays right on average; when
-Python falls more than `max_lag` behind, the anchor moves (the "GPU" was slow) instead of
-bursting steps to catch up.
+to `now()`), so an event during a paced step lands inside that step, as it would on a GPU. Sleeps
+shorter than `min_sleep` (the event loop's timer granularity, ~1 ms) are skipped and the debt
+carried, so pacing stays right on average; when Python falls more than `max_lag` behind, the anchor
+moves (the "GPU" was slow) instead of bursting steps to catch up.
 """
 
 from __future__ import annotations

@@ -341,7 +341,8 @@ class SimEngine:
         key = (len(sched.running), len(sched.waiting))
         if events or cleared or key != self._last_load_key:
             self._last_load_key = key
-            # Wall-clock time, as vLLM stamps its batches (consumers compare it with their own clock).
+            # Wall-clock time, as vLLM stamps its batches (consumers compare it with their
+            # own clock).
             self._events.publish(time.time(), events, cleared=cleared, load=self.load())
 
     # -- state -------------------------------------------------------------------------------
@@ -403,7 +404,8 @@ class SimEngine:
             raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})", param="input")
         if len(ids) > self.profile.max_model_len:
             raise InvalidRequest(
-                f"the input has {len(ids)} tokens, more than max_model_len {self.profile.max_model_len}",
+                f"the input has {len(ids)} tokens, more than max_model_len "
+                f"{self.profile.max_model_len}",
                 param="input",
             )
         rng = random.Random(hash(tuple(ids)))

@@ -1,8 +1,8 @@
 """Collectors: one refresh of one endpoint's load.
 
 - `GrpcCollector` (h2c pools, over the pool's engine API: vLLM's or SGLang's, whose
-  SchedulerLoad has the same fields): `GetLoads` every refresh, `HealthCheck` + `GetServerInfo` at most
-  every `health_interval` seconds (and after any failure), over one HTTP/2 connection per
+  SchedulerLoad has the same fields): `GetLoads` every refresh, `HealthCheck` + `GetServerInfo` at
+  most every `health_interval` seconds (and after any failure), over one HTTP/2 connection per
   endpoint (`kvswitch.protocol.h2client`, no grpc.aio poller thread). When that connection
   drops (the engine died or is going away) it calls `on_disconnect()` so the refresher can
   re-check the endpoint at once. Loads of several DP ranks are summed; kv usage =
@@ -12,8 +12,8 @@
   `Connection: close`; httpx costs 2.5 times the CPU per scrape: docs/benchmarks/epp-cpu.md),
   read by prometheus_client's parser. vLLM names: vllm:num_requests_running,
   vllm:num_requests_waiting, vllm:kv_cache_usage_perc (older vllm:gpu_cache_usage_perc),
-  vllm:cache_config_info {block_size, num_gpu_blocks}. Series with several label sets (models) are summed; kv usage
-  takes the max.
+  vllm:cache_config_info {block_size, num_gpu_blocks}. Series with several label sets (models) are
+  summed; kv usage takes the max.
 Both call the endpoint over TLS when given an `UpstreamTls` (the gRPC one offering ALPN h2,
 the Prometheus one http/1.1). A collector raises on any failure; the refresher marks the
 endpoint failed.

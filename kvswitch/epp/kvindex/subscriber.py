@@ -10,8 +10,8 @@ intervals): it reads `GetServerInfo.block_size` (a vLLM engine whose block size 
 index's is never indexed: its blocks could not match; an SGLang engine's radix-cache pages are
 regrouped into the index's blocks by a `PageRegrouper`, whatever its page size), opens the
 stream at `SequenceTracker.resume_from()` (after an engine restart, seen as a new start time
-from GetServerInfo's uptime, from an empty index), converts and applies every batch as the tracker says,
-resubscribes at once on a gap, and after a dropped stream or a failed call with bounded
+from GetServerInfo's uptime, from an empty index), converts and applies every batch as the tracker
+says, resubscribes at once on a gap, and after a dropped stream or a failed call with bounded
 exponential backoff (reset once a stream delivers again); an error applying a batch (a bug) is
 logged with its traceback, clears the endpoint's index and resubscribes from scratch, backing
 off the same way. It keeps the latest

@@ -1,4 +1,5 @@
-"""`openai-parser`: decodes OpenAI-compatible JSON bodies (`/v1/completions`, `/v1/chat/completions`).
+"""`openai-parser`: decodes OpenAI-compatible JSON bodies (`/v1/completions`,
+`/v1/chat/completions`).
 
 What it extracts for scheduling:
 - `prompt`: a string -> `prompt_text`; a list of strings -> joined with "\\n"; a token list ->

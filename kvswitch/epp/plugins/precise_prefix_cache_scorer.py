@@ -49,8 +49,8 @@ Lifecycle: the router calls `start()` (one HTTP/2 stream per endpoint of the dat
 Push-based load: every `EngineLoad` record on a stream goes into the endpoint's metrics
 (`Datalayer.push`, with the record's age: its arrival lag beyond the least lag any record of
 that endpoint arrived with, from the batch timestamps, so engine and EPP clocks need not agree;
-the datalayer then knows which routed requests it covers), so load scorers and flow control see the engine's scheduler-step
-load and the refresher polls GetLoads only rarely while records flow.
+the datalayer then knows which routed requests it covers), so load scorers and flow control see the
+engine's scheduler-step load and the refresher polls GetLoads only rarely while records flow.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""RoutedPrefixIndex: which endpoint probably holds which prompt blocks (approximate prefix caching).
+"""RoutedPrefixIndex: which endpoint probably holds which prompt blocks (approximate prefix
+caching).
 
 Produced once per request (a `DataProducer`), consumed by prefix-cache-scorer:
 - Block hashes chain like vLLM's: h_0 = hash((seed, block_0)), h_i = hash((h_{i-1}, block_i)),
@@ -107,7 +108,8 @@ class RoutedPrefixIndex:
 
     def produce(self, request: InferenceRequest, state: CycleState,
                 endpoints: Sequence[Endpoint]) -> None:
-        hashes = request_block_hashes(request, self.block_size, self.chars_per_token, self.max_blocks)
+        hashes = request_block_hashes(request, self.block_size, self.chars_per_token,
+                                      self.max_blocks)
         state[STATE_KEY] = PrefixMatch(hashes, self.match(hashes), self.block_size)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:

@@ -153,7 +153,8 @@ async def test_refresher_tracks_both_protocols_and_stale_endpoints_come_back(
 
         await wait_until(lambda: ready() == {grpc_address, http_address})
         servicer.waiting = 9
-        await wait_until(lambda: datalayer.get(grpc_address).metrics.waiting == 9)  # type: ignore[union-attr]
+        await wait_until(
+            lambda: datalayer.get(grpc_address).metrics.waiting == 9)  # type: ignore[union-attr]
         # A failing endpoint leaves the ready set, and returns once it answers again.
         servicer.fail_loads = True
         await wait_until(lambda: ready() == {http_address})

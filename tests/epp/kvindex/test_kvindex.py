@@ -1,4 +1,5 @@
-"""KvBlockIndex and SequenceTracker: exact event sequences in, exact match lengths / verdicts out."""
+"""KvBlockIndex and SequenceTracker: exact event sequences in, exact match lengths / verdicts
+out."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def test_block_hashes_take_any_sequence_and_only_full_blocks() -> None:
     for i in range(5):
         parent = hash((parent, pack_token_ids(PROMPT[i * B:(i + 1) * B])))
         expected.append(parent)
-    assert chained_block_hashes(PROMPT + [7], B) == chained_block_hashes(tuple(PROMPT), B) == expected
+    assert (chained_block_hashes(PROMPT + [7], B) == chained_block_hashes(tuple(PROMPT), B)
+            == expected)
     assert chained_block_hashes(PackedTokenIds.of(PROMPT), B) == expected
     assert chained_block_hashes(PROMPT[:B - 1], B) == []
     index = KvBlockIndex(B)
@@ -193,7 +195,8 @@ def test_namespaces_do_not_share_blocks() -> None:
 
 def batch(seq: int, *events: object, load_only: bool = False,
           snapshot: SnapshotInfo | None = None) -> EventBatch:
-    return EventBatch(seq, tuple(events), load_only=load_only, snapshot=snapshot)  # type: ignore[arg-type]
+    return EventBatch(seq, tuple(events), load_only=load_only,  # type: ignore[arg-type]
+                      snapshot=snapshot)
 
 
 def test_tracker_in_order_duplicates_and_load_only() -> None:

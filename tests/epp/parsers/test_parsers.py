@@ -47,7 +47,8 @@ def test_tokenized_generate() -> None:
         stream=True,
     )
     parsed = vllmgrpc.create("p", {}, None).parse(GENERATE_PATH, {}, body)
-    assert parsed == ParsedBody(prompt_token_ids=(1, 2, 3), stream=True, max_tokens=7, request_id="r1")
+    assert parsed == ParsedBody(prompt_token_ids=(1, 2, 3), stream=True, max_tokens=7,
+                                request_id="r1")
 
 
 def test_text_generate_without_max_tokens() -> None:
@@ -166,7 +167,8 @@ def test_invalid_field_names_the_param() -> None:
 
 def test_selection_order_query_strings_and_passthrough() -> None:
     parsers = [*default_parsers(), passthrough.create("pt", {}, None)]
-    assert select_parser(parsers, GENERATE_PATH, GRPC).name == "vllmgrpc-parser"  # type: ignore[union-attr]
+    assert (select_parser(parsers, GENERATE_PATH, GRPC).name  # type: ignore[union-attr]
+            == "vllmgrpc-parser")
     chosen = select_parser(parsers, "/v1/chat/completions?x=1", "application/json")
     assert chosen is not None and chosen.name == "openai-parser"
     other = select_parser(parsers, "/v1/models", "")

@@ -128,4 +128,5 @@ def test_pickers_reject_fewer_than_one_endpoint(type_name: str) -> None:
     factory = load_factory(type_name)
     with pytest.raises(ConfigError, match="maxNumOfEndpoints: must be >= 1"):
         factory("p", {"maxNumOfEndpoints": 0}, None)  # type: ignore[arg-type]
-    assert factory("p", {"maxNumOfEndpoints": 3}, None).max_endpoints == 3  # type: ignore[arg-type, attr-defined]
+    assert (factory("p", {"maxNumOfEndpoints": 3}, None)  # type: ignore[arg-type, attr-defined]
+            .max_endpoints == 3)
