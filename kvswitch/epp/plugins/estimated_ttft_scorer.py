@@ -82,8 +82,8 @@ below this fraction of the prompt, the longest match anywhere is copied rather t
 routes to the replica with the least cached (`--cache-threshold`). hotPrefixShare (float >= 0,
 default 0: off, every short prefix is copied): the fraction of a replica's fair share of
 requests that each holder of a short prefix would have to get from it alone for a copy beyond
-a second holder (`spread` above). hotPrefixWindow (int in [1, 65536], default 256): the last requests that
-share counts (the count table holds at most that many prefixes).
+a second holder (`spread` above). hotPrefixWindow (int in [1, 65536], default 256): the last
+requests that share counts (the count table holds at most that many prefixes).
 """
 
 from __future__ import annotations
