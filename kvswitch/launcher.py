@@ -68,8 +68,8 @@ READY_ENDPOINTS_METRIC = "kvswitch_epp_pool_ready_endpoints"
 # (cacheThreshold): to a second replica always, beyond two only while it is hot, each holder
 # getting over 1/8 of a replica's fair share of requests from it alone (hotPrefixShare). The
 # precise scorer is listed for its KV-event index. Chosen on the routing panel
-# (docs/benchmarks/routing-panel/default.md); kvswitch/bench/configs/kvswitch.yaml is the same
-# profile (a test keeps them equal).
+# (docs/benchmarks/routing-panel/default.md); kvswitch/bench/configs/kvswitch.yaml and the Helm
+# chart's files/default-plugins.yaml are the same profile (tests keep them equal).
 DEFAULT_EPP_CONFIG = {
     "apiVersion": "llm-d.ai/v1alpha1",
     "kind": "EndpointPickerConfig",

@@ -1,11 +1,11 @@
 """Benchmark targets: what stands between the load generator and the engine pool.
 
 - `kvswitch[:CONFIG]`: Envoy + the EPP with an EndpointPickerConfig (default
-  `kvswitch/bench/configs/kvswitch.yaml`, `kvswitch up`'s default profile: precise prefix 3 /
-  queue 2 / KV utilisation 2; the approximate prefix scorer with the same weights when the
-  `precise-prefix-cache-scorer` plugin is not registered); `kvswitch-estimated-ttft` uses the
-  estimated-ttft-scorer profile; `kvswitch-text` sends text prompts (the EPP tokenizes for
-  routing, the engine for serving).
+  `kvswitch/bench/configs/kvswitch.yaml`, `kvswitch up`'s default profile: estimated-ttft-scorer
+  over the precise KV-event index; `kvswitch-approximate.yaml`, llm-d's approximate prefix 3 /
+  queue 2 / KV utilisation 2, when the `precise-prefix-cache-scorer` plugin is not registered);
+  `kvswitch-estimated-ttft` uses the estimated-ttft-scorer with its own defaults;
+  `kvswitch-text` sends text prompts (the EPP tokenizes for routing, the engine for serving).
 - `kvswitch@N` (any EPP target with `@N`): N EPPs behind the one Envoy, active-active.
 - `round-robin`: Envoy alone, ROUND_ROBIN over the pool.
 - `random`: Envoy + the EPP with only a `random-picker`.

@@ -21,8 +21,10 @@ from kvswitch.cli import main as kvswitch_main
 from kvswitch.engine import cli as engine_cli
 from kvswitch.envoy.process import validate_config
 from kvswitch.epp import cli as epp_cli
+from kvswitch.epp.config import DEFAULT_PROFILE_WEIGHTS, apply_defaults, parse_config
 from kvswitch.epp.datalayer import kube_discovery
 from kvswitch.frontend import cli as frontend_cli
+from kvswitch.launcher import DEFAULT_EPP_CONFIG
 from kvswitch.tls import TlsFiles, UpstreamTls, tls_from_args, upstream_tls_from_args
 from tests.support.chart import CHART, TLS_DIR, by_kind, render, validate
 from tests.support.chart import secret as _secret
@@ -132,7 +134,8 @@ def test_containers_run_kvswitch_commands_that_parse(mode: str, tmp_path: Path) 
                 # The bootstrap the init container writes, and Envoy accepts it.
                 out = tmp_path / "envoy.yaml"
                 config = tmp_path / "epp.yaml"
-                config.write_text("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n")
+                (config_map,) = by_kind(docs, "ConfigMap")
+                config.write_text(config_map["data"]["default-plugins.yaml"])
                 argv = [a.replace(TLS_DIR, str(_secret(tmp_path))) for a in args
                         if not a.startswith(("--output=", "--epp-config="))]
                 with contextlib.redirect_stdout(io.StringIO()):
@@ -227,8 +230,25 @@ def test_standalone_is_one_deployment_and_service_wired_like_kvswitch_up() -> No
     assert {o["metadata"]["name"]: o["spec"]["priority"]
             for o in by_kind(docs, "InferenceObjective")} == {"batch": -1, "chat": 5}
     assert by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "http-metrics"
-    config = by_kind(docs, "ConfigMap")[0]["data"]["default-plugins.yaml"]
-    assert yaml.safe_load(config)["kind"] == "EndpointPickerConfig"
+
+
+def _default_config(values: Mapping[str, Any]) -> Any:
+    (config_map,) = by_kind(render(values), "ConfigMap")
+    return yaml.safe_load(config_map["data"]["default-plugins.yaml"])
+
+
+def test_default_profile_is_kvswitch_ups_for_grpc_pools_and_upstreams_for_http() -> None:
+    # A gRPC pool streams KV events: the profile `kvswitch up` runs, chosen on the panel.
+    assert _default_config({}) == DEFAULT_EPP_CONFIG
+    assert _default_config(MODES["gateway-istio-vllm"]) == DEFAULT_EPP_CONFIG
+    # An HTTP pool does not: the EPP's built-in default (upstream's weights) fills the profile.
+    config = _default_config(MODES["standalone-fail-close-http"])
+    assert "plugins" not in config and "schedulingProfiles" not in config
+    (profile,) = apply_defaults(parse_config([config])).profiles
+    assert tuple((r.plugin_ref, r.weight) for r in profile.plugins) == DEFAULT_PROFILE_WEIGHTS
+    # A config of the user's under the same name replaces it.
+    mine = {"pluginsCustomConfig": {"default-plugins.yaml": "kind: EndpointPickerConfig\n"}}
+    assert _default_config({"router": {"epp": mine}}) == {"kind": "EndpointPickerConfig"}
 
 
 def test_rbac_is_exactly_what_discovery_reads() -> None:

@@ -2,8 +2,7 @@
 
 A prefix hit on an overloaded replica is not a win: what a request waits for is the prefill
 work queued ahead of it plus its own uncached prefill. Per endpoint e, in prompt tokens
-(prefill cost per token, ~17 us in the simulator's H100 step model, is the same on every
-replica and cancels out):
+(the prefill cost per token is the same on every replica and cancels out):
 
     P        = the prompt's tokens (token ids; else full blocks x block size)
     m(e)     = matched leading blocks / prompt blocks   (the prefix index's `PrefixMatch`)
@@ -69,8 +68,9 @@ either must be configured), `Metrics.waiting_tokens/waiting/running`,
 `Endpoint.unreported_tokens/unreported_requests` (a request leaves them when a report covers
 it or it ends), `PrefixMatch.pending_prefill/prefilling` (likewise until it ends).
 Parameters: runningRequestTokens (float >= 0, default 16): prefill-token equivalent of one
-running request (decode steps interleave with prefill; 6 us per decode token vs 17 us per
-prefill token in the step model, over a few steps of a queued prefill). uncachedWeight
+running request: its decode in each step ahead of a queued prefill (in the simulator's
+Qwen3-32B step model one decoding sequence costs a step what 4-14 prefill tokens do, at 2k-12k
+tokens of context; 16 is a few steps of it). uncachedWeight
 (float >= 1, default 1): what a token of the request's own uncached prefill counts against a
 queued one; 1 is the request's own TTFT alone, above 1 a cache miss also pays for the prefill
 it spends, which later requests of the same prefix would otherwise get from the cache (keeps
