@@ -10,7 +10,8 @@
   a resourceVersion older than the last `compact()` gets the ERROR event with a 410 Status
   (`reason: Expired`), as the API server sends it;
 - `forbid(plural)`: 403 with a Status naming the resource; `drop_connections()` aborts every
-  open watch; `stop()` / `start()` restart the server on the same port (state kept);
+  open watch; `stop(keep_port=True)` / `start()` restart the server on the same port (state
+  kept);
 - `requests` records (method, path, query) of every request, for assertions.
 Objects get `metadata.resourceVersion` and `uid` from one counter, as etcd's revision.
 """
@@ -21,6 +22,7 @@ import asyncio
 import copy
 import itertools
 import json
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,7 @@ class KubeApiDouble:
         self._stopped = False
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self._reserved: socket.socket | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -85,18 +88,35 @@ class KubeApiDouble:
         app.router.add_get("/apis/{group}/{version}/namespaces/{ns}/{plural}", self._collection)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True,
+                           reuse_port=True)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
         return self.port
 
-    async def stop(self) -> None:
-        """The API server goes away: open watches are cut, new connections refused."""
+    async def stop(self, *, keep_port: bool = False) -> None:
+        """The API server goes away: open watches are cut, new connections refused.
+
+        keep_port: the port stays bound, not listening, until `start()`. Otherwise a client
+        reconnecting meanwhile may get it as its own ephemeral port (a self-connect), whose
+        TIME_WAIT keeps the restart from binding it for a minute."""
         self._stopped = True
         self.drop_connections()
         if self._runner is not None:
+            if keep_port:
+                # Bound beside the listener before it closes (SO_REUSEPORT on both): no gap.
+                self._reserved = socket.socket()
+                self._reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                self._reserved.bind(("127.0.0.1", self.port))
             await self._runner.cleanup()
             self._runner = None
+        if not keep_port and self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
 
     def kubeconfig(self, directory: Path) -> Path:
         path = directory / "kubeconfig"

@@ -3,7 +3,9 @@ rely on are the API server's (lists, chunked watch streams, 410 and 403 Status b
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -70,3 +72,18 @@ async def test_expired_and_forbidden_status_bodies(api: KubeApiDouble) -> None:
         assert (status["kind"], status["reason"], status["code"]) == ("Status", "Forbidden", 403)
         assert 'cannot list resource "pods" in API group "" in the namespace "default"' in (
             status["message"])
+
+
+async def test_a_restart_keeps_the_port_and_refuses_while_stopped(api: KubeApiDouble) -> None:
+    api.put("pods", pod("a", "10.0.0.1"))
+    port = api.port
+    await api.stop(keep_port=True)
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection("127.0.0.1", port)
+    # Held: a socket without SO_REUSEADDR (as a client's ephemeral port is) cannot take it.
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    assert await api.start() == port
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"http://127.0.0.1:{port}{PODS}") as reply:
+        assert [p["metadata"]["name"] for p in (await reply.json())["items"]] == ["a"]

@@ -21,6 +21,7 @@ from tests.support.kube_api import KubeApiDouble, inference_objective, inference
 from tests.support.waiting import until
 
 POOL = "qwen3"
+WATCHED = ("pods", "inferencepools", "inferenceobjectives")
 
 
 class Follower:
@@ -50,6 +51,9 @@ class Follower:
 
     async def close(self) -> None:
         self.task.cancel()
+        # A watch that swallowed its cancel would otherwise hang teardown until pytest's timeout.
+        done, _ = await asyncio.wait({self.task}, timeout=10)
+        assert done, "discovery.watch() still running 10 s after its cancel"
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
 
@@ -201,7 +205,8 @@ async def test_bookmarks_keep_the_resource_version_current(
     _seed(api)
     f = follow()
     await f.until_set("10.0.0.1:8000", "10.0.0.2:8000")
-    await until(lambda: api.watchers("pods") == 1)
+    # Every kind watches: one still listing when the history is compacted would relist.
+    await until(lambda: all(api.watchers(p) == 1 for p in WATCHED))
     # Changes the pool's pod watch does not see (another namespace) advance the revision.
     for i in range(3):
         api.put("pods", pod(f"x{i}", f"10.0.2.{i}", namespace="team-b"))
@@ -235,7 +240,7 @@ async def test_api_server_restart_mid_watch(api: KubeApiDouble, follow: Callable
     f = follow()
     await f.until_set("10.0.0.1:8000", "10.0.0.2:8000")
     await until(lambda: api.watchers("pods") == 1)
-    await api.stop()
+    await api.stop(keep_port=True)
     api.put("pods", pod("c", "10.0.0.5"))
     api.delete("pods", "a")
     # While it is gone, the last known endpoints stay.
