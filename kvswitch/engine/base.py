@@ -195,6 +195,9 @@ class KvEventBatchData:
     sends it as a load-only record repeating the last sequence number)."""
     queued: tuple[QueuedPrompt, ...] = ()
     """On a load push: the requests that arrived since the previous push, still in prefill."""
+    withdrawn: tuple[str, ...] = ()
+    """On a load push: ids of requests an earlier push announced that left the engine before
+    their prefill ended (cancelled or failed while queued): their blocks will not be stored."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,11 @@ Queued prompts (kvswitch's extension, for subscribers that ask with the call's m
 requests that arrived since the previous one and whose prefill has not ended, each as one
 `KvBlocksStored` event with
 `ownership` `kvswitch-queued`, `session_id` the request id and no parent, its blocks the
-prompt's full blocks from the first (no engine hash yet: 0). The blocks are not stored yet;
-such a push goes out even when its load repeats the last record. Other subscribers never see
-them (`common.proto`: a load-only batch carries no events).
+prompt's full blocks from the first (no engine hash yet: 0). The blocks are not stored yet.
+A request so announced that leaves before its prefill ends is withdrawn on a later push: a
+`KvBlocksStored` with `ownership` `kvswitch-withdrawn`, `session_id` its id and no blocks.
+A push with either goes out even when its load repeats the last record. Other subscribers never
+see them (`common.proto`: a load-only batch carries no events).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from kvswitch.engine.base import Engine, EngineLoadSnapshot, KvEventBatchData, QueuedPrompt
 from kvswitch.protocol import common_pb2
-from kvswitch.protocol.headers import QUEUED_OWNERSHIP
+from kvswitch.protocol.headers import QUEUED_OWNERSHIP, WITHDRAWN_OWNERSHIP
 
 HEARTBEAT_SECONDS = 1.0
 _QUEUE_LIMIT = 4096
@@ -114,6 +116,12 @@ def queued_events(prompts: Sequence[QueuedPrompt], block_size: int
     return events
 
 
+def withdrawn_events(request_ids: Sequence[str]) -> list[common_pb2.KvCacheEvent]:
+    """One blockless `KvBlocksStored` per withdrawn request (see the module docstring)."""
+    return [common_pb2.KvCacheEvent(stored=common_pb2.KvBlocksStored(
+        ownership=WITHDRAWN_OWNERSHIP, session_id=request_id)) for request_id in request_ids]
+
+
 class KvEventStream:
     def __init__(self, engine: Engine, start_sequence_number: int, *, load_first: bool,
                  queued_prompts: bool = False):
@@ -154,8 +162,10 @@ class KvEventStream:
                 elif self._last_sequence is not None:  # nothing to repeat before a batch
                     load = self.engine.load()
                     queued = item.queued if self.queued_prompts else ()
-                    if queued or load.routing_core != self._last_core:
-                        yield self._load_only(full=False, load=load, queued=queued)
+                    withdrawn = item.withdrawn if self.queued_prompts else ()
+                    if queued or withdrawn or load.routing_core != self._last_core:
+                        yield self._load_only(full=False, load=load, queued=queued,
+                                              withdrawn=withdrawn)
         finally:
             for task in (pump, stopper):
                 task.cancel()
@@ -193,12 +203,15 @@ class KvEventStream:
             dp_rank=0, load=load_record(load, self._sample, load_only=False, full=first_record))
 
     def _load_only(self, *, full: bool = True, load: EngineLoadSnapshot | None = None,
-                   queued: Sequence[QueuedPrompt] = ()) -> common_pb2.KvEventBatch:
+                   queued: Sequence[QueuedPrompt] = (),
+                   withdrawn: Sequence[str] = ()) -> common_pb2.KvEventBatch:
         self._sample += 1
         if load is None:
             load = self.engine.load()
         self._last_core = load.routing_core
+        events = (queued_events(queued, self.block_size) if queued else []) + (
+            withdrawn_events(withdrawn) if withdrawn else [])
         return common_pb2.KvEventBatch(
             sequence_number=self._last_sequence or 0, timestamp=time.time(), dp_rank=0,
-            events=queued_events(queued, self.block_size) if queued else None,
+            events=events or None,
             load=load_record(load, self._sample, load_only=True, full=full))

@@ -281,6 +281,7 @@ def build_router(spec: ConfigSpec, pool: PoolSpec, metrics: EppMetrics | None = 
         if isinstance(index := getattr(plugin, "index", None), KvBlockIndex):
             metrics.indexed_blocks.watch(index)
             metrics.speculative_blocks.watch(index)
+            metrics.pending_prefill.watch(index)
         if isinstance(streams := getattr(plugin, "subscriptions", None), KvEventSubscriptions):
             metrics.load_records.watch(streams.subscribers)
     router = EppRouter(scheduler, datalayer, gate, refresher, objectives, metrics)

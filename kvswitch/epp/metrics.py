@@ -235,7 +235,7 @@ class LoadRecordsCounter(Collector):
 
 
 class BlockCounts(Protocol):
-    """What `IndexedBlocksGauge` reads of a prefix index."""
+    """What `IndexGauge` reads of a prefix index."""
 
     @property
     def endpoints(self) -> tuple[str, ...]: ...
@@ -244,22 +244,25 @@ class BlockCounts(Protocol):
 
     def num_speculative(self, endpoint: str) -> int: ...
 
+    def pending_prefill(self, endpoint: str) -> int: ...
+
     def expire(self) -> None: ...
 
 
-class IndexedBlocksGauge(Collector):
-    """KV blocks each endpoint holds according to the EPP's prefix indexes (from the engines' KV
-    events; speculative entries excluded), read at scrape time. EPPs that share a gateway see
-    the same events, so their values agree within one KV-event batch. With `speculative`: the
-    speculative entries instead (blocks routed there, or queued there by another EPP, that no
-    KV event has confirmed yet; expired ones are dropped first)."""
+class IndexGauge(Collector):
+    """One per-endpoint count of the EPP's prefix indexes, read at scrape time and summed over
+    them: `count` names it, `num_blocks` (KV blocks held by the engines' KV events; EPPs that
+    share a gateway see the same events, so their values agree within one KV-event batch),
+    `num_speculative` (blocks routed there, or queued there by another EPP, that no KV event
+    has confirmed yet) or `pending_prefill` (uncached prompt tokens routed there whose prefill
+    has not ended); for these two, what has expired is dropped first."""
 
     def __init__(self, name: str, documentation: str, registry: CollectorRegistry,
-                 speculative: bool = False) -> None:
+                 count: str = "num_blocks") -> None:
         self.name = name
         self.documentation = documentation
         self.indexes: list[BlockCounts] = []
-        self.speculative = speculative
+        self.count = count
         registry.register(self)
 
     def watch(self, index: BlockCounts) -> None:
@@ -272,13 +275,13 @@ class IndexedBlocksGauge(Collector):
         family = GaugeMetricFamily(self.name, self.documentation, labels=["endpoint"])
         totals: dict[str, int] = {}
         for index in self.indexes:
-            if self.speculative:
+            if self.count != "num_blocks":
                 index.expire()
-            count = index.num_speculative if self.speculative else index.num_blocks
+            count = getattr(index, self.count)
             for endpoint in index.endpoints:
                 totals[endpoint] = totals.get(endpoint, 0) + count(endpoint)
-        for endpoint, blocks in totals.items():
-            family.add_metric((endpoint,), float(blocks))
+        for endpoint, value in totals.items():
+            family.add_metric((endpoint,), float(value))
         yield family
 
 
@@ -366,14 +369,19 @@ class EppMetrics:
             r)
         self.endpoint_ready = ReadyGauge(
             "kvswitch_epp_endpoint_ready", "1 when the endpoint is eligible for scheduling.", r)
-        self.indexed_blocks = IndexedBlocksGauge(
+        self.indexed_blocks = IndexGauge(
             "kvswitch_epp_indexed_kv_blocks",
             "KV blocks the endpoint holds according to the EPP's prefix index (KV events).", r)
-        self.speculative_blocks = IndexedBlocksGauge(
+        self.speculative_blocks = IndexGauge(
             "kvswitch_epp_speculative_kv_blocks",
             "KV blocks the EPP's prefix index holds speculatively on the endpoint: routed there "
             "(by this EPP, or by another as the engine's queued prompts say) and not yet "
-            "confirmed by a KV event.", r, speculative=True)
+            "confirmed by a KV event.", r, count="num_speculative")
+        self.pending_prefill = IndexGauge(
+            "kvswitch_epp_pending_prefill_tokens",
+            "Uncached prompt tokens routed to the endpoint (by this EPP, or by another as the "
+            "engine's queued prompts say) whose prefill has not ended by the KV events.", r,
+            count="pending_prefill")
         self.endpoint_requests = EndpointRequestsGauge(
             "kvswitch_epp_endpoint_requests",
             "Requests on the endpoint as the EPP sees them: running and waiting from the "

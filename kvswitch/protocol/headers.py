@@ -58,3 +58,6 @@ ACCESS_LOGGED = "access_logged"
 # `KvBlocksStored` whose `ownership` is QUEUED_OWNERSHIP (blocks not stored yet).
 QUEUED_PROMPTS = "x-kvswitch-queued-prompts"
 QUEUED_OWNERSHIP = "kvswitch-queued"
+# ... and, on a later push, a request it announced that left before its prefill ended: a
+# `KvBlocksStored` with no blocks whose `ownership` is WITHDRAWN_OWNERSHIP, `session_id` its id.
+WITHDRAWN_OWNERSHIP = "kvswitch-withdrawn"

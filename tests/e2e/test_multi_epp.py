@@ -233,10 +233,12 @@ engine's coalescing window here, and a hundred times the push interval (5 ms).""
 def pushing_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """One engine on a slow clock (a request runs for seconds) whose KV-event batches coalesce
     over ten minutes, behind two EPPs: within the test only a load push (or a heartbeat, 1 s
-    after the stream's last record) can bring an arrival's load on the stream."""
+    after the stream's last record) can bring an arrival's load on the stream. It runs one
+    request at a time: the next one queues."""
     with running_gateway(tmp_path_factory.mktemp("load-push"), replicas=1, profile="tiny",
                          time_scale=0.005, mode="echo", grace_period=1.0, epp_replicas=2,
-                         engine_args=("--kv-events-coalesce-ms", "600000")) as gw:
+                         engine_args=("--kv-events-coalesce-ms", "600000",
+                                      "--max-num-seqs", "1")) as gw:
         yield gw
 
 
@@ -287,6 +289,37 @@ def test_every_epp_learns_of_another_epps_send_from_the_engines_load_push(
         # blocks on the engine speculatively too, though no KV event has stored them yet.
         blocks = len(prompt(501)) // BLOCK
         assert [_speculative(gw, e, engine) for e in epps] == [blocks, blocks]
+    finally:
+        for call in calls:
+            call.cancel()
+
+
+def _pending(gw: Gateway, epp: int, endpoint: str) -> float:
+    return sum(epp_samples(gw, "kvswitch_epp_pending_prefill_tokens", epp=epp,
+                           endpoint=endpoint))
+
+
+def test_a_request_cancelled_while_queued_stops_counting_on_every_epp(
+        pushing_engine: Gateway) -> None:
+    gw = pushing_engine
+    (engine,) = gw.engines
+    epps = _epps(gw)
+    assert _wait_until(lambda: all(_view(gw, e, engine).load_only_records >= 2 for e in epps))
+    running, queued = prompt(600), prompt(601)
+    calls = [gw.stub.Generate(generate_request(running, max_tokens=900), timeout=CALL_TIMEOUT)]
+    try:
+        # No KV event stores a block within the test (the window is ten minutes): each prompt
+        # counts as prefill in progress on both EPPs, by its route or by the push naming it.
+        assert _wait_until(lambda: [_pending(gw, e, engine) for e in epps] == [len(running)] * 2)
+        calls.append(gw.stub.Generate(generate_request(queued, max_tokens=900),
+                                      timeout=CALL_TIMEOUT))
+        both = len(running) + len(queued)
+        assert _wait_until(lambda: [_pending(gw, e, engine) for e in epps] == [both] * 2)
+        assert _view(gw, 0, engine).reported == 2  # one running, one waiting for the seat
+        calls.pop().cancel()
+        # The EPP that routed it ends it from its access log; the other from the engine's push
+        # withdrawing it (without, it would count it for prefillTtl, 30 s).
+        assert _wait_until(lambda: [_pending(gw, e, engine) for e in epps] == [len(running)] * 2)
     finally:
         for call in calls:
             call.cancel()

@@ -16,7 +16,7 @@ from kvswitch.engine.server import EngineServer, ServerOptions
 from kvswitch.engine.sim import SimConfig, SimEngine
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
-from kvswitch.protocol.headers import QUEUED_OWNERSHIP, QUEUED_PROMPTS
+from kvswitch.protocol.headers import QUEUED_OWNERSHIP, QUEUED_PROMPTS, WITHDRAWN_OWNERSHIP
 from kvswitch.tokenization import load_tokenizer
 from tests.engine.fake_engine import FakeEngine
 
@@ -78,12 +78,19 @@ async def test_two_subscribers_learn_of_an_arrival_from_a_push(
         assert not generate.done()  # (still streaming: ended with the channel)
 
 
-async def test_a_push_names_a_queued_prompt_to_the_subscriber_that_asked(
+async def test_a_push_names_a_queued_prompt_and_withdraws_it_when_cancelled(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_events, "HEARTBEAT_SECONDS", 600.0)
     # One request at a time: the second waits in the queue behind the first.
     engine = SimEngine(SimConfig(profile="tiny", time_scale=0.1, mode="echo", max_num_seqs=1,
                                  kv_events_coalesce_seconds=600.0))
+
+    async def withdrawing(call: grpc.aio.UnaryStreamCall) -> common_pb2.KvEventBatch:
+        while True:
+            batch = await call.read()
+            assert batch is not grpc.aio.EOF
+            if batch.load.load_only and batch.events:
+                return batch
 
     async def push_naming(call: grpc.aio.UnaryStreamCall,
                           waiting: int) -> common_pb2.KvEventBatch:
@@ -118,7 +125,14 @@ async def test_a_push_names_a_queued_prompt_to_the_subscriber_that_asked(
         assert [t for b in queued.stored.blocks for t in b.token_ids] == list(
             range(100, 150 - 50 % block))
         assert not plain.events
-        assert not any(r.done() for r in requests)  # (both in flight: ended with the channel)
+        # Cancelled while queued: a push withdraws it, to the subscriber that was told of it.
+        requests.pop().cancel()
+        withdrawal = await asyncio.wait_for(withdrawing(calls[0]), 10.0)
+        (event,) = withdrawal.events
+        assert event.stored.ownership == WITHDRAWN_OWNERSHIP
+        assert event.stored.session_id == "second" and not event.stored.blocks
+        assert withdrawal.load.waiting_requests == 0
+        assert not requests[0].done()  # (in flight: ended with the channel)
 
 
 async def test_a_push_that_would_repeat_the_last_record_is_not_sent() -> None:

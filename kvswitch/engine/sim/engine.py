@@ -253,6 +253,7 @@ class SimEngine:
 
     def _drop(self, req: _Request) -> None:
         if self._requests.get(req.request_id) is req:
+            self._events.ended(req.request_id)  # while `_prefilling` still knows it
             del self._requests[req.request_id]
         for seq in req.sequences:
             if self.scheduler.abort(seq):

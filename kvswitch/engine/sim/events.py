@@ -35,6 +35,11 @@ load (a short request on a fast engine is past its prefill within the push delay
 EPP keeps counting its own send until a report sampled its transit allowance (5 ms) after it,
 so for a few ms it counts the request on the push and on its own account both. A follower that
 fell behind gets the last `PUSH_HISTORY` pushes it missed.
+An announced request that leaves the engine before its prefill ends (`ended()`: a client's
+cancel while it is queued, an abort, a failure) is withdrawn: a push soon after names its id
+(`KvEventBatchData.withdrawn`, at most `QUEUED_PROMPTS` ids per push, the rest on the next), so
+the EPPs that counted its prefill stop counting it instead of waiting for blocks that never
+come. The ids awaiting that are bounded by the requests the engine holds.
 """
 
 from __future__ import annotations
@@ -137,6 +142,9 @@ class KvEventLog:
         self.prefilling = prefilling
         """Whether a request's prefill has not ended yet (None: every arrival's has not)."""
         self._queued = PromptQueue(block_size)
+        self._announced: set[str] = set()
+        """Ids a push announced whose request has not ended (`ended()`)."""
+        self._withdrawn: list[str] = []
 
     def publish(
         self,
@@ -172,6 +180,20 @@ class KvEventLog:
         if self.load_push_seconds <= 0 or self.followers < 2 or self._closed:
             return
         self._queued.add(request_id, prompt)
+        self._schedule_push()
+
+    def ended(self, request_id: str) -> None:
+        """A request is leaving the engine (`prefilling` still knows it): withdraw it on the
+        next push if a push announced it and its prefill has not ended."""
+        if request_id not in self._announced:
+            return
+        self._announced.discard(request_id)
+        if self._closed or (self.prefilling is not None and not self.prefilling(request_id)):
+            return
+        self._withdrawn.append(request_id)
+        self._schedule_push()
+
+    def _schedule_push(self) -> None:
         if self._push_timer is not None:
             return
         try:
@@ -186,9 +208,15 @@ class KvEventLog:
         self._push_timer = None
         self._pushed_at = asyncio.get_running_loop().time()
         queued = self._queued.take(self.prefilling)
-        self._pushes.append(KvEventBatchData(-1, 0.0, load_only=True, queued=queued))
+        self._announced.update(q.request_id for q in queued)
+        withdrawn = tuple(self._withdrawn[:QUEUED_PROMPTS])
+        del self._withdrawn[:QUEUED_PROMPTS]
+        self._pushes.append(KvEventBatchData(-1, 0.0, load_only=True, queued=queued,
+                                             withdrawn=withdrawn))
         self.load_pushes += 1
         self._wake()
+        if self._withdrawn:
+            self._schedule_push()
 
     def _flush_window(self, due: float) -> None:
         self._timer = None

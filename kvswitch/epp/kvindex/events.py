@@ -13,7 +13,8 @@ is built beyond the pair.
 A load-only batch may carry the prompts of requests the engine has just queued (kvswitch's
 engine, to a subscriber that asked: `kvswitch.protocol.headers.QUEUED_PROMPTS`): stored events
 marked `QUEUED_OWNERSHIP`, decoded into `EventBatch.queued` (`QueuedPrompt`), never into
-`events`: their blocks are not stored yet.
+`events`: their blocks are not stored yet; and the ids of requests so announced that left the
+engine before their prefill ended (blockless, `WITHDRAWN_OWNERSHIP`): `EventBatch.withdrawn`.
 The records built per batch are NamedTuples: immutable like a frozen dataclass, and about 3x
 cheaper to build (a frozen dataclass sets each field through object.__setattr__).
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvswitch.protocol import common_pb2
-from kvswitch.protocol.headers import QUEUED_OWNERSHIP
+from kvswitch.protocol.headers import QUEUED_OWNERSHIP, WITHDRAWN_OWNERSHIP
 from kvswitch.protocol.packed import KvEventBatchView, pack_token_ids
 
 __all__ = [
@@ -119,6 +120,8 @@ class EventBatch(NamedTuple):
     snapshot: SnapshotInfo | None = None
     queued: tuple[QueuedPrompt, ...] = ()
     """On a load-only batch: prompts the engine queued since its previous push."""
+    withdrawn: tuple[str, ...] = ()
+    """On a load-only batch: ids of announced requests that left before their prefill ended."""
 
 
 def load_from_proto(load: Any, timestamp: float = 0.0) -> LoadRecord:
@@ -153,6 +156,7 @@ def batch_from_proto(message: Any) -> EventBatch:
     """Convert one `KvEventBatchView` (events of other tiers/groups are dropped)."""
     events: list[KvEvent] = []
     queued: list[QueuedPrompt] = []
+    withdrawn: list[str] = []
     load = None
     load_only = False
     if message.HasField("load"):
@@ -166,6 +170,9 @@ def batch_from_proto(message: Any) -> EventBatch:
             if load_only and proto_stored.ownership == QUEUED_OWNERSHIP:
                 queued.append(QueuedPrompt(proto_stored.session_id,
                                            tuple([b.token_ids for b in proto_stored.blocks])))
+                continue
+            if load_only and proto_stored.ownership == WITHDRAWN_OWNERSHIP:
+                withdrawn.append(proto_stored.session_id)
                 continue
             stored = _stored_from_proto(proto_stored)
             if stored is not None:
@@ -182,4 +189,4 @@ def batch_from_proto(message: Any) -> EventBatch:
         snapshot = SnapshotInfo(s.index, s.count, s.unknown_before)
     # positional: see load_from_proto
     return EventBatch(message.sequence_number, tuple(events), load, load_only, snapshot,
-                      tuple(queued))
+                      tuple(queued), tuple(withdrawn))

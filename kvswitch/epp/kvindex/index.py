@@ -363,10 +363,7 @@ class KvBlockIndex:
         if state is None or tokens <= 0 or not state.indexed:
             return
         now = self.clock()
-        expired = self._awaiting
-        while expired and expired[0][0] <= now:
-            _, name, old, block, count = expired.popleft()
-            self._drop_awaited(name, old, block, count)
+        self._expire_awaited(now)
         entry = state.awaiting.get(last_hash)
         if entry is None:
             state.awaiting[last_hash] = [tokens, 1]
@@ -377,7 +374,13 @@ class KvBlockIndex:
         state.prefilling += 1
         self.pending[endpoint] = state.pending
         self.prefilling[endpoint] = state.prefilling
-        expired.append((now + ttl, endpoint, state, last_hash, tokens))
+        self._awaiting.append((now + ttl, endpoint, state, last_hash, tokens))
+
+    def _expire_awaited(self, now: float) -> None:
+        expired = self._awaiting
+        while expired and expired[0][0] <= now:
+            _, name, old, block, count = expired.popleft()
+            self._drop_awaited(name, old, block, count)
 
     def end_prefill(self, endpoint: str, last_hash: int, tokens: int) -> None:
         """The request `await_prefill(endpoint, last_hash, tokens, ...)` counted has ended:
@@ -423,8 +426,11 @@ class KvBlockIndex:
         return 0 if state is None else state.prefilling
 
     def expire(self) -> None:
-        """Drop the speculative entries whose time is up (`match` does it too)."""
-        self._expire(self.clock())
+        """Drop the speculative entries whose time is up (`match` does it too), and stop
+        counting the prefills whose ttl has passed (`await_prefill` does it too)."""
+        now = self.clock()
+        self._expire(now)
+        self._expire_awaited(now)
 
     def _expire(self, now: float) -> None:
         expiries = self._expiries

@@ -18,8 +18,8 @@ off the same way. It keeps the latest
 `EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback), and counts
 the records by kind (`batch_loads`, `load_only_records`: the EPP's `kvswitch_epp_load_records`).
 With an `on_queued` callback it asks the engine for the prompts of the requests it queues
-(`kvswitch.protocol.headers.QUEUED_PROMPTS`; a vLLM-API stream only) and hands each load push's
-to the callback.
+(`kvswitch.protocol.headers.QUEUED_PROMPTS`; a vLLM-API stream only) and hands each load push's,
+with the ids of announced requests the push withdraws, to the callback.
 
 `KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set. With an
 `UpstreamTls` the streams run over TLS (mTLS with a client certificate).
@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 RESTART_TOLERANCE = 1.0
 
 LoadCallback = Callable[[str, LoadRecord], None]
-QueuedCallback = Callable[[str, tuple[QueuedPrompt, ...]], None]
+QueuedCallback = Callable[[str, tuple[QueuedPrompt, ...], tuple[str, ...]], None]
+"""(address, prompts the engine queued, ids of announced requests withdrawn)."""
 
 USER_AGENT = "kvswitch-epp"
 KEEPALIVE = 5.0
@@ -208,8 +209,8 @@ class KvEventSubscriber:
                 self.batch_loads += 1
             if self.on_load is not None:
                 self.on_load(self.address, batch.load)
-        if batch.queued and self.on_queued is not None and self.compatible:
-            self.on_queued(self.address, batch.queued)
+        if (batch.queued or batch.withdrawn) and self.on_queued is not None and self.compatible:
+            self.on_queued(self.address, batch.queued, batch.withdrawn)
         verdict = self.tracker.receive(batch)
         if verdict is Verdict.RESET:
             self._clear()

@@ -35,7 +35,10 @@ load push a few ms after each arrival (`KvEventSubscriber.on_queued`; kvswitch's
 them while two or more EPPs follow it). For each prompt not already held there in full (this
 EPP's own requests are, speculatively), it does what `pre_request` does for its own: it
 speculates the prompt's blocks on that engine and counts their prefill as in progress there, so
-a prefix group's next request stays with its first whichever EPP routes it.
+a prefix group's next request stays with its first whichever EPP routes it. A later push that
+withdraws one (it left the engine before its prefill ended: a client's cancel while queued) ends
+that count at once; the announced prefills are remembered for this for prefillTtl, at most
+MAX_ANNOUNCED of them. Its speculative blocks expire as unconfirmed ones do.
 Prefill in progress: the same hook counts the request's uncached prompt tokens in the index's
 `pending_prefill` for the picked endpoint until the engine stores the prompt's last full block
 (`KvBlockIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables) passes; the
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import operator
+from collections import OrderedDict
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -79,6 +83,7 @@ from kvswitch.tokenization import TokenizerBundle, load_tokenizer
 from kvswitch.tokenization.offload import encode_off_loop, needs_offload
 
 TYPE = "precise-prefix-cache-scorer"
+MAX_ANNOUNCED = 65_536  # other EPPs' announced prefills remembered, to end them if withdrawn
 _address = operator.attrgetter("address")
 
 TOKENS_KEY = "precise-prefix-cache-scorer/tokens"
@@ -96,6 +101,9 @@ class PrecisePrefixCacheScorer:
         self._prefilling = index.prefilling
         # request id -> (endpoint, last block hash, tokens) of the prefill it awaits there.
         self._awaited: dict[str, tuple[str, int, int]] = {}
+        # (endpoint, request id) -> (last block hash, tokens, until) of a prefill another EPP
+        # routed there, as announced, until a push withdraws it or prefillTtl passes.
+        self._announced: OrderedDict[tuple[str, str], tuple[int, int, float]] = OrderedDict()
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
@@ -161,12 +169,23 @@ class PrecisePrefixCacheScorer:
             address, running=load.running, waiting=load.waiting, kv_usage=load.token_usage,
             waiting_tokens=load.waiting_uncached_tokens, ttl=self.load_ttl, age=age)
 
-    def _queued(self, address: str, prompts: tuple[QueuedPrompt, ...]) -> None:
+    def _queued(self, address: str, prompts: tuple[QueuedPrompt, ...],
+                withdrawn: tuple[str, ...] = ()) -> None:
         """Requests queued on `address` (see the module docstring): speculate the blocks of
-        each prompt not held there in full, and count the rest of its prefill there."""
+        each prompt not held there in full, and count the rest of its prefill there; stop
+        counting the withdrawn ones."""
+        index = self.index
+        announced = self._announced
+        for request_id in withdrawn:
+            entry = announced.pop((address, request_id), None)
+            if entry is not None:
+                index.end_prefill(address, entry[0], entry[1])
         if self.speculative_ttl <= 0:
             return
-        index = self.index
+        now = index.clock()
+        while announced and (len(announced) >= MAX_ANNOUNCED
+                             or next(iter(announced.values()))[2] <= now):
+            announced.popitem(last=False)  # the oldest: expired in the index too, or over bound
         for prompt in prompts:
             if not all(prompt.blocks):
                 continue  # a block sent unpacked (kvswitch.protocol.packed) cannot be hashed
@@ -176,8 +195,10 @@ class PrecisePrefixCacheScorer:
                 continue
             index.speculate(address, hashes, self.speculative_ttl, held=held)
             if self.prefill_ttl > 0:
-                index.await_prefill(address, hashes[-1], (len(hashes) - held) * index.block_size,
-                                    self.prefill_ttl)
+                tokens = (len(hashes) - held) * index.block_size
+                index.await_prefill(address, hashes[-1], tokens, self.prefill_ttl)
+                announced[(address, prompt.request_id)] = (hashes[-1], tokens,
+                                                           now + self.prefill_ttl)
 
     def feed_externally(self, addresses: Sequence[str]) -> dict[str, KvEventSubscriber]:
         """Per address, a subscriber the caller hands decoded batches to itself (a harness

@@ -320,6 +320,52 @@ async def test_a_push_announces_a_bounded_number_of_prompts_and_tokens() -> None
         await follower.aclose()  # type: ignore[attr-defined]
 
 
+async def test_an_announced_request_that_ends_in_its_prefill_is_withdrawn_on_a_push() -> None:
+    prefilling = {"r1", "r2", "r3"}
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=4,
+                     prefilling=prefilling.__contains__)
+    a, b = await two_followers(log)
+    for request_id in ("r1", "r2"):
+        log.arrived(request_id, list(range(4)))
+    assert [q.request_id for q in (await next_item(a)).queued] == ["r1", "r2"]
+    await next_item(b)
+    # r1 is cancelled while queued; r2 ends after its prefill (its blocks are stored).
+    log.ended("r1")
+    prefilling.discard("r2")
+    log.ended("r2")
+    push = await next_item(a)
+    assert push.withdrawn == ("r1",) and push.queued == ()
+    assert await next_item(b) is push
+    # Announced once, withdrawn once; a request no push announced is never withdrawn.
+    log.ended("r1")
+    log.arrived("r3", list(range(4)))
+    log.ended("r3")
+    prefilling.discard("r3")
+    assert (await next_item(a)).withdrawn == ()
+    for follower in (a, b):
+        await follower.aclose()  # type: ignore[attr-defined]
+
+
+async def test_withdrawals_are_bounded_per_push_and_the_rest_follow() -> None:
+    ids = [f"r{i}" for i in range(QUEUED_PROMPTS + 3)]
+    log = KvEventLog(coalesce_seconds=60.0, load_push_seconds=0.005, block_size=4,
+                     prefilling=lambda request_id: True)
+    a, b = await two_followers(log)
+    announced = []
+    for start in (0, QUEUED_PROMPTS):  # announced on two pushes (the same bound)
+        for request_id in ids[start:start + QUEUED_PROMPTS]:
+            log.arrived(request_id, list(range(4)))
+        announced += [q.request_id for q in (await next_item(a)).queued]
+    assert announced == ids
+    for request_id in ids:
+        log.ended(request_id)
+    first, second = await next_item(a), await next_item(a)
+    assert first.withdrawn == tuple(ids[:QUEUED_PROMPTS])
+    assert second.withdrawn == tuple(ids[QUEUED_PROMPTS:])
+    for follower in (a, b):
+        await follower.aclose()  # type: ignore[attr-defined]
+
+
 def test_the_engine_flag_sets_the_load_push_delay() -> None:
     import argparse
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvswitch.epp.contracts import InferenceRequest, ParsedBody
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import PluginHandle
@@ -245,12 +247,68 @@ def test_a_prompt_another_epp_queued_on_an_engine_counts_there_as_this_epps_own_
     assert other.index.pending_prefill("a:1") == 0
 
 
+def test_a_withdrawn_prompt_another_epp_queued_stops_counting_as_prefill_there() -> None:
+    from kvswitch.engine.base import QueuedPrompt
+    from kvswitch.engine.kv_events import queued_events, withdrawn_events
+    from kvswitch.epp.kvindex import KvEventBatchView, batch_from_proto
+    from kvswitch.protocol import common_pb2
+
+    datalayer = Datalayer()
+    datalayer.set_endpoints([EndpointSpec("a:1")])
+    scorer = create("p", {"blockSize": 16, "tokenizer": "none"}, PluginHandle(datalayer))
+    feed = scorer.feed_externally(["a:1"])["a:1"]
+
+    def push(events: list[common_pb2.KvCacheEvent]) -> None:
+        message = common_pb2.KvEventBatch(sequence_number=0, events=events,
+                                          load=common_pb2.EngineLoad(load_only=True))
+        feed.handle(batch_from_proto(KvEventBatchView.FromString(message.SerializeToString())))
+
+    kept, cancelled = tuple(range(1, 33)), tuple(range(100, 148))  # two and three full blocks
+    push(queued_events([QueuedPrompt("kept", kept), QueuedPrompt("cancelled", cancelled)], 16))
+    assert scorer.index.pending_prefill("a:1") == len(kept) + len(cancelled)
+    # Cancelled while queued: a later push withdraws it (an unknown id changes nothing).
+    push(withdrawn_events(["cancelled", "never-announced"]))
+    assert scorer.index.pending_prefill("a:1") == len(kept)
+    assert scorer.index.prefilling_requests("a:1") == 1
+    push(withdrawn_events(["cancelled"]))  # withdrawn twice: ended once
+    assert scorer.index.pending_prefill("a:1") == len(kept)
+
+
+def test_announced_prefills_are_remembered_within_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvswitch.epp.kvindex.events import QueuedPrompt as Announced
+    from kvswitch.epp.plugins import precise_prefix_cache_scorer as plugin
+    from kvswitch.protocol.packed import pack_token_ids
+
+    monkeypatch.setattr(plugin, "MAX_ANNOUNCED", 3)
+    now = [0.0]
+    datalayer = Datalayer()
+    datalayer.set_endpoints([EndpointSpec("a:1")])
+    scorer = create("p", {"blockSize": 16, "tokenizer": "none", "prefillTtl": "10s"},
+                    PluginHandle(datalayer))
+    scorer.index.clock = lambda: now[0]
+    scorer.feed_externally(["a:1"])
+
+    def announce(request_id: str, first: int) -> None:
+        scorer._queued("a:1", (Announced(request_id, (pack_token_ids(range(first, first + 16)),)),))
+
+    for i in range(5):
+        announce(f"r{i}", 100 * i)
+    assert list(scorer._announced) == [("a:1", "r2"), ("a:1", "r3"), ("a:1", "r4")]
+    assert scorer.index.pending_prefill("a:1") == 5 * 16  # (the index counts all five)
+    now[0] = 10.0  # prefillTtl later: expired in the index (as a scrape sees it), forgotten here
+    scorer.index.expire()
+    assert scorer.index.pending_prefill("a:1") == 0
+    announce("late", 900)
+    assert list(scorer._announced) == [("a:1", "late")]
+
+
 def test_a_subscriber_asks_for_queued_prompts_only_on_the_vllm_api() -> None:
     from kvswitch.epp.kvindex import KvBlockIndex
     from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
 
     index = KvBlockIndex(16)
     seen: list[object] = []
-    vllm = KvEventSubscriber("a:1", index, on_queued=lambda a, q: seen.append(q))
-    sglang = KvEventSubscriber("b:1", index, on_queued=lambda a, q: seen.append(q), api="sglang")
+    vllm = KvEventSubscriber("a:1", index, on_queued=lambda a, q, w: seen.append(q))
+    sglang = KvEventSubscriber("b:1", index, on_queued=lambda a, q, w: seen.append(q),
+                               api="sglang")
     assert vllm.on_queued is not None and sglang.on_queued is None
