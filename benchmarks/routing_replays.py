@@ -126,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                              "lack are read from them")
     parser.add_argument("--out", type=Path, default=None, help="write the summary as JSON")
     args = parser.parse_args(argv)
-    replays = [json.loads(p.read_text()) for p in args.panels]
+    # In seed order, whatever order a shell glob gave (s10 before s2).
+    loaded = sorted(((json.loads(p.read_text()), p) for p in args.panels),
+                    key=lambda pair: pair[0]["meta"]["seed"])
+    replays = [replay for replay, _ in loaded]
+    panels = [path for _, path in loaded]
     saved: Saved = {}
     for path in args.references or ():
         saved.update(saved_references(json.loads(path.read_text())))
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({
             "what": "issue 24's targets over replays of the routing panel "
                     "(benchmarks/routing_replays.py)",
-            "panels": [str(p) for p in args.panels],
+            "panels": [str(p) for p in panels],
             "commands": [r["meta"]["command"] for r in replays],
             "trees": sorted({r["meta"]["git"] for r in replays}),
             "seeds": [r["meta"]["seed"] for r in replays],

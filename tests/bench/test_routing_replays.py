@@ -4,6 +4,8 @@ floor (trace_floor)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,6 +81,23 @@ def test_references_a_replay_lacks_come_from_an_earlier_summary_of_the_same_seed
     assert row["references"]["round-robin"]["ratios"] == [0.9, 1.0833]
     assert row["references"]["oracle-best"]["ratios"] == [1.08, 1.3]
     assert row["references"]["oracle-best"]["met"] == 1
+
+
+def test_the_summary_lists_replays_in_seed_order_whatever_the_order_given(
+        tmp_path: Path) -> None:
+    replays = load_script("routing_replays")
+    paths = []
+    for seed, mine in ((10, 1.3), (2, 1.1), (1, 1.0)):  # as a shell glob orders s10, s2, s1
+        replay = _replay(mine, 1.0, 1.2, 1.0)
+        replay["meta"]["seed"] = seed
+        paths.append(tmp_path / f"s{seed}.json")
+        paths[-1].write_text(json.dumps(replay))
+    out = tmp_path / "summary.json"
+    assert replays.main([*map(str, paths), "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["seeds"] == [1, 2, 10]
+    assert written["panels"] == [str(tmp_path / f"s{seed}.json") for seed in (1, 2, 10)]
+    assert written["summary"]["kvswitch"][0]["ttft_p90"] == [1.0, 1.1, 1.3]
 
 
 def test_a_negative_jitter_is_refused_before_anything_runs(capsys: Any) -> None:
