@@ -34,7 +34,10 @@ prompt's uncached tokens in `pending_prefill(endpoint)` (and the request in
 `prefilling_requests(endpoint)`) until the prompt's last full block is stored there (the engine
 stores a block once the step computing it ends, and the step that computes a prompt's last
 block ends its prefill), the request ends (`end_prefill`: its response may come before the
-KV-event batch that stores the block), or `ttl` passes. The engine's own load report counts
+KV-event batch that stores the block), or `ttl` passes. `await_prefill` returns the request's
+`PrefillTicket`, which `end_prefill` takes: a request ends once whichever comes first, and an
+end never reaches another request awaiting the same block (the same prompt twice, or a later
+one after the block was stored). The engine's own load report counts
 only waiting requests' prefill; this also covers requests admitted and still prefilling
 (chunked prefill of a long prompt). One dict test per newly real block. An endpoint whose
 events cannot be indexed (another block size, `set_indexed`) awaits nothing.
@@ -43,6 +46,7 @@ events cannot be indexed (another block size, `set_indexed`) awaits nothing.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -88,15 +92,32 @@ class _EndpointBlocks:
         self.extra_owns: dict[int, int] = {}
         self.speculative: dict[int, float] = {}
         self.real = 0
-        # Prefill in progress: a routed prompt's last block -> [its uncached tokens, requests],
-        # until the block is stored (the step that computes a prompt's last block ends its
-        # prefill).
+        # Prefill in progress: a routed prompt's last block -> [its uncached tokens, requests,
+        # generation], until the block is stored (the step that computes a prompt's last block
+        # ends its prefill); the generation tells this entry from one before the block was
+        # stored, for the tickets of that one.
         self.awaiting: dict[int, list[int]] = {}
         self.pending = 0
         self.prefilling = 0
         # False while the endpoint's events cannot be indexed (another block size): no
         # prefill is awaited there, as no BlockStored would end it.
         self.indexed = True
+
+
+class PrefillTicket:
+    """One request's prefill counted by `KvBlockIndex.await_prefill`, until it ends."""
+
+    __slots__ = ("endpoint", "generation", "last_hash", "live", "state", "tokens", "until")
+
+    def __init__(self, until: float, endpoint: str, state: _EndpointBlocks, last_hash: int,
+                 tokens: int, generation: int) -> None:
+        self.until = until
+        self.endpoint = endpoint
+        self.state = state
+        self.last_hash = last_hash
+        self.tokens = tokens
+        self.generation = generation
+        self.live = True
 
 
 def _drop_copy(counts: dict[int, int], key: int) -> None:
@@ -130,8 +151,9 @@ class KvBlockIndex:
         # the ends; a heap's sift walks entries scattered in memory).
         self._expiries: deque[tuple[float, int, _EndpointBlocks, list[int]]] = deque()
         self._speculations = 0
-        # (expiry, endpoint, its state, last block, tokens) per awaited prefill, expiry order.
-        self._awaiting: deque[tuple[float, str, _EndpointBlocks, int, int]] = deque()
+        # The ticket of every awaited prefill, expiry order.
+        self._awaiting: deque[PrefillTicket] = deque()
+        self._generations = itertools.count(1)
         self.pending: dict[str, int] = {}
         """endpoint -> `pending_prefill(endpoint)` (absent: 0), for per-endpoint reads."""
         self.prefilling: dict[str, int] = {}
@@ -284,7 +306,7 @@ class KvBlockIndex:
                 continue
             real += 1
             if awaiting and parent in awaiting:
-                tokens, requests = awaiting.pop(parent)
+                tokens, requests, _ = awaiting.pop(parent)
                 state.pending -= tokens
                 state.prefilling -= requests
         state.real += real
@@ -355,18 +377,20 @@ class KvBlockIndex:
 
     # -- prefill in progress -----------------------------------------------------------------
 
-    def await_prefill(self, endpoint: str, last_hash: int, tokens: int, ttl: float) -> None:
+    def await_prefill(self, endpoint: str, last_hash: int, tokens: int,
+                      ttl: float) -> PrefillTicket | None:
         """A prompt whose last full block is `last_hash` was routed to `endpoint` with `tokens`
         to prefill: count them in `pending_prefill` until that block is stored there, the
-        request ends (`end_prefill`), or `ttl` seconds pass (its events were lost)."""
+        request ends (`end_prefill` with the ticket returned), or `ttl` seconds pass (its events
+        were lost). None: not counted (an unknown or unindexed endpoint, nothing to prefill)."""
         state = self._endpoints.get(endpoint)
         if state is None or tokens <= 0 or not state.indexed:
-            return
+            return None
         now = self.clock()
         self._expire_awaited(now)
         entry = state.awaiting.get(last_hash)
         if entry is None:
-            state.awaiting[last_hash] = [tokens, 1]
+            entry = state.awaiting[last_hash] = [tokens, 1, next(self._generations)]
         else:
             entry[0] += tokens
             entry[1] += 1
@@ -374,27 +398,25 @@ class KvBlockIndex:
         state.prefilling += 1
         self.pending[endpoint] = state.pending
         self.prefilling[endpoint] = state.prefilling
-        self._awaiting.append((now + ttl, endpoint, state, last_hash, tokens))
+        ticket = PrefillTicket(now + ttl, endpoint, state, last_hash, tokens, entry[2])
+        self._awaiting.append(ticket)
+        return ticket
 
     def _expire_awaited(self, now: float) -> None:
         expired = self._awaiting
-        while expired and expired[0][0] <= now:
-            _, name, old, block, count = expired.popleft()
-            self._drop_awaited(name, old, block, count)
+        while expired and expired[0].until <= now:
+            self.end_prefill(expired.popleft())
 
-    def end_prefill(self, endpoint: str, last_hash: int, tokens: int) -> None:
-        """The request `await_prefill(endpoint, last_hash, tokens, ...)` counted has ended:
-        its prefill is over, whether or not the block's BlockStored has come yet."""
-        state = self._endpoints.get(endpoint)
-        if state is not None:
-            self._drop_awaited(endpoint, state, last_hash, tokens)
-
-    def _drop_awaited(self, endpoint: str, state: _EndpointBlocks, block: int,
-                      tokens: int) -> None:
-        """Stop counting one request awaiting `block` with `tokens` (none: stored already)."""
-        entry = state.awaiting.get(block)
-        if entry is None:
+    def end_prefill(self, ticket: PrefillTicket | None) -> None:
+        """The request `ticket` counts has ended: its prefill is over, whether or not the
+        block's BlockStored has come yet (a second end, or one after the store, does nothing)."""
+        if ticket is None or not ticket.live:
             return
+        ticket.live = False
+        state, block, tokens = ticket.state, ticket.last_hash, ticket.tokens
+        entry = state.awaiting.get(block)
+        if entry is None or entry[2] != ticket.generation:
+            return  # stored already (or cleared): counted no more
         if entry[1] > 1 and entry[0] > tokens:
             entry[0] -= tokens
             entry[1] -= 1
@@ -404,8 +426,8 @@ class KvBlockIndex:
             del state.awaiting[block]
             state.pending -= entry[0]
             state.prefilling -= entry[1]
-        self.pending[endpoint] = state.pending
-        self.prefilling[endpoint] = state.prefilling
+        self.pending[ticket.endpoint] = state.pending
+        self.prefilling[ticket.endpoint] = state.prefilling
 
     def set_indexed(self, endpoint: str, indexed: bool) -> None:
         """Whether `endpoint`'s KV events are indexed (its block size is the index's)."""

@@ -76,7 +76,7 @@ from kvswitch.epp.framework import (
 )
 from kvswitch.epp.kvindex.events import LoadRecord, QueuedPrompt
 from kvswitch.epp.kvindex.hashing import chained_packed_hashes
-from kvswitch.epp.kvindex.index import KvBlockIndex
+from kvswitch.epp.kvindex.index import KvBlockIndex, PrefillTicket
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscriptions
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, uncached_tokens
 from kvswitch.tokenization import TokenizerBundle, load_tokenizer
@@ -99,11 +99,11 @@ class PrecisePrefixCacheScorer:
         self.prefill_ttl = prefill_ttl
         self._pending = index.pending
         self._prefilling = index.prefilling
-        # request id -> (endpoint, last block hash, tokens) of the prefill it awaits there.
-        self._awaited: dict[str, tuple[str, int, int]] = {}
-        # (endpoint, request id) -> (last block hash, tokens, until) of a prefill another EPP
-        # routed there, as announced, until a push withdraws it or prefillTtl passes.
-        self._announced: OrderedDict[tuple[str, str], tuple[int, int, float]] = OrderedDict()
+        # request id -> the ticket of the prefill it awaits on its endpoint.
+        self._awaited: dict[str, PrefillTicket] = {}
+        # (endpoint, request id) -> the ticket of a prefill another EPP routed there, as
+        # announced, until a push withdraws it or the ticket's ttl passes.
+        self._announced: OrderedDict[tuple[str, str], PrefillTicket] = OrderedDict()
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
@@ -177,14 +177,12 @@ class PrecisePrefixCacheScorer:
         index = self.index
         announced = self._announced
         for request_id in withdrawn:
-            entry = announced.pop((address, request_id), None)
-            if entry is not None:
-                index.end_prefill(address, entry[0], entry[1])
+            index.end_prefill(announced.pop((address, request_id), None))
         if self.speculative_ttl <= 0:
             return
         now = index.clock()
         while announced and (len(announced) >= MAX_ANNOUNCED
-                             or next(iter(announced.values()))[2] <= now):
+                             or next(iter(announced.values())).until <= now):
             announced.popitem(last=False)  # the oldest: expired in the index too, or over bound
         for prompt in prompts:
             if not all(prompt.blocks):
@@ -195,10 +193,11 @@ class PrecisePrefixCacheScorer:
                 continue
             index.speculate(address, hashes, self.speculative_ttl, held=held)
             if self.prefill_ttl > 0:
-                tokens = (len(hashes) - held) * index.block_size
-                index.await_prefill(address, hashes[-1], tokens, self.prefill_ttl)
-                announced[(address, prompt.request_id)] = (hashes[-1], tokens,
-                                                           now + self.prefill_ttl)
+                ticket = index.await_prefill(address, hashes[-1],
+                                             (len(hashes) - held) * index.block_size,
+                                             self.prefill_ttl)
+                if ticket is not None:
+                    announced[(address, prompt.request_id)] = ticket
 
     def feed_externally(self, addresses: Sequence[str]) -> dict[str, KvEventSubscriber]:
         """Per address, a subscriber the caller hands decoded batches to itself (a harness
@@ -289,16 +288,15 @@ class PrecisePrefixCacheScorer:
         if self.speculative_ttl > 0:
             self.index.speculate(address, match.hashes, self.speculative_ttl, held=held)
         if held < len(match.hashes) and self.prefill_ttl > 0:
-            tokens = uncached_tokens(request, match, address)
-            self.index.await_prefill(address, match.hashes[-1], tokens, self.prefill_ttl)
-            if tokens > 0:
-                self._awaited[request.request_id] = (address, match.hashes[-1], tokens)
+            ticket = self.index.await_prefill(address, match.hashes[-1],
+                                              uncached_tokens(request, match, address),
+                                              self.prefill_ttl)
+            if ticket is not None:
+                self._awaited[request.request_id] = ticket
 
     def response_complete(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
         """The request ended: its prefill is no longer in progress."""
-        awaited = self._awaited.pop(request.request_id, None)
-        if awaited is not None:
-            self.index.end_prefill(*awaited)
+        self.index.end_prefill(self._awaited.pop(request.request_id, None))
 
 
 def create(name: str, parameters: Mapping[str, Any],
