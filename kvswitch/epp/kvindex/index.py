@@ -50,6 +50,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
@@ -104,20 +105,17 @@ class _EndpointBlocks:
         self.indexed = True
 
 
+@dataclass(slots=True, eq=False)  # a ticket is one request's: compared by identity
 class PrefillTicket:
     """One request's prefill counted by `KvBlockIndex.await_prefill`, until it ends."""
 
-    __slots__ = ("endpoint", "generation", "last_hash", "live", "state", "tokens", "until")
-
-    def __init__(self, until: float, endpoint: str, state: _EndpointBlocks, last_hash: int,
-                 tokens: int, generation: int) -> None:
-        self.until = until
-        self.endpoint = endpoint
-        self.state = state
-        self.last_hash = last_hash
-        self.tokens = tokens
-        self.generation = generation
-        self.live = True
+    until: float
+    endpoint: str
+    state: _EndpointBlocks
+    last_hash: int
+    tokens: int
+    generation: int
+    live: bool = True
 
 
 def _drop_copy(counts: dict[int, int], key: int) -> None:
