@@ -1,6 +1,6 @@
 """The routing panel's members, its jittered replays, the summary of issue 24's targets over
-them, the tail of a step (ttft_tail), its occupancy (step_occupancy) and a trace slice's TTFT
-floor (trace_floor)."""
+them, the tail of a step (ttft_tail), its occupancy (step_occupancy), how far its groups spread
+(group_spread) and a trace slice's TTFT floor (trace_floor)."""
 
 from __future__ import annotations
 
@@ -250,3 +250,14 @@ def test_step_occupancy_weighs_each_step_by_its_time_in_the_window() -> None:
     idle, busy = occupancy.means()
     assert busy["running"] == pytest.approx((4 * 1.0 + 2 * 0.5) / 2.0)
     assert idle == {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+
+
+def test_group_spread_counts_the_replicas_each_group_went_to() -> None:
+    spread = load_script("group_spread").spread
+    # Group 1 on replicas 0, 0, 1; group 2 sent once (left out); group 3 twice on replica 2.
+    found = spread({1: [0, 0, 1], 2: [3], 3: [2, 2], 4: [0, 1, 2, 3, 4]})
+    assert found["groups"] == 3
+    assert found["replicas_per_group"] == (2 + 1 + 5) / 3
+    assert found["groups_on"] == {"1": 1, "2": 1, "4+": 1}
+    assert abs(found["top_replica_share"] - (2 / 3 + 1 + 1 / 5) / 3) < 1e-12
+    assert spread({5: [1]})["groups"] == 0
