@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import prometheus_client.metrics as _prometheus_metrics
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
@@ -249,6 +249,10 @@ class BlockCounts(Protocol):
     def expire(self) -> None: ...
 
 
+IndexCount = Literal["num_blocks", "num_speculative", "pending_prefill"]
+"""The `BlockCounts` method an `IndexGauge` reads."""
+
+
 class IndexGauge(Collector):
     """One per-endpoint count of the EPP's prefix indexes, read at scrape time and summed over
     them: `count` names it, `num_blocks` (KV blocks held by the engines' KV events; EPPs that
@@ -258,7 +262,7 @@ class IndexGauge(Collector):
     has not ended); for these two, what has expired is dropped first."""
 
     def __init__(self, name: str, documentation: str, registry: CollectorRegistry,
-                 count: str = "num_blocks") -> None:
+                 count: IndexCount = "num_blocks") -> None:
         self.name = name
         self.documentation = documentation
         self.indexes: list[BlockCounts] = []
