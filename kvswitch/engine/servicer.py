@@ -36,7 +36,6 @@ from kvswitch.errors import InvalidRequest, KvswitchError
 from kvswitch.limits import SAMPLING_DEFAULTS, SamplingLimits
 from kvswitch.protocol import common_pb2, vllm_engine_pb2_grpc
 from kvswitch.protocol import vllm_engine_pb2 as pb
-from kvswitch.protocol.headers import QUEUED_PROMPTS
 from kvswitch.tokenization import TokenizerBundle
 
 logger = logging.getLogger(__name__)
@@ -189,9 +188,7 @@ class VllmEngineServicer(ServicerBase, vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        metadata = context.invocation_metadata() or ()
-        queued = any(k == QUEUED_PROMPTS and v == "1" for k, v in metadata)
-        async for batch in self._kv_event_stream(request, queued).run(self.draining):
+        async for batch in self._kv_event_stream(request, context).run(self.draining):
             yield batch
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,

@@ -33,7 +33,7 @@ from kvswitch.engine.request_log import RequestLog, RequestRecord
 from kvswitch.engine.tokenizer_bundle import TokenizerArchive, build_tokenizer_archive
 from kvswitch.errors import KvswitchError
 from kvswitch.protocol import common_pb2
-from kvswitch.protocol.headers import USAGE_TRAILER
+from kvswitch.protocol.headers import QUEUED_PROMPTS, USAGE_TRAILER
 from kvswitch.tokenization import TokenizerBundle
 
 logger = logging.getLogger(__name__)
@@ -164,11 +164,15 @@ class ServicerBase:
             yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
 
     def _kv_event_stream(self, request: common_pb2.SubscribeKvEventsRequest,
-                         queued_prompts: bool = False) -> KvEventStream:
+                         context: grpc.aio.ServicerContext) -> KvEventStream:
+        """The stream a SubscribeKvEvents call follows; its load pushes name the queued
+        prompts when the caller asked (`QUEUED_PROMPTS` metadata, as kvswitch's EPPs do)."""
+        metadata = context.invocation_metadata() or ()
+        queued = any(k == QUEUED_PROMPTS and v == "1" for k, v in metadata)
         logger.info("SubscribeKvEvents from sequence %d", request.start_sequence_number)
         return KvEventStream(self.engine, request.start_sequence_number,
                              load_first=request.load_records_before_first_batch,
-                             queued_prompts=queued_prompts)
+                             queued_prompts=queued)
 
     async def _flush_when_idle(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for no running or waiting request, then flush the prefix

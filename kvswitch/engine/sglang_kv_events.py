@@ -6,12 +6,18 @@ multiple of the page size; `split_pages` rewrites a batch's block events into pa
 place. Page `i` of a block with hash `h` and `k` pages hashes as `page_hash(h, i)` for
 `i < k - 1`, and its last page keeps `h`, so a chain's parent hash (the parent block's last
 page) and removals carry over without a table: removing block `h` removes its `k` pages.
+A load push's announcements of queued prompts (kvswitch's extension, `kv_events`) stay whole
+blocks: the EPP cuts their token ids into its own blocks, and pages of one token would multiply
+the events.
 """
 
 from __future__ import annotations
 
 from kvswitch.engine.kv_events import to_int64
 from kvswitch.protocol import common_pb2
+from kvswitch.protocol.headers import QUEUED_OWNERSHIP, WITHDRAWN_OWNERSHIP
+
+ANNOUNCEMENTS = (QUEUED_OWNERSHIP, WITHDRAWN_OWNERSHIP)
 
 
 def page_hash(block_hash: int, index: int) -> int:
@@ -33,6 +39,8 @@ def split_pages(batch: common_pb2.KvEventBatch, page_size: int, block_size: int)
     for event in batch.events:
         kind = event.WhichOneof("data")
         if kind == "stored":
+            if event.stored.ownership in ANNOUNCEMENTS:
+                continue
             blocks = list(event.stored.blocks)
             del event.stored.blocks[:]
             for block in blocks:

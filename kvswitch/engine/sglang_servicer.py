@@ -12,7 +12,8 @@ server differs from vLLM's, this one answers as SGLang's does:
 - GetLoads reads `include` (core, memory, spec, lora, disagg, queues, all; default all; any
   other section is INVALID_ARGUMENT) and adds the aggregate; a dp_rank other than 0 gets none.
 - SubscribeKvEvents publishes the radix cache's pages (`sglang_kv_events`), as SGLang started
-  with `--kv-events-config '{"publisher": "zmq"}'`, each batch carrying an `EngineLoad`.
+  with `--kv-events-config '{"publisher": "zmq"}'`, each batch carrying an `EngineLoad`; with
+  kvswitch's load push, and its queued prompts to a caller that asks, as the vLLM API's.
 - LoRA is off, as in SGLang without `--enable-lora`: loads and unloads fail with its message,
   the list is empty, a request naming an adapter is INVALID_ARGUMENT; so are hidden states,
   multimodal inputs and input embeddings. `stream_interval` is not honoured (one chunk per
@@ -207,7 +208,7 @@ class SglangSchedulerServicer(ServicerBase, sglang_scheduler_pb2_grpc.SglangSche
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        stream = self._kv_event_stream(request)
+        stream = self._kv_event_stream(request, context)
         await context.send_initial_metadata(())
         async for batch in stream.run(self.draining):
             split_pages(batch, self.page_size, self.card.block_size)

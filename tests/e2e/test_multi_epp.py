@@ -1,6 +1,7 @@
 """Several EPPs behind one Envoy, active-active: any of them routes any request, each ends the
 requests it routed from its own access-log entries, a killed one costs no request, and each
-learns of the others' sends, and the prompts they queued, from the engines' load pushes."""
+learns of the others' sends, and the prompts they queued, from the engines' load pushes (on
+either engine API)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 
 from kvswitch.launcher import epp_name
 from kvswitch.protocol import vllm_engine_pb2_grpc as rpc
+from kvswitch.protocol.sglang import sglang_scheduler_pb2 as sglang_pb
+from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as sglang_rpc
 from tests.support.certs import tls_dir
 from tests.support.gateway import (
     BLOCK,
@@ -299,20 +302,45 @@ def _pending(gw: Gateway, epp: int, endpoint: str) -> float:
                            endpoint=endpoint))
 
 
+@pytest.fixture
+def pushing_sglang_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """`pushing_engine` on SGLang's API, its radix cache published in pages of one token."""
+    with running_gateway(tmp_path_factory.mktemp("load-push-sglang"), replicas=1, profile="tiny",
+                         time_scale=0.005, mode="echo", grace_period=1.0, epp_replicas=2,
+                         api="sglang",
+                         engine_args=("--page-size", "1", "--kv-events-coalesce-ms", "600000",
+                                      "--max-num-seqs", "1")) as gw:
+        yield gw
+
+
+def _start(gw: Gateway, api: str, ids: list[int]) -> grpc.Future:
+    """A long generation through the gateway on the pool's engine API (900 tokens)."""
+    if api == "sglang":
+        return sglang_rpc.SglangSchedulerStub(gw.channel).Generate(sglang_pb.GenerateRequest(
+            request_id=f"sg-{ids[0]}", tokenized=sglang_pb.TokenizedInput(input_ids=ids),
+            sampling_params=sglang_pb.SamplingParams(max_new_tokens=900, ignore_eos=True,
+                                                     temperature=1.0, top_p=1.0)),
+            timeout=CALL_TIMEOUT)
+    return gw.stub.Generate(generate_request(ids, max_tokens=900), timeout=CALL_TIMEOUT)
+
+
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
 def test_a_request_cancelled_while_queued_stops_counting_on_every_epp(
-        pushing_engine: Gateway) -> None:
-    gw = pushing_engine
+        api: str, request: pytest.FixtureRequest) -> None:
+    # On SGLang's API the push announces whole engine blocks, which each EPP cuts into its own:
+    # the EPP that did not route a prompt counts its tokens as the one that did.
+    gw: Gateway = request.getfixturevalue(
+        "pushing_engine" if api == "vllm" else "pushing_sglang_engine")
     (engine,) = gw.engines
     epps = _epps(gw)
     assert _wait_until(lambda: all(_view(gw, e, engine).load_only_records >= 2 for e in epps))
     running, queued = prompt(600), prompt(601)
-    calls = [gw.stub.Generate(generate_request(running, max_tokens=900), timeout=CALL_TIMEOUT)]
+    calls = [_start(gw, api, running)]
     try:
         # No KV event stores a block within the test (the window is ten minutes): each prompt
         # counts as prefill in progress on both EPPs, by its route or by the push naming it.
         assert _wait_until(lambda: [_pending(gw, e, engine) for e in epps] == [len(running)] * 2)
-        calls.append(gw.stub.Generate(generate_request(queued, max_tokens=900),
-                                      timeout=CALL_TIMEOUT))
+        calls.append(_start(gw, api, queued))
         both = len(running) + len(queued)
         assert _wait_until(lambda: [_pending(gw, e, engine) for e in epps] == [both] * 2)
         assert _view(gw, 0, engine).reported == 2  # one running, one waiting for the seat

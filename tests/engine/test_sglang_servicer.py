@@ -14,7 +14,7 @@ from kvswitch.engine.server import EngineServer, ServerOptions
 from kvswitch.engine.sglang_kv_events import page_hash, split_pages
 from kvswitch.engine.sim import SimConfig, SimEngine
 from kvswitch.protocol import common_pb2
-from kvswitch.protocol.headers import USAGE_TRAILER
+from kvswitch.protocol.headers import QUEUED_OWNERSHIP, USAGE_TRAILER, WITHDRAWN_OWNERSHIP
 from kvswitch.protocol.sglang import SGLANG_SERVICE_NAME, sglang_method_path
 from kvswitch.protocol.sglang import sglang_scheduler_pb2 as pb
 from kvswitch.protocol.sglang import sglang_scheduler_pb2_grpc as rpc
@@ -273,6 +273,16 @@ def test_split_pages_keeps_parents_and_maps_removals() -> None:
     assert [b.block_hash for b in stored.blocks] == [page_hash(9, 0), 9]
     assert [list(b.token_ids) for b in stored.blocks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert list(removed.block_hashes) == [page_hash(9, 0), 9]
+
+
+def test_split_pages_leaves_the_announcements_of_queued_prompts_whole() -> None:
+    announced = common_pb2.KvBlocksStored(ownership=QUEUED_OWNERSHIP, session_id="r1", blocks=[
+        common_pb2.KvBlock(token_ids=list(range(8)), block_size=8)])
+    withdrawn = common_pb2.KvBlocksStored(ownership=WITHDRAWN_OWNERSHIP, session_id="r0")
+    batch = common_pb2.KvEventBatch(events=[common_pb2.KvCacheEvent(stored=announced),
+                                            common_pb2.KvCacheEvent(stored=withdrawn)])
+    split_pages(batch, 1, 8)
+    assert batch.events[0].stored == announced and batch.events[1].stored == withdrawn
 
 
 async def test_health_and_reflection_name_the_sglang_service(served: Served) -> None:

@@ -20,20 +20,22 @@ out when a page turns out to be a parent, also one in the middle of a block (a b
   first, so a block's later pages go no later than the page that completes it.
 - CacheCleared forgets every page; `clear()` does the same on a resync.
 - Events whose page size is `B` (or unstated) pass through untouched, and are not tracked.
+- A queued prompt a load push announces comes in the engine's blocks, whatever its page size:
+  `whole_blocks` cuts its ids into `B`-token blocks (a partial last block: dropped).
 Ids stay in their packed wire form (`kvswitch.protocol.packed`), never built into ints; the work
 per page is one dict entry. Memory: one entry per page the engine holds, plus its chain's ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
 from kvswitch.epp.kvindex.hashing import block_pattern
 from kvswitch.protocol.packed import count_token_ids
 
-__all__ = ["PageRegrouper"]
+__all__ = ["PageRegrouper", "whole_blocks"]
 
 
 class _Chain:
@@ -150,3 +152,8 @@ class PageRegrouper:
             before = chain.start_count + position * chain.page_size
             removed.extend(chain.keys[before // size:(before + chain.page_size) // size])
         return tuple(removed)
+
+
+def whole_blocks(packed: Sequence[bytes], block_size: int) -> tuple[bytes, ...]:
+    """The ids of `packed` (packed payloads, in order) as whole blocks of `block_size`."""
+    return tuple(block_pattern(block_size).findall(b"".join(packed)))

@@ -18,8 +18,9 @@ off the same way. It keeps the latest
 `EngineLoad` record as push-based load telemetry (`load`, and the `on_load` callback), and counts
 the records by kind (`batch_loads`, `load_only_records`: the EPP's `kvswitch_epp_load_records`).
 With an `on_queued` callback it asks the engine for the prompts of the requests it queues
-(`kvswitch.protocol.headers.QUEUED_PROMPTS`; a vLLM-API stream only) and hands each load push's,
-with the ids of announced requests the push withdraws, to the callback.
+(`kvswitch.protocol.headers.QUEUED_PROMPTS`) and hands each load push's, in the index's blocks
+(an SGLang engine's are cut into them), with the ids of announced requests the push withdraws,
+to the callback.
 
 `KvEventSubscriptions` keeps one subscriber per endpoint of a changing endpoint set. With an
 `UpstreamTls` the streams run over TLS (mTLS with a client certificate).
@@ -41,7 +42,7 @@ from kvswitch.epp.kvindex.events import (
     batch_from_proto,
 )
 from kvswitch.epp.kvindex.index import KvBlockIndex
-from kvswitch.epp.kvindex.pages import PageRegrouper
+from kvswitch.epp.kvindex.pages import PageRegrouper, whole_blocks
 from kvswitch.epp.kvindex.stream import SequenceTracker, Verdict
 from kvswitch.protocol import common_pb2
 from kvswitch.protocol.engine_apis import engine_api
@@ -81,7 +82,7 @@ class KvEventSubscriber:
         """SGLang: its pages regrouped into the index's blocks."""
         self.index = index
         self.on_load = on_load
-        self.on_queued = on_queued if self.pages is None else None
+        self.on_queued = on_queued
         self.retry_delay = retry_delay
         self.max_retry_delay = max_retry_delay
         self.rpc_timeout = rpc_timeout
@@ -210,7 +211,12 @@ class KvEventSubscriber:
             if self.on_load is not None:
                 self.on_load(self.address, batch.load)
         if (batch.queued or batch.withdrawn) and self.on_queued is not None and self.compatible:
-            self.on_queued(self.address, batch.queued, batch.withdrawn)
+            queued = batch.queued
+            if self.pages is not None:
+                size = self.index.block_size
+                queued = tuple(QueuedPrompt(q.request_id, whole_blocks(q.blocks, size))
+                               if all(q.blocks) else q for q in queued)
+            self.on_queued(self.address, queued, batch.withdrawn)
         verdict = self.tracker.receive(batch)
         if verdict is Verdict.RESET:
             self._clear()

@@ -302,13 +302,22 @@ def test_announced_prefills_are_remembered_within_bounds(monkeypatch: pytest.Mon
     assert list(scorer._announced) == [("a:1", "late")]
 
 
-def test_a_subscriber_asks_for_queued_prompts_only_on_the_vllm_api() -> None:
+def test_an_sglang_engines_queued_prompt_reaches_the_callback_in_the_index_blocks() -> None:
     from kvswitch.epp.kvindex import KvBlockIndex
+    from kvswitch.epp.kvindex.events import EventBatch, QueuedPrompt
+    from kvswitch.epp.kvindex.hashing import chained_block_hashes, chained_packed_hashes
     from kvswitch.epp.kvindex.subscriber import KvEventSubscriber
+    from kvswitch.protocol.packed import pack_token_ids
 
     index = KvBlockIndex(16)
-    seen: list[object] = []
-    vllm = KvEventSubscriber("a:1", index, on_queued=lambda a, q, w: seen.append(q))
-    sglang = KvEventSubscriber("b:1", index, on_queued=lambda a, q, w: seen.append(q),
-                               api="sglang")
-    assert vllm.on_queued is not None and sglang.on_queued is None
+    seen: list[tuple[tuple[QueuedPrompt, ...], tuple[str, ...]]] = []
+    subscriber = KvEventSubscriber("b:1", index, on_queued=lambda a, q, w: seen.append((q, w)),
+                                   api="sglang")
+    ids = list(range(300, 370))  # 70 ids: the engine's two 32-token blocks, 6 left over
+    engine_blocks = (pack_token_ids(ids[:32]), pack_token_ids(ids[32:64]))
+    subscriber.handle(EventBatch(-1, load_only=True, queued=(QueuedPrompt("r1", engine_blocks),),
+                                 withdrawn=("r0",)))
+    ((prompt,), withdrawn), = seen
+    assert withdrawn == ("r0",) and prompt.request_id == "r1"
+    assert len(prompt.blocks) == 4  # cut into the index's 16-token blocks, as its own prompts
+    assert chained_packed_hashes(prompt.blocks) == chained_block_hashes(ids, 16)[:4]
