@@ -81,8 +81,8 @@ DEFAULT_EPP_CONFIG = {
          "parameters": {"blockSize": 16}},
         {"name": "estimated-ttft-scorer", "type": "estimated-ttft-scorer",
          "parameters": {"uncachedWeight": 2, "runningRequestTokens": 160,
-                        "saturationMissWeight": 1, "cacheThreshold": 0.5,
-                        "hotPrefixShare": 0.125}},
+                        "saturationMissWeight": 1, "saturationQuantile": 0.75,
+                        "cacheThreshold": 0.5, "hotPrefixShare": 0.125}},
         # The pick plus one fallback: Envoy retries a refused connection (a replica that died
         # before the EPP noticed) on the fallback instead of failing the request.
         {"name": "max-score-picker", "type": "max-score-picker",

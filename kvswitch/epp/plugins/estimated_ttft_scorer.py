@@ -21,8 +21,10 @@ work queued ahead of it plus its own uncached prefill. Per endpoint e, in prompt
     C(e)     = when Wp(e) is the larger term, the requests in it the report shows running
                (at least prefilling(e) - unreported_requests(e) - waiting(e), from
                `PrefixMatch.prefilling`; else 0): charged as prefill, not as running too
-    F        = min over the candidates of waiting(e): requests every replica has waiting,
-               0 unless the whole pool queues
+    F        = the candidates' waiting(e) at quantile q = saturationQuantile (the
+               floor(q x (N - 1))-th smallest of N, from 0): with q = 0 the least, requests
+               every replica has waiting (0 unless the whole pool queues); with q = 0.75, 0
+               unless about a quarter of the pool or more queues (3 of 8 replicas)
     c(e)     = 1 - m(e); 1 + m(e) when the longest match on any candidate is under
                cacheThreshold of the prompt, some candidate has no prefill ahead
                (min_e' max(Wq(e') + Ws(e'), Wp(e')) = 0) and the prefix is not spread enough
@@ -42,9 +44,11 @@ What it does, by construction:
 - a hot prefix group spreads: once e1's queue exceeds the saving (Wq > m x P), an empty
   replica's est is lower and the group's next request goes there (and is cached there next);
 - a new prefix group (m = 0 everywhere) goes to the replica with the least queued work;
-- when every replica queues, the pool's throughput sets every wait, and a prefill a miss
-  repeats also delays the requests that queue behind it, about F of them: the miss is charged
-  for those too, so a group stays on its holders over queue differences that even out anyway.
+- when the pool queues, its throughput sets every wait, and a prefill a miss repeats also
+  delays the requests that queue behind it, about F of them: the miss is charged for those
+  too, so a group stays on its holders over queue differences that even out anyway. Replicas
+  of a saturated pool drain and refill in turns, so the least waiting count drops to 0 for a
+  moment now and then; a quantile above 0 keeps the charge on through those moments.
 - a prefix that saves under cacheThreshold of the prompt (a system prompt before a long
   question) is copied while the pool has room, some replica with no prefill ahead by its
   report, the EPP's own sends and the KV events: its holders are charged it instead of
@@ -75,8 +79,9 @@ tokens of context; 16 is a few steps of it). uncachedWeight
 queued one; 1 is the request's own TTFT alone, above 1 a cache miss also pays for the prefill
 it spends, which later requests of the same prefix would otherwise get from the cache (keeps
 prefix groups together at moderate load). saturationMissWeight (float >= 0, default 0): what
-a token of the request's own uncached prefill counts, per request every replica has waiting;
-1 charges the miss for each of them once. cacheThreshold (float in [0, 1], default 0: off):
+a token of the request's own uncached prefill counts, per request F counts; 1 charges the
+miss for each of them once. saturationQuantile (float in [0, 1], default 0): the quantile of
+the candidates' waiting counts F takes. cacheThreshold (float in [0, 1], default 0: off):
 below this fraction of the prompt, the longest match anywhere is copied rather than followed
 (c(e) above); SGLang's router has a cache threshold of the same default, 0.5, below which it
 routes to the replica with the least cached (`--cache-threshold`). hotPrefixShare (float >= 0,
@@ -126,12 +131,13 @@ class RecentShares:
 class EstimatedTtftScorer:
     def __init__(self, name: str, running_tokens: float = 16.0,
                  uncached_weight: float = 1.0, saturation_miss_weight: float = 0.0,
-                 cache_threshold: float = 0.0, hot_prefix_share: float = 0.0,
-                 hot_prefix_window: int = 256) -> None:
+                 saturation_quantile: float = 0.0, cache_threshold: float = 0.0,
+                 hot_prefix_share: float = 0.0, hot_prefix_window: int = 256) -> None:
         self.name = name
         self.running_tokens = running_tokens
         self.uncached_weight = uncached_weight
         self.saturation_miss_weight = saturation_miss_weight
+        self.saturation_quantile = saturation_quantile
         self.cache_threshold = cache_threshold
         self.hot_prefix_share = hot_prefix_share
         # Counted on the scorer instance: one EPP's requests, its configured profile.
@@ -148,9 +154,11 @@ class EstimatedTtftScorer:
         running_tokens = self.running_tokens
         own = self.uncached_weight * prompt
         if self.saturation_miss_weight:
-            # F of the module docstring: the requests a repeated prefill delays when all queue.
-            everywhere_waiting = min(e.metrics.waiting for e in endpoints)
-            own += self.saturation_miss_weight * everywhere_waiting * prompt
+            # F of the module docstring: the requests a repeated prefill delays when the pool
+            # queues.
+            waiting = sorted([e.metrics.waiting for e in endpoints])
+            pool_waiting = waiting[int(self.saturation_quantile * (len(waiting) - 1))]
+            own += self.saturation_miss_weight * pool_waiting * prompt
         queues = []
         runs = []
         # est(e) of the module docstring, inline (a helper call per endpoint cost ~0.3 us).
@@ -202,6 +210,9 @@ def create(name: str, parameters: Mapping[str, Any],
     saturation = param(parameters, "saturationMissWeight", float, 0.0)
     if saturation < 0:
         raise ConfigError(f"parameters.saturationMissWeight: must be >= 0, got {saturation}")
+    quantile = param(parameters, "saturationQuantile", float, 0.0)
+    if not 0 <= quantile <= 1:
+        raise ConfigError(f"parameters.saturationQuantile: must be in [0, 1], got {quantile}")
     threshold = param(parameters, "cacheThreshold", float, 0.0)
     if not 0 <= threshold <= 1:
         raise ConfigError(f"parameters.cacheThreshold: must be in [0, 1], got {threshold}")
@@ -212,5 +223,5 @@ def create(name: str, parameters: Mapping[str, Any],
     if not 1 <= hot_window <= MAX_HOT_PREFIX_WINDOW:
         raise ConfigError(f"parameters.hotPrefixWindow: must be in [1, {MAX_HOT_PREFIX_WINDOW}],"
                           f" got {hot_window}")
-    return EstimatedTtftScorer(name, running_tokens, uncached_weight, saturation, threshold,
-                               hot_share, hot_window)
+    return EstimatedTtftScorer(name, running_tokens, uncached_weight, saturation, quantile,
+                               threshold, hot_share, hot_window)

@@ -168,6 +168,34 @@ def test_saturated_pool_keeps_a_group_on_its_holder_over_a_longer_queue() -> Non
     assert picked(1.0) == "e1:1"
 
 
+def test_the_saturation_charge_takes_a_quantile_of_the_waiting_counts() -> None:
+    request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
+    state = {STATE_KEY: PrefixMatch(tuple(range(BLOCKS)), {"e0:1": BLOCKS})}  # held in full
+
+    def picked(quantile: float) -> str:
+        scorer = create("t", {"uncachedWeight": 2.0, "runningRequestTokens": 0,
+                              "saturationMissWeight": 1.0, "saturationQuantile": quantile},
+                        PluginHandle(Datalayer()))
+        profile = SchedulerProfile("p", [], [(scorer, 1.0)], MaxScorePicker("m"))
+        return profile.run(request, state, eps).endpoints[0].address
+
+    eps = endpoints(8)
+    # Seven replicas queue 10 requests each; one has just emptied its queue. The holder has
+    # 60,000 tokens more queued than the empty one: over the 2 x PROMPT a miss costs without
+    # the charge, under (2 + 10) x PROMPT with it.
+    for e in eps[:7]:
+        load(e, waiting=10, waiting_tokens=60_000)
+    load(eps[7], waiting=0, waiting_tokens=0)
+    assert picked(0.0) == "e7:1"  # the least waiting count: 0, no charge
+    assert picked(0.75) == "e0:1"  # the 6th smallest of 8: 10
+    # Only two of eight queue: under the quantile too, the pool does not queue.
+    for e in eps[2:]:
+        load(e, waiting=0, waiting_tokens=0)
+    assert picked(0.75) != "e0:1"  # (one of the six empty ones)
+    with pytest.raises(ConfigError, match="saturationQuantile: must be in"):
+        create("t", {"saturationQuantile": 1.5}, PluginHandle(Datalayer()))
+
+
 def test_a_short_prefix_is_copied_while_the_pool_has_room() -> None:
     request = InferenceRequest("r", "grpc", "/g", ParsedBody(prompt_token_ids=(1,) * PROMPT))
 
