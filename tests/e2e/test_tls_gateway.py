@@ -83,15 +83,18 @@ def test_the_internal_hops_want_a_client_certificate(gateway: TlsGateway) -> Non
 def test_a_shared_prefix_is_routed_by_kv_events(gateway: TlsGateway) -> None:
     """The EPP learns where the shared blocks are from the engines' KV events, which it reads
     over mTLS: the index counts them, and every later request with the prefix hits the cache."""
-    shared = prompt(10, blocks=4)
-    # Earlier tests' prompts are indexed too: wait for this prompt's 5 blocks on top of them.
+    # 16 blocks: with 4 (64 tokens) the default's charge for one running request (160 tokens)
+    # outweighed the saving, and a request that had just ended but was still counted on the
+    # holder when the next arrived sent that one elsewhere (about 1 run in 8).
+    shared = prompt(10, blocks=16)
+    # Earlier tests' prompts are indexed too: wait for this prompt's 17 blocks on top of them.
     before = sum(epp_samples(gateway, "kvswitch_epp_indexed_kv_blocks"))  # type: ignore[arg-type]
     with gateway.channel() as channel:
         stub = rpc.VllmEngineStub(channel)
         assert generate(stub, [*shared, *prompt(11, blocks=1)]).cached_tokens == 0
         deadline = time.monotonic() + 10
         while (sum(epp_samples(gateway, "kvswitch_epp_indexed_kv_blocks"))  # type: ignore[arg-type]
-               < before + 5):
+               < before + 17):
             assert time.monotonic() < deadline, "the EPP indexed no KV event"
             time.sleep(0.05)
         for seed in (12, 13, 14):
