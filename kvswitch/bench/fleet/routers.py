@@ -279,8 +279,8 @@ class SmgCacheAwareModel(_Base):
         self.addresses = [r.address for r in ctx.replicas]
         self.block_size = ctx.profile.block_size
         # events: the engines' caches from their KV events; tree: "routed there" entries that
-        # never expire (the approximate tree).
-        self.index = KvBlockIndex(self.block_size, clock=ctx.now)
+        # never expire (the approximate tree), however many.
+        self.index = KvBlockIndex(self.block_size, clock=ctx.now, max_speculated_blocks=None)
         for a in self.addresses:
             self.index.add_endpoint(a)
         self.load = [0] * self.n

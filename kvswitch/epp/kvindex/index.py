@@ -23,6 +23,10 @@ never both:
   extends its expiry, except in the leading run the caller says is held (`held`): those keep
   the expiry of the request that will store them;
 - unconfirmed by its expiry, it is dropped (lazily, at the next `match`/`speculate`);
+- `withdraw(speculation)` drops a speculation's unconfirmed blocks at once (its request ended
+  without a prefill: it failed, or was cancelled while queued), except those a later one claims;
+- the blocks listed by live speculations are bounded (`max_speculated_blocks`): past it, the
+  oldest speculations are dropped early, as at their expiry;
 - AllBlocksCleared, a resync (`clear`) or the endpoint leaving drop it at once; BlockRemoved
   can only name real blocks (a speculative one has no engine hash yet).
 Both kinds set the endpoint's bit in the one holder table, so `match` costs the same.
@@ -127,16 +131,24 @@ def _drop_copy(counts: dict[int, int], key: int) -> None:
         del counts[key]
 
 
+# One speculation: (expiry, tie-break, endpoint state, the blocks it made speculative).
+Speculation = tuple[float, int, _EndpointBlocks, list[int]]
+MAX_SPECULATED_BLOCKS = 1 << 21  # block hashes listed by live speculations (~80 MB at most)
+
+
 class KvBlockIndex:
     """Blocks held per endpoint, by own chained hash. Not thread-safe; one event loop owns it."""
 
     def __init__(self, block_size: int = 16,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_speculated_blocks: int | None = MAX_SPECULATED_BLOCKS) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.clock = clock
         """Seconds, monotonic; only speculative expiry reads it."""
+        self.max_speculated_blocks = max_speculated_blocks
+        """None: unbounded (the bench's model of a router that keeps every routed prompt)."""
         self._endpoints: dict[str, _EndpointBlocks] = {}
         self._holders: dict[int, int] = {}
         self._free_bits: list[int] = []
@@ -147,8 +159,9 @@ class KvBlockIndex:
         # (expiry, tie-break, endpoint state, hashes) per speculation, earliest expiry first. A
         # FIFO, not a heap: with one TTL, expiries arrive in order (a push and a pop touch only
         # the ends; a heap's sift walks entries scattered in memory).
-        self._expiries: deque[tuple[float, int, _EndpointBlocks, list[int]]] = deque()
+        self._expiries: deque[Speculation] = deque()
         self._speculations = 0
+        self._speculated_blocks = 0  # the blocks listed in `_expiries`
         # The ticket of every awaited prefill, expiry order.
         self._awaiting: deque[PrefillTicket] = deque()
         self._generations = itertools.count(1)
@@ -338,22 +351,23 @@ class KvBlockIndex:
     # -- speculative entries ---------------------------------------------------------------------
 
     def speculate(self, endpoint: str, hashes: Sequence[int], ttl: float,
-                  held: int = 0) -> None:
+                  held: int = 0) -> Speculation | None:
         """`hashes` (a request's own block hashes) were just routed to `endpoint`: hold them
         there for `ttl` seconds unless events confirm them sooner. `hashes[:held]` are known
         held already (`match` just said so) and are skipped: a prefix another request
         speculated keeps that request's expiry, the one its own BlockStored would meet.
-        Endpoints the index does not know (not subscribed) are left alone."""
+        Endpoints the index does not know (not subscribed) are left alone. Returns the
+        speculation for `withdraw` (None: nothing was speculated)."""
         state = self._endpoints.get(endpoint)
         if state is None or ttl <= 0 or held >= len(hashes):
-            return
+            return None
         speculative, holders = state.speculative, self._holders
         bit, get = 1 << state.bit, holders.get
         # Not held here, or held only speculatively (real blocks are left alone).
         pending = [own for own in (hashes[held:] if held else hashes)
                    if not get(own, 0) & bit or own in speculative]
         if not pending:
-            return
+            return None
         now = self.clock()
         self._expire(now)
         expiry = now + ttl
@@ -372,6 +386,39 @@ class KvBlockIndex:
             expiries.append(entry)
         else:  # a shorter TTL than earlier calls': keep the order
             bisect.insort(expiries, entry)
+        self._speculated_blocks += len(pending)
+        bound = self.max_speculated_blocks
+        while bound is not None and self._speculated_blocks > bound and len(expiries) > 1:
+            self._drop(expiries.popleft())
+        return entry
+
+    def withdraw(self, speculation: Speculation | None) -> None:
+        """The request that made `speculation` ended without a prefill (it failed, or was
+        cancelled while queued): drop its blocks that are still speculative, except those a
+        later speculation claimed (they keep its expiry)."""
+        if speculation is not None:
+            self._release_speculated(speculation)
+
+    def _release_speculated(self, speculation: Speculation) -> None:
+        """Drop the blocks of `speculation` still speculative whose latest claim is its own
+        (or an earlier one's): what its expiry does."""
+        expiry, _, state, hashes = speculation
+        speculative = state.speculative
+        # In C: the confirmed (the usual fate) and cleared ones drop out here; those
+        # speculated again since keep their later expiry. `keys() &` walks the list
+        # (set.intersection(dict) would walk every speculative entry of the endpoint).
+        left = speculative.keys() & hashes
+        if not left:
+            return  # all confirmed: nothing to drop
+        due = [own for own in left if speculative[own] <= expiry]
+        for own in due:
+            del speculative[own]
+        self._release(due, state.bit)
+
+    def _drop(self, speculation: Speculation) -> None:
+        """`speculation` leaves `_expiries` (its time is up, or the bound is reached)."""
+        self._speculated_blocks -= len(speculation[3])
+        self._release_speculated(speculation)
 
     # -- prefill in progress -----------------------------------------------------------------
 
@@ -455,18 +502,7 @@ class KvBlockIndex:
     def _expire(self, now: float) -> None:
         expiries = self._expiries
         while expiries and expiries[0][0] <= now:
-            _, _, state, hashes = expiries.popleft()
-            speculative = state.speculative
-            # In C: the confirmed (the usual fate) and cleared ones drop out here; those
-            # speculated again since keep their later expiry. `keys() &` walks the list
-            # (set.intersection(dict) would walk every speculative entry of the endpoint).
-            left = speculative.keys() & hashes
-            if not left:
-                continue  # all confirmed: nothing to drop
-            due = [own for own in left if speculative[own] <= now]
-            for own in due:
-                del speculative[own]
-            self._release(due, state.bit)
+            self._drop(expiries.popleft())
 
     # -- queries -------------------------------------------------------------------------------
 

@@ -18,15 +18,20 @@ Parameters (llm-d's type name):
       (text prompts then score 0 everywhere).
   loadRecordTtl (duration, default 2.5s): how long a pushed `EngineLoad` record keeps the
       endpoint's metrics current (above the engines' 1 s heartbeat).
-  speculativeTtl (duration, default 2s; 0 disables): how long the blocks of a request just
-      routed to an endpoint count as held there before its KV events confirm them.
+  speculativeTtl (duration, default 30s; 0 disables): how long the blocks of a request just
+      routed to an endpoint count as held there before its KV events confirm them: at least
+      as long as a prompt may wait in a saturated engine's queue, so that a repeat of it
+      follows it there (it is cached by the time the repeat runs), as a router that records
+      what it routed (SGLang's) would send it.
 Speculative indexing (llm-d's): an engine reports BlockStored only after the request's prefill
 step, so a second request with the same prefix arriving before that would score 0 everywhere
 and could land anywhere. As a `PreRequest` hook this plugin therefore adds the prompt's block
 hashes for the picked endpoint to the index as speculative entries (`KvBlockIndex.speculate`):
 they count in matched_blocks(e) like real ones, become real when the engine's BlockStored
-confirms them, and are dropped when unconfirmed after speculativeTtl (the request failed, was
-rejected, or its prefill is still queued) or on AllBlocksCleared / a resync. The prompt's
+confirms them, and are dropped when the request fails or is cancelled (`ResponseComplete` not
+ok: `KvBlockIndex.withdraw`; a success's BlockStored may still be on its way), when unconfirmed
+after speculativeTtl (its events were lost), on AllBlocksCleared / a resync, or oldest first past
+the index's bound on speculated blocks (`MAX_SPECULATED_BLOCKS`). The prompt's
 leading blocks the endpoint already holds (matched_blocks) are not touched: only the rest is
 speculated, so a hot prefix costs O(unique suffix blocks) per request.
 Queued prompts (several EPPs): another EPP's speculative entries are not in this one's index,
@@ -37,8 +42,9 @@ EPP's own requests are, speculatively), it does what `pre_request` does for its 
 speculates the prompt's blocks on that engine and counts their prefill as in progress there, so
 a prefix group's next request stays with its first whichever EPP routes it. A later push that
 withdraws one (it left the engine before its prefill ended: a client's cancel while queued) ends
-that count at once; the announced prefills are remembered for this for prefillTtl, at most
-MAX_ANNOUNCED of them. Its speculative blocks expire as unconfirmed ones do.
+that count and drops its speculative blocks at once; the announced prefills are remembered for
+this for prefillTtl, at most MAX_ANNOUNCED of them. Unwithdrawn, their blocks expire as
+unconfirmed ones do.
 Prefill in progress: the same hook counts the request's uncached prompt tokens in the index's
 `pending_prefill` for the picked endpoint until the engine stores the prompt's last full block
 (`KvBlockIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables) passes; the
@@ -76,7 +82,7 @@ from kvswitch.epp.framework import (
 )
 from kvswitch.epp.kvindex.events import LoadRecord, QueuedPrompt
 from kvswitch.epp.kvindex.hashing import chained_packed_hashes
-from kvswitch.epp.kvindex.index import KvBlockIndex, PrefillTicket
+from kvswitch.epp.kvindex.index import KvBlockIndex, PrefillTicket, Speculation
 from kvswitch.epp.kvindex.subscriber import KvEventSubscriber, KvEventSubscriptions
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch, uncached_tokens
 from kvswitch.tokenization import TokenizerBundle, load_tokenizer
@@ -93,17 +99,19 @@ TOKENS_KEY = "precise-prefix-cache-scorer/tokens"
 class PrecisePrefixCacheScorer:
     def __init__(self, name: str, index: KvBlockIndex, handle: PluginHandle | None = None,
                  tokenizer: TokenizerBundle | None = None, load_ttl: float = 2.5,
-                 speculative_ttl: float = 2.0, prefill_ttl: float = 30.0) -> None:
+                 speculative_ttl: float = 30.0, prefill_ttl: float = 30.0) -> None:
         self.name = name
         self.index = index
         self.prefill_ttl = prefill_ttl
         self._pending = index.pending
         self._prefilling = index.prefilling
-        # request id -> the ticket of the prefill it awaits on its endpoint.
-        self._awaited: dict[str, PrefillTicket] = {}
-        # (endpoint, request id) -> the ticket of a prefill another EPP routed there, as
+        # request id -> the ticket of the prefill it awaits on its endpoint and the blocks it
+        # speculated there, until it ends.
+        self._awaited: dict[str, tuple[PrefillTicket | None, Speculation | None]] = {}
+        # (endpoint, request id) -> the same for a prefill another EPP routed there, as
         # announced, until a push withdraws it or the ticket's ttl passes.
-        self._announced: OrderedDict[tuple[str, str], PrefillTicket] = OrderedDict()
+        self._announced: OrderedDict[tuple[str, str],
+                                     tuple[PrefillTicket, Speculation | None]] = OrderedDict()
         self.tokenizer = tokenizer
         self.load_ttl = load_ttl
         self.speculative_ttl = speculative_ttl
@@ -177,12 +185,14 @@ class PrecisePrefixCacheScorer:
         index = self.index
         announced = self._announced
         for request_id in withdrawn:
-            index.end_prefill(announced.pop((address, request_id), None))
+            ticket, speculation = announced.pop((address, request_id), (None, None))
+            index.end_prefill(ticket)
+            index.withdraw(speculation)
         if self.speculative_ttl <= 0:
             return
         now = index.clock()
         while announced and (len(announced) >= MAX_ANNOUNCED
-                             or next(iter(announced.values())).until <= now):
+                             or next(iter(announced.values()))[0].until <= now):
             announced.popitem(last=False)  # the oldest: expired in the index too, or over bound
         for prompt in prompts:
             if not all(prompt.blocks):
@@ -191,13 +201,13 @@ class PrecisePrefixCacheScorer:
             held = index.match_held(hashes, (address,)).get(address, 0)
             if held >= len(hashes):
                 continue
-            index.speculate(address, hashes, self.speculative_ttl, held=held)
+            speculation = index.speculate(address, hashes, self.speculative_ttl, held=held)
             if self.prefill_ttl > 0:
                 ticket = index.await_prefill(address, hashes[-1],
                                              (len(hashes) - held) * index.block_size,
                                              self.prefill_ttl)
                 if ticket is not None:
-                    announced[(address, prompt.request_id)] = ticket
+                    announced[(address, prompt.request_id)] = (ticket, speculation)
 
     def feed_externally(self, addresses: Sequence[str]) -> dict[str, KvEventSubscriber]:
         """Per address, a subscriber the caller hands decoded batches to itself (a harness
@@ -285,18 +295,24 @@ class PrecisePrefixCacheScorer:
             return
         address = result.endpoints[0].address
         held = match.matched.get(address, 0)
+        speculation = ticket = None
         if self.speculative_ttl > 0:
-            self.index.speculate(address, match.hashes, self.speculative_ttl, held=held)
+            speculation = self.index.speculate(address, match.hashes, self.speculative_ttl,
+                                               held=held)
         if held < len(match.hashes) and self.prefill_ttl > 0:
             ticket = self.index.await_prefill(address, match.hashes[-1],
                                               uncached_tokens(request, match, address),
                                               self.prefill_ttl)
-            if ticket is not None:
-                self._awaited[request.request_id] = ticket
+        if ticket is not None or speculation is not None:
+            self._awaited[request.request_id] = (ticket, speculation)
 
     def response_complete(self, request: InferenceRequest, outcome: RequestOutcome) -> None:
-        """The request ended: its prefill is no longer in progress."""
-        self.index.end_prefill(self._awaited.pop(request.request_id, None))
+        """The request ended: its prefill is no longer in progress; if it failed, its
+        blocks are not coming either (a success's BlockStored may still be on its way)."""
+        ticket, speculation = self._awaited.pop(request.request_id, (None, None))
+        self.index.end_prefill(ticket)
+        if not outcome.ok:
+            self.index.withdraw(speculation)
 
 
 def create(name: str, parameters: Mapping[str, Any],
@@ -312,7 +328,8 @@ def create(name: str, parameters: Mapping[str, Any],
         except Exception as exc:
             raise ConfigError(f"parameters.tokenizer: {exc}") from exc
     ttl = duration(parameters.get("loadRecordTtl", 2.5), "parameters.loadRecordTtl")
-    speculative_ttl = duration(parameters.get("speculativeTtl", 2.0), "parameters.speculativeTtl")
+    speculative_ttl = duration(parameters.get("speculativeTtl", 30.0),
+                               "parameters.speculativeTtl")
     prefill_ttl = duration(parameters.get("prefillTtl", 30.0), "parameters.prefillTtl")
     index = handle.shared("precise-prefix-index", lambda: KvBlockIndex(block_size))
     if index.block_size != block_size:

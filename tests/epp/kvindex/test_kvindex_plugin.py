@@ -247,7 +247,7 @@ def test_a_prompt_another_epp_queued_on_an_engine_counts_there_as_this_epps_own_
     assert other.index.pending_prefill("a:1") == 0
 
 
-def test_a_withdrawn_prompt_another_epp_queued_stops_counting_as_prefill_there() -> None:
+def test_a_withdrawn_prompt_another_epp_queued_stops_counting_there() -> None:
     from kvswitch.engine.base import QueuedPrompt
     from kvswitch.engine.kv_events import queued_events, withdrawn_events
     from kvswitch.epp.kvindex import KvEventBatchView, batch_from_proto
@@ -267,9 +267,14 @@ def test_a_withdrawn_prompt_another_epp_queued_stops_counting_as_prefill_there()
     push(queued_events([QueuedPrompt("kept", kept), QueuedPrompt("cancelled", cancelled)], 16))
     assert scorer.index.pending_prefill("a:1") == len(kept) + len(cancelled)
     # Cancelled while queued: a later push withdraws it (an unknown id changes nothing).
+    assert scorer.index.num_speculative("a:1") == 5
     push(withdrawn_events(["cancelled", "never-announced"]))
     assert scorer.index.pending_prefill("a:1") == len(kept)
     assert scorer.index.prefilling_requests("a:1") == 1
+    index = scorer.index  # its blocks go too; the kept prompt's stay
+    assert index.num_speculative("a:1") == 2
+    assert index.match(index.block_hashes(list(cancelled)))["a:1"] == 0
+    assert index.match(index.block_hashes(list(kept)))["a:1"] == 2
     push(withdrawn_events(["cancelled"]))  # withdrawn twice: ended once
     assert scorer.index.pending_prefill("a:1") == len(kept)
 

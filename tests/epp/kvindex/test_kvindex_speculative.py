@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvswitch.epp.contracts import InferenceRequest, ParsedBody
+from kvswitch.epp.contracts import InferenceRequest, ParsedBody, RequestOutcome
 from kvswitch.epp.datalayer import Datalayer, Endpoint, EndpointSpec
 from kvswitch.epp.framework import ConfigError, PluginHandle, ProfileResult
 from kvswitch.epp.kvindex import (
@@ -143,6 +143,63 @@ def test_cleared_resync_and_removed_endpoint_drop_speculative_blocks() -> None:
     index.apply("c", [chain(PROMPT)])
     clock.now += 10.0
     assert index.match(hashes) == {"b": 0, "c": 5}
+
+
+def test_withdraw_drops_a_speculation_at_once_but_not_a_later_claim() -> None:
+    index, clock = new_index("a")
+    hashes = index.block_hashes(PROMPT)
+    first = index.speculate("a", hashes[:3], ttl=30.0)
+    clock.now += 1.0
+    second = index.speculate("a", hashes, ttl=30.0, held=2)  # claims blocks 2-4 again
+    assert first is not None and second is not None
+    index.withdraw(first)  # blocks 0-1 were first's alone; block 2 is second's now
+    assert index.num_speculative("a") == 3
+    assert index.match(hashes) == {"a": 0}  # the leading blocks left
+    index.apply("a", [chain(PROMPT[:4])])  # block 0 stored: real, not speculative
+    index.withdraw(second)  # drops 2-4; nothing real is touched
+    assert index.num_speculative("a") == 0
+    assert index.match(hashes) == {"a": 1}
+    index.withdraw(None)
+    assert index.speculate("a", hashes[:1], ttl=30.0) is None  # held really: nothing to hold
+
+
+def test_speculated_blocks_are_bounded_oldest_first() -> None:
+    clock = FakeClock()
+    index = KvBlockIndex(B, clock=clock, max_speculated_blocks=8)
+    index.add_endpoint("a")
+    prompts = [index.block_hashes([p * 1000 + t for t in range(16)]) for p in range(3)]
+    for hashes in prompts:  # 4 blocks each: the third pushes the first out
+        index.speculate("a", hashes, ttl=30.0)
+    assert [index.match(h)["a"] for h in prompts] == [0, 4, 4]
+    assert index.num_speculative("a") == 8
+    unbounded = KvBlockIndex(B, clock=clock, max_speculated_blocks=None)
+    unbounded.add_endpoint("a")
+    for hashes in prompts:
+        unbounded.speculate("a", hashes, ttl=float("inf"))
+    assert [unbounded.match(h)["a"] for h in prompts] == [4, 4, 4]
+
+
+def test_scorer_withdraws_a_failed_request_and_keeps_a_queued_one() -> None:
+    clock = FakeClock()
+    scorer = create("p", {"blockSize": 16, "tokenizer": "none"}, PluginHandle(Datalayer()))
+    scorer.index.clock = clock
+    assert scorer.speculative_ttl == 30.0  # a prompt queued for seconds stays held
+    endpoints = [Endpoint(EndpointSpec(a)) for a in ("a:1", "b:1")]
+    for endpoint in endpoints:
+        scorer.index.add_endpoint(endpoint.address)
+    for request_id, ok in (("queued", True), ("failed", False)):
+        ids = tuple(range(1000, 1064)) if ok else tuple(range(2000, 2064))
+        request = InferenceRequest(request_id, "grpc", "/x", ParsedBody(prompt_token_ids=ids))
+        state: dict[str, object] = {}
+        scorer.produce(request, state, endpoints)
+        scorer.pre_request(request, state, ProfileResult("default", (endpoints[0],)))
+        clock.now += 20.0  # still queued, no BlockStored yet
+        scorer.produce(request, state := {}, endpoints)
+        assert scorer.score(request, state, endpoints) == [1.0, 0.0]
+        if not ok:
+            scorer.response_complete(request, RequestOutcome("a:1", ok=False, grpc_status=14))
+            scorer.produce(request, state := {}, endpoints)
+            assert scorer.score(request, state, endpoints) == [0.0, 0.0]
 
 
 def test_scorer_speculates_on_the_picked_endpoint() -> None:
