@@ -96,6 +96,12 @@ MEMBERS: dict[str, Member] = {
         args=MT_1000_30_ARGS,
         targets="kvswitch"),
 }
+# The four members again with the default as of bce301b (saturationQuantile, speculativeTtl
+# 30 s): kvswitch alone.
+MEMBERS.update({f"{name}-bce301b": Member(
+    description=f"{name} again, kvswitch only, with the default of bce301b",
+    panel_row=MEMBERS[name].panel_row, args=MEMBERS[name].args, targets="kvswitch")
+    for name in ("trace-0-x1.5", "bursts-6000-1200", "sp-6000-1200-g40", "mt-1000-30")})
 
 
 def bench_argv(member: str) -> list[str]:
@@ -194,13 +200,14 @@ def plot(client_p90: dict[str, dict[str, float]], out: Path) -> None:
 
     members = list(client_p90)
     targets = TARGETS.split(",")
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 5.5))
     width = 0.8 / len(targets)
     for i, target in enumerate(targets):
         ys = [client_p90[m].get(target) for m in members]
         ax.bar([j + i * width for j in range(len(members))],
                [float("nan") if y is None else y for y in ys], width, label=target)
-    ax.set_xticks([j + width * (len(targets) - 1) / 2 for j in range(len(members))], members)
+    ax.set_xticks([j + width * (len(targets) - 1) / 2 for j in range(len(members))], members,
+                  rotation=30, ha="right")  # the reruns' long names
     ax.set_yscale("log")
     ax.set_ylabel("client-side TTFT p90 (simulated s, log)")
     ax.set_title("streamed real-process runs, 8 replicas: client-side TTFT p90 at each "
