@@ -18,7 +18,6 @@ TTFT p90. docs/benchmarks/routing-panel/default.md reads mt-1000-30 at 20 QPS th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_panel import add_step_arguments, replay_steps
 
 from kvswitch.bench.engine_report import percentile
-from kvswitch.bench.fleet import make_router, run_fleet
 from kvswitch.engine.request_log import RequestRecord
-from kvswitch.engine.sim.profiles import get_profile
 
 
 def previous_turns(workload: Any) -> dict[str, str]:
@@ -66,26 +63,18 @@ def tally(records: list[RequestRecord], previous: dict[str, str],
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_step_arguments(parser)
-    parser.add_argument("--routers", default="round-robin,kvswitch",
-                        help="comma-separated fleet routers (kvswitch.bench.fleet.make_router)")
-    parser.add_argument("--out", type=Path, default=None)
+    add_step_arguments(parser, routers="round-robin,kvswitch")
     args = parser.parse_args(argv)
     replay = replay_steps(parser, args)
-    workload, stage_of = replay.workload, replay.stage_of
-    if not getattr(workload.shape, "multi_turn", False):
+    if not getattr(replay.workload.shape, "multi_turn", False):
         parser.error(f"--member {args.member} is not a multi-turn member")
-    previous = previous_turns(workload)
-    report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/conversation_turns.py",
-                                                   *(argv or sys.argv[1:])]),
-                              "member": args.member, "steps": {}}
-    for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
-        result = run_fleet(workload, make_router(name, seed=args.seed),
-                           get_profile(replay.member.profile), args.replicas, seed=args.seed)
+    previous = previous_turns(replay.workload)
+    report = replay.report("conversation_turns.py", argv)
+    for name in replay.routers():
+        result = replay.run(name)
         ended = {r.request_id: r.arrival + r.e2e_s for r in result.records}
         for stage in replay.stages:
-            found = tally([r for r in result.records if stage_of[r.request_id] == stage],
-                          previous, ended)
+            found = tally(replay.records(result, stage), previous, ended)
             report["steps"].setdefault(str(stage), {})[name] = found
             print(f"step {stage} {name}: TTFT p90 {found['ttft_p90']:.4f} s; "
                   f"{found['requests']} requests, {found['later_turns']} later turns, "
@@ -93,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"turn ended; in the tail "
                   f"({found['tail']}): {found['later_in_tail']} later turns, "
                   f"{found['early_in_tail']} sent early", flush=True)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    replay.save(report)
     return 0
 
 
