@@ -16,7 +16,6 @@ replica holding it keeps a copy. docs/benchmarks/routing-panel/default.md reads 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -28,8 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_panel import add_step_arguments, replay_steps
 
 from kvswitch.bench.engine_report import percentile
-from kvswitch.bench.fleet import make_router, run_fleet
-from kvswitch.engine.sim.profiles import get_profile
 
 
 def spread(groups: dict[int, list[int]]) -> dict[str, Any]:
@@ -49,22 +46,15 @@ def spread(groups: dict[int, list[int]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_step_arguments(parser)
-    parser.add_argument("--routers", default="smg-cache-aware-model,kvswitch",
-                        help="comma-separated fleet routers (kvswitch.bench.fleet.make_router)")
-    parser.add_argument("--out", type=Path, default=None)
+    add_step_arguments(parser, routers="smg-cache-aware-model,kvswitch")
     args = parser.parse_args(argv)
     replay = replay_steps(parser, args)
-    workload, stage_of = replay.workload, replay.stage_of
-    group_of = {str(r.index): r.group for r in workload.requests}
-    report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/group_spread.py",
-                                                   *(argv or sys.argv[1:])]),
-                              "member": args.member, "steps": {}}
-    for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
-        result = run_fleet(workload, make_router(name, seed=args.seed),
-                           get_profile(replay.member.profile), args.replicas, seed=args.seed)
+    group_of = {str(r.index): r.group for r in replay.workload.requests}
+    report = replay.report("group_spread.py", argv)
+    for name in replay.routers():
+        result = replay.run(name)
         for stage in replay.stages:
-            records = [r for r in result.records if stage_of[r.request_id] == stage]
+            records = replay.records(result, stage)
             groups: dict[int, list[int]] = defaultdict(list)
             for record in records:
                 groups[group_of[record.request_id]].append(result.replica_of[record.request_id])
@@ -76,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{found['groups']} groups on {found['replicas_per_group']:.2f} replicas each "
                   f"(by count {found['groups_on']}), {found['top_replica_share']:.2f} of a "
                   f"group's requests on its most used replica", flush=True)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    replay.save(report)
     return 0
 
 

@@ -24,7 +24,6 @@ per step; `--out` writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from routing_panel import add_step_arguments, replay_steps
 
-from kvswitch.bench.fleet import EppRouter, run_fleet
+from kvswitch.bench.fleet import EppRouter
 from kvswitch.engine.request_log import RequestRecord
 from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.epp.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
@@ -87,10 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epp", type=Path, default=None,
                         help="EndpointPickerConfig with a precise-prefix-cache-scorer, whose "
                              "index is read (default: kvswitch up's)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = parser.parse_args(argv)
     replay = replay_steps(parser, args)
-    member, workload = replay.member, replay.workload
     router = EppRouter(args.epp if args.epp is not None else DEFAULT_EPP_CONFIG, "kvswitch",
                        seed=args.seed)
     held: dict[str, tuple[int, int]] = {}
@@ -110,11 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         return pick
 
     router.route = noting  # type: ignore[method-assign]
-    profile = get_profile(member.profile)
-    result = run_fleet(workload, router, profile, args.replicas, seed=args.seed)
-    steps = {str(stage): tally([r for r in result.records
-                                if replay.stage_of[r.request_id] == stage],
-                               held, profile.block_size, saturated)
+    result = replay.run(router)
+    block_size = get_profile(replay.member.profile).block_size
+    steps = {str(stage): tally(replay.records(result, stage), held, block_size, saturated)
              for stage in replay.stages}
     for step, rows in steps.items():
         print(f"## {args.member}, step {step}\n")
@@ -124,11 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {c} | {rows[c]['requests']} | {rows[c]['uncached_tokens']:,} "
                   f"| {rows[c]['saturated']} |")
         print()
-    if args.out:
-        args.out.write_text(json.dumps({
-            "command": "python benchmarks/routed_past_cache.py " + " ".join(
-                sys.argv[1:] if argv is None else argv),
-            "member": args.member, "steps": steps}, indent=1) + "\n")
+    replay.save({**replay.report("routed_past_cache.py", argv), "steps": steps})
+    if args.out is not None:
         print(f"saved {args.out}")
     return 0
 

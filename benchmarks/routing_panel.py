@@ -176,10 +176,11 @@ def replayed(member: Member, tokenizer: TokenizerBundle, scale: float, jitter_ms
     return jittered(workload, jitter_ms / 1000, seed) if jitter_ms else workload
 
 
-def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+def add_step_arguments(parser: argparse.ArgumentParser, routers: str | None = None) -> None:
     """What picks panel steps and replays them as the panel does (the step analyses
-    `ttft_tail.py` and `routed_past_cache.py`): --member, --step, --seed, --jitter-ms,
-    --replicas, --scale."""
+    `ttft_tail.py`, `group_spread.py`, `step_occupancy.py`, `conversation_turns.py` and
+    `routed_past_cache.py`): --member, --step, --seed, --jitter-ms, --replicas, --scale, --out,
+    and with `routers` (their default) --routers."""
     parser.add_argument("--member", required=True, choices=[m.name for m in MEMBERS])
     parser.add_argument("--step", type=int, nargs="+", default=[-1],
                         help="the QPS steps' indexes (default: the last)")
@@ -187,6 +188,11 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jitter-ms", type=float, default=0.0)
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--scale", type=float, default=1.0)
+    if routers is not None:
+        parser.add_argument("--routers", default=routers,
+                            help="comma-separated fleet routers "
+                                 "(kvswitch.bench.fleet.make_router)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results file")
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,33 @@ class StepReplay:
     """The chosen steps' stage numbers, in `--step` order."""
     stage_of: dict[str, int]
     """Request id -> its stage number."""
+    args: argparse.Namespace
+
+    def routers(self) -> list[str]:
+        """The fleet routers `--routers` names, in order."""
+        return [r.strip() for r in self.args.routers.split(",") if r.strip()]
+
+    def run(self, router: Any, **options: Any) -> FleetResult:
+        """The whole replay through `router` (a fleet router, or its `make_router` name)."""
+        if isinstance(router, str):
+            router = make_router(router, seed=self.args.seed)
+        return run_fleet(self.workload, router, get_profile(self.member.profile),
+                         self.args.replicas, seed=self.args.seed, **options)
+
+    def records(self, result: FleetResult, stage: int) -> list[Any]:
+        """The records of `result`'s requests sent in `stage`."""
+        return [r for r in result.records if self.stage_of[r.request_id] == stage]
+
+    def report(self, script: str, argv: list[str] | None) -> dict[str, Any]:
+        """A step analysis's JSON report, its "steps" still empty: the command and member."""
+        return {"command": " ".join(["python", f"benchmarks/{script}",
+                                     *(sys.argv[1:] if argv is None else argv)]),
+                "member": self.member.name, "steps": {}}
+
+    def save(self, report: dict[str, Any]) -> None:
+        """Write `report` to `--out`, if given."""
+        if self.args.out is not None:
+            self.args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def replay_steps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> StepReplay:
@@ -212,7 +245,7 @@ def replay_steps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
     except IndexError:
         parser.error(f"--step {args.step}: {args.member} has {len(stages)} steps")
     return StepReplay(member, workload, chosen,
-                      {str(r.index): r.stage for r in workload.requests})
+                      {str(r.index): r.stage for r in workload.requests}, args)
 
 
 def run_member(member: Member, routers: list[tuple[str, str]], tokenizer: TokenizerBundle,

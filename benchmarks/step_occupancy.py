@@ -16,19 +16,15 @@ docs/benchmarks/routing-panel/replays.md reads sp-1000-6200 at 20 QPS this way.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from routing_panel import add_step_arguments, replay_steps
 
 from kvswitch.bench.engine_report import percentile
-from kvswitch.bench.fleet import make_router, run_fleet
 from kvswitch.bench.fleet.replica import Replica
-from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.engine.sim.scheduler import StepResult
 
 
@@ -58,21 +54,15 @@ class Occupancy:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_step_arguments(parser)
-    parser.add_argument("--routers", default="smg-cache-aware-model,kvswitch",
-                        help="comma-separated fleet routers (kvswitch.bench.fleet.make_router)")
-    parser.add_argument("--out", type=Path, default=None)
+    add_step_arguments(parser, routers="smg-cache-aware-model,kvswitch")
     args = parser.parse_args(argv)
     replay = replay_steps(parser, args)
-    workload, stage_of = replay.workload, replay.stage_of
-    report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/step_occupancy.py",
-                                                   *(argv or sys.argv[1:])]),
-                              "member": args.member, "steps": {}}
+    report = replay.report("step_occupancy.py", argv)
     windows = {}
     for stage in replay.stages:
-        sent = [r.send_at for r in workload.requests if r.stage == stage]
+        sent = [r.send_at for r in replay.workload.requests if r.stage == stage]
         windows[stage] = (min(sent), max(sent))
-    for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
+    for name in replay.routers():
         # One run per router; each chosen step's window samples the same run.
         occupancies = {stage: Occupancy(args.replicas, *window)
                        for stage, window in windows.items()}
@@ -82,11 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             for occupancy in occupancies.values():
                 occupancy(replica, at, step)
 
-        result = run_fleet(workload, make_router(name, seed=args.seed),
-                           get_profile(replay.member.profile), args.replicas,
-                           seed=args.seed, on_step=on_step)
+        result = replay.run(name, on_step=on_step)
         for stage, occupancy in occupancies.items():
-            records = [r for r in result.records if stage_of[r.request_id] == stage]
+            records = replay.records(result, stage)
             per_replica = occupancy.means()
             found = {
                 "ttft_p90": percentile([r.ttft_s for r in records if r.ttft_s is not None], 0.9),
@@ -102,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{found['cache_hit_rate']:.3f}, {found['preemptions']} preemptions, "
                   f"{found['running_mean']:.1f} running per replica; per replica "
                   f"running/waiting/KV: {cells}", flush=True)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    replay.save(report)
     return 0
 
 

@@ -15,7 +15,6 @@ it on mt-1000-3000 at 15 QPS). Prints a table per router and step; `--out` write
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -26,9 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_panel import add_step_arguments, replay_steps
 
 from kvswitch.bench.engine_report import percentile
-from kvswitch.bench.fleet import make_router, run_fleet
 from kvswitch.engine.request_log import RequestRecord
-from kvswitch.engine.sim.profiles import get_profile
 
 
 def kind(record: RequestRecord) -> tuple[int, int]:
@@ -71,25 +68,17 @@ def markdown(router: str, result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_step_arguments(parser)
-    parser.add_argument("--routers", default="round-robin,kvswitch",
-                        help="comma-separated fleet routers (kvswitch.bench.fleet.make_router)")
-    parser.add_argument("--out", type=Path, default=None)
+    add_step_arguments(parser, routers="round-robin,kvswitch")
     args = parser.parse_args(argv)
     replay = replay_steps(parser, args)
-    member, workload, stage_of = replay.member, replay.workload, replay.stage_of
-    report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/ttft_tail.py",
-                                                   *(argv or sys.argv[1:])]),
-                              "member": args.member, "steps": {}}
-    for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
-        result = run_fleet(workload, make_router(name, seed=args.seed),
-                           get_profile(member.profile), args.replicas, seed=args.seed)
+    report = replay.report("ttft_tail.py", argv)
+    for name in replay.routers():
+        result = replay.run(name)
         for stage in replay.stages:
-            found = tail([r for r in result.records if stage_of[r.request_id] == stage])
+            found = tail(replay.records(result, stage))
             report["steps"].setdefault(str(stage), {})[name] = found
             print(markdown(f"{name}, step {stage}", found), flush=True)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    replay.save(report)
     return 0
 
 

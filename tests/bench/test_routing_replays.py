@@ -1,6 +1,7 @@
 """The routing panel's members, its jittered replays, the summary of issue 24's targets over
 them, the tail of a step (ttft_tail), its occupancy (step_occupancy), how far its groups spread
-(group_spread) and a trace slice's TTFT floor (trace_floor)."""
+(group_spread), when a conversation's later turns are sent (conversation_turns) and a trace
+slice's TTFT floor (trace_floor)."""
 
 from __future__ import annotations
 
@@ -172,6 +173,39 @@ def test_the_tail_is_tallied_by_prompt_and_uncached_tokens() -> None:
                                     {"prompt": 8000, "uncached": 4000, "count": 1}]
     slow = next(k for k in result["kinds"] if k["prompt"] == 8000)
     assert slow["ttft_min"] == slow["ttft_max"] == 0.3 and abs(slow["queue_mean"] - 0.19) < 1e-9
+
+
+def test_a_later_turn_is_told_apart_and_counted_early_when_sent_before_its_previous_ended(
+) -> None:
+    from kvswitch.bench.workloads import SharedPrefixShape
+
+    turns = load_script("conversation_turns")
+    # One group, two users: each user's second request carries its first turn's history.
+    shape = SharedPrefixShape(1, 2, 32, 8, 16, multi_turn=True)
+    workload = build_workload(shape, (50.0,), 1.0, load_tokenizer(None))
+    previous = turns.previous_turns(workload)
+    last: dict[int, str] = {}
+    expected = {}
+    for r in workload.requests:
+        if r.user in last:
+            expected[str(r.index)] = last[r.user]
+        last[r.user] = str(r.index)
+    assert previous == expected and len(previous) >= 2
+    later = sorted(previous, key=int)
+    first = [str(r.index) for r in workload.requests if str(r.index) not in previous]
+    # Every record arrives at 0 s; the first later turn's previous turn ends at 0.5 s (sent
+    # early), the second's before 0 s (sent after it ended); the later turns are the slowest.
+    ended = {rid: -1.0 for rid in first + later}
+    ended[previous[later[0]]] = 0.5
+    records = [_record(int(rid), 0.1, 40, 0) for rid in first]
+    records += [_record(int(rid), 0.3, 80, 40) for rid in later[:2]]
+    found = turns.tally(records, {rid: previous[rid] for rid in later[:2]}, ended)
+    assert found["later_turns"] == 2 and found["sent_before_previous_ended"] == 1
+    assert found["tail"] == 2 and found["later_in_tail"] == 2 and found["early_in_tail"] == 1
+    # A previous turn that never ended counts as not ended.
+    del ended[previous[later[1]]]
+    assert turns.tally(records, {rid: previous[rid] for rid in later[:2]},
+                       ended)["sent_before_previous_ended"] == 2
 
 
 def test_the_floor_prefills_each_row_alone_in_chunks_after_what_earlier_rows_left(

@@ -38,35 +38,8 @@ work queued ahead of it plus its own uncached prefill. Per endpoint e, in prompt
     score(e) = (min_e' est(e') + 1) / (est(e) + 1)     (1 for the least work; all 1 if equal;
                                                        +1 keeps an idle all-cached pool finite)
 
-What it does, by construction:
-- a strong prefix match wins while its replica's queue is shorter than the prefill it saves:
-  7,200-token prompt, 6,000 cached on e1 with 2,000 tokens queued: est 3,200 vs 7,200 empty;
-- a hot prefix group spreads: once e1's queue exceeds the saving (Wq > m x P), an empty
-  replica's est is lower and the group's next request goes there (and is cached there next);
-- a new prefix group (m = 0 everywhere) goes to the replica with the least queued work;
-- when the pool queues, its throughput sets every wait, and a prefill a miss repeats also
-  delays the requests that queue behind it, about F of them: the miss is charged for those
-  too, so a group stays on its holders over queue differences that even out anyway. Replicas
-  of a saturated pool drain and refill in turns, so the least waiting count drops to 0 for a
-  moment now and then; a quantile above 0 keeps the charge on through those moments.
-- a prefix that saves under cacheThreshold of the prompt (a system prompt before a long
-  question) is copied while the pool has room, some replica with no prefill ahead by its
-  report, the EPP's own sends and the KV events: its holders are charged it instead of
-  credited, so the next requests go to replicas without it, and once every replica holds it
-  the charge is equal everywhere and load alone decides. A greedy choice follows such a
-  prefix until its few holders are busy and then copies it one miss at a time at the busiest
-  moments; copying it while the pool has room costs a few cheap misses early, as round robin
-  does by accident. While every replica has prefill ahead (a burst, or a saturated pool) a
-  copy would add prefill where there is no room for it, and the match counts as usual.
-- with hotPrefixShare, a short prefix goes to a second replica whatever its traffic (a
-  conversation's opening, a group's first users), and beyond two only while it is hot: while
-  each holder would get more than hotPrefixShare of a replica's fair share (1/N) of all
-  requests from it alone. A hot system prompt reaches every replica; a prefix that a few users
-  share stays on two, where its requests share KV blocks when the caches are full.
-This is SGLang's cache-aware rule (prefix match above a threshold while the fleet is balanced,
-shortest queue when imbalanced) turned continuous: the threshold is where the saved prefill
-equals the extra queue, measured in the same unit, instead of fixed ratios (0.5, 32, 1.1).
-The ratio normalisation keeps scale: twice the work scores 0.5, whatever the prompt length.
+Why each term is there, and what it does to a hot prefix group, a new group, a saturated pool
+and a short shared prefix: docs/architecture.md ("Cache against load").
 Inputs: `state["prefix-index"]` (written by precise-prefix-cache-scorer or prefix-cache-scorer,
 either must be configured), `Metrics.waiting_tokens/waiting/running`,
 `Endpoint.unreported_tokens/unreported_requests` (a request leaves them when a report covers
