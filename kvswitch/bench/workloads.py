@@ -173,7 +173,8 @@ def random_text_ids(tokenizer: TokenizerBundle, length: int, rng: random.Random)
 
 
 class _Conversations:
-    """Multi-turn state per (group, user): the history after the system prompt."""
+    """Multi-turn state per (group, user): the history after the system prompt and the index of
+    the conversation's last turn."""
 
     def __init__(self, shape: SharedPrefixShape, tokenizer: TokenizerBundle, rng: random.Random):
         self.shape, self.tokenizer, self.rng = shape, tokenizer, rng
@@ -182,6 +183,8 @@ class _Conversations:
 
     def next_turn(self, system: list[int], group: int, user: int, index: int
                   ) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+        """Request `index` as the conversation's next turn: its prompt, the index of the turn
+        before it (-1: none) and the answer it asks for."""
         shape = self.shape
         history = self.history.setdefault((group, user), [])
         turn = shape.question_len + shape.output_len
