@@ -1,15 +1,14 @@
-"""When a multi-turn member's later turns are sent, against their previous turn's end (fleet
-simulator).
+"""A multi-turn member's later turns: when they were sent, and how many sit in the TTFT tail
+(fleet simulator).
 
-The multi-turn presets send each request at its own arrival time (open loop): a conversation's
-next turn does not wait for its previous turn's answer, which a real user would read first
-(inference-perf's user sessions wait for it). For a multi-turn member of `routing_panel.MEMBERS`,
-replayed as the panel replays it (same seed and jitter), each router runs in the fleet simulator;
-per chosen step: its requests, its later turns (a request whose conversation has an earlier
-request in the run and still carries its history), how many of those were sent before the
-previous turn of the same conversation had ended under that router (its arrival before the
-previous turn's arrival + end-to-end latency), and how many of each are at or above the step's
-TTFT p90. docs/benchmarks/routing-panel/default.md reads mt-1000-30 at 20 QPS this way.
+For a multi-turn member of `routing_panel.MEMBERS`, replayed as the panel replays it (same seed
+and jitter), each router runs in the fleet simulator; per chosen step: its requests, its later
+turns (a request whose conversation has an earlier request in the run and still carries its
+history), how many of those were sent before the previous turn of the same conversation had
+ended under that router (its arrival before the previous turn's arrival + end-to-end latency;
+0 while a next turn waits for its previous one, as the workloads' turns do), and how many of
+each are at or above the step's TTFT p90. docs/benchmarks/routing-panel/replays.md reads
+mt-1000-30 at 20 QPS this way.
 
     python benchmarks/conversation_turns.py --member mt-1000-30 --step 2 --seed 1 --jitter-ms 1 \\
         --routers round-robin,kvswitch

@@ -271,8 +271,7 @@ def run_member(member: Member, routers: list[tuple[str, str]], tokenizer: Tokeni
             results[label] = run(label, spec)
     meta: dict[str, Any] = {"description": member.description, "profile": member.profile,
                             "requests": len(workload.requests),
-                            "ideal_prefix_hit_ratio": ideal_prefix_hit_ratio(
-                                r.prompt_ids for r in workload.requests)}
+                            "ideal_prefix_hit_ratio": ideal_prefix_hit_ratio(workload.requests)}
     if hasattr(workload, "skipped"):
         meta.update(skipped_rows=list(workload.skipped),
                     ideal_trace_hit_ratio=workload.ideal_hit_ratio)

@@ -102,6 +102,12 @@ MEMBERS.update({f"{name}-bce301b": Member(
     description=f"{name} again, kvswitch only, with the default of bce301b",
     panel_row=MEMBERS[name].panel_row, args=MEMBERS[name].args, targets="kvswitch")
     for name in ("trace-0-x1.5", "bursts-6000-1200", "sp-6000-1200-g40", "mt-1000-30")})
+# The multi-turn member again, every target, once its turns ran as user sessions (a next turn
+# waits for the previous one and carries the engine's answer); the rows above ran open loop.
+MEMBERS["mt-1000-30-sessions"] = Member(
+    description=("mt-1000-30 as user sessions: a next turn waits for the previous one and "
+                 "carries the engine's answer"),
+    panel_row="mt-1000-30", args=MT_1000_30_ARGS)
 
 
 def bench_argv(member: str) -> list[str]:

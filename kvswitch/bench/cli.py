@@ -204,8 +204,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             "qps": list(workload.qps), "stage_duration": workload.stage_duration,
             "seed": args.seed, "requests": len(workload.requests), "stream": stream,
             **_workload_meta(workload), "arrivals": args.arrivals,
-            "ideal_prefix_hit_ratio": ideal_prefix_hit_ratio(
-                r.prompt_ids for r in workload.requests),
+            "ideal_prefix_hit_ratio": ideal_prefix_hit_ratio(workload.requests),
             "latency_unit": "simulated seconds",
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,8 +92,10 @@ class Channels:
 
 
 def generate_request(request: BenchRequest, run_id: str, text: str | None = None,
-                     stream: bool = True, api: str = "vllm") -> Any:
-    """The request in the pool's API (SGLang's: token ids, or text as `original_text`)."""
+                     stream: bool = True, api: str = "vllm", answer: str | None = None) -> Any:
+    """The request in the pool's API (SGLang's: token ids, or text as `original_text`). An
+    `answer` (a multi-turn request's, `workloads.answer_text`) is asked for as structured output:
+    a one-option choice in vLLM's API, a regex matching only it in SGLang's."""
     if api == "sglang":
         s = sglang_scheduler_pb2
         return s.GenerateRequest(
@@ -101,9 +104,12 @@ def generate_request(request: BenchRequest, run_id: str, text: str | None = None
             else s.TokenizedInput(input_ids=request.prompt_ids),
             sampling_params=s.SamplingParams(max_new_tokens=request.max_tokens, ignore_eos=True,
                                              temperature=0.0, top_p=1.0, top_k=-1,
-                                             repetition_penalty=1.0))
+                                             repetition_penalty=1.0,
+                                             regex=re.escape(answer) if answer else None))
     sampling = vllm_engine_pb2.SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
                                               temperature=0.0)
+    if answer:
+        sampling.choice.choices.append(answer)
     common = {"request_id": f"{run_id}-{request.index}", "sampling_params": sampling,
               "stream": stream}
     if text is not None:

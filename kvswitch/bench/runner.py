@@ -1,7 +1,9 @@
 """Run one target on one workload: open-loop Poisson sends at simulated times, bounded.
 
 Every request is sent at `send_at / time_scale` wall seconds after the start, whatever the
-responses do (open loop, like inference-perf), through the target's `choose`. The run ends when
+responses do (open loop, like inference-perf), through the target's `choose`; a conversation's
+next turn (`BenchRequest.previous`) also waits for its previous turn to end, as inference-perf's
+user sessions do, and asks for its answer (`answer_ids`) as structured output. The run ends when
 every request has finished, or `drain_timeout` wall seconds after the last send (stragglers are
 cancelled and count as failures), so it always stops by itself. Engine counters are read before
 and after; their deltas give the cache hit rate and the per-replica load. The engines' request
@@ -24,7 +26,7 @@ from kvswitch.bench.client import Channels, RequestResult, generate_request, sen
 from kvswitch.bench.contracts import RunContext, Target
 from kvswitch.bench.cpu import CpuMonitor
 from kvswitch.bench.engines import EngineCounters, deltas
-from kvswitch.bench.workloads import BenchRequest, Workload
+from kvswitch.bench.workloads import BenchRequest, Workload, answer_text
 from kvswitch.engine.request_log import RequestRecord
 
 
@@ -93,21 +95,32 @@ async def _drive(target: Target, workload: Workload, channels: Channels, run_id:
                leave=True, dynamic_ncols=True)
     results: list[RequestResult] = []
 
+    # A conversation's next turn is sent when its previous turn has ended, if that is later.
+    ended = {r.previous: asyncio.Event() for r in requests if r.previous >= 0}
+
     async def one(request: BenchRequest) -> None:
-        sent = time.perf_counter()
-        address, endpoint = target.choose(request)
-        text = workload.text(request) if target.text_prompts else None
-        http_send = getattr(target, "send_request", None)
-        if http_send is not None:  # an OpenAI HTTP target (SMG)
-            result = await http_send(request, text or workload.text(request), time_scale,
-                                     request_timeout, stream)
-        else:
-            message = generate_request(request, run_id, text, stream, channels.api)
-            result = await send(channels.stub(address), message, request, time_scale,
-                                request_timeout, endpoint, lambda: target.first_token(request))
-        target.finished(request, result)
-        results.append(dataclasses.replace(result, sent_at=(sent - t0) * time_scale))
-        bar.update(1)
+        try:
+            if request.previous >= 0:
+                await ended[request.previous].wait()
+            sent = time.perf_counter()
+            address, endpoint = target.choose(request)
+            text = workload.text(request) if target.text_prompts else None
+            answer = answer_text(request, workload.tokenizer)
+            http_send = getattr(target, "send_request", None)
+            if http_send is not None:  # an OpenAI HTTP target (SMG)
+                result = await http_send(request, text or workload.text(request), time_scale,
+                                         request_timeout, stream, answer)
+            else:
+                message = generate_request(request, run_id, text, stream, channels.api, answer)
+                result = await send(channels.stub(address), message, request, time_scale,
+                                    request_timeout, endpoint,
+                                    lambda: target.first_token(request))
+            target.finished(request, result)
+            results.append(dataclasses.replace(result, sent_at=(sent - t0) * time_scale))
+            bar.update(1)
+        finally:
+            if request.index in ended:
+                ended[request.index].set()
 
     tasks: list[asyncio.Task[None]] = []
     try:

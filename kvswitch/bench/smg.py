@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import sys
 import time
@@ -106,11 +107,15 @@ class SmgTarget:
         pass
 
     async def send_request(self, request: BenchRequest, text: str, time_scale: float,
-                           timeout: float, stream: bool = True) -> RequestResult:
-        """One /v1/completions; never raises."""
+                           timeout: float, stream: bool = True,
+                           answer: str | None = None) -> RequestResult:
+        """One /v1/completions; never raises. An `answer` is asked for as a regex matching only
+        it (SGLang's structured-output parameter)."""
         body: dict[str, Any] = {"model": self._model, "prompt": text,
                                 "max_tokens": request.max_tokens, "ignore_eos": True,
                                 "temperature": 0.0, "stream": stream}
+        if answer:
+            body["regex"] = re.escape(answer)
         if stream:
             body["stream_options"] = {"include_usage": True}
         base: dict[str, Any] = {"index": request.index, "stage": request.stage, "qps": request.qps}

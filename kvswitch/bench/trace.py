@@ -19,8 +19,8 @@ dropped silently.
 Ideal prefix-hit ratio (`ideal_hit_ratio`): what an infinite cache shared by every request would
 serve, over the replayed rows in order: sum over rows of min(512 x leading block ids seen in an
 earlier row, input_length - 1) / sum of input_length (the engine recomputes at least one token).
-`ideal_prefix_hit_ratio(prompts, block_size)` is the same in the engine's own blocks over token
-ids, for any workload.
+`ideal_prefix_hit_ratio(requests, block_size)` is the same in the engine's own blocks over token
+ids, for any workload (a multi-turn request's answer cached with its prompt).
 
 Limits on hostile input: at most `MAX_ROWS` rows read, lines of at most `MAX_LINE` bytes, lengths
 in [1, MAX_TOKENS], at most MAX_TOKENS / 512 + 1 block ids per row; anything else is a
@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,11 +158,15 @@ def ideal_hit_ratio(rows: Iterable[TraceRow]) -> float | None:
     return hits / total if total else None
 
 
-def ideal_prefix_hit_ratio(prompts: Iterable[Sequence[int]], block_size: int = 16) -> float | None:
-    """Infinite shared cache, in the engine's blocks over token ids (chained block hashes)."""
+def ideal_prefix_hit_ratio(requests: Iterable[BenchRequest], block_size: int = 16
+                           ) -> float | None:
+    """Infinite shared cache, in the engine's blocks over token ids (chained block hashes), of
+    each request's prompt and the answer it asks for (`answer_ids`) but its last token, which
+    the engine samples and never computes KV for."""
     seen: set[int] = set()
     hits = total = 0
-    for prompt in prompts:
+    for request in requests:
+        prompt = request.prompt_ids
         hashes = chained_block_hashes(prompt, block_size)
         lead = 0
         for h in hashes:
@@ -171,7 +175,9 @@ def ideal_prefix_hit_ratio(prompts: Iterable[Sequence[int]], block_size: int = 1
             lead += 1
         hits += max(0, min(lead * block_size, len(prompt) - 1))
         total += len(prompt)
-        seen.update(hashes)
+        answer = request.answer_ids
+        seen.update(chained_block_hashes((*prompt, *answer[:-1]), block_size)
+                    if answer else hashes)
     return hits / total if total else None
 
 

@@ -4,10 +4,13 @@ Shape (inference-perf `shared_prefix`): `num_groups` system prompts of `system_p
 tokens; each group has `num_prompts_per_group` users, each asking questions of `question_len`
 tokens; every request asks for exactly `output_len` tokens (ignore_eos). A request picks a
 (group, user) uniformly at random. Single-turn: the prompt is system + that user's question.
-Multi-turn: each user keeps a conversation; turn t's prompt is system + (question, answer) of
-turns < t + a new question, where answers are `output_len` synthetic tokens (the engine's actual
-output is not fed back, so every target sees the same prompts); a conversation starts over when
-its prompt would pass `max_context` tokens.
+Multi-turn (inference-perf's user sessions): each user keeps a conversation; turn t's prompt is
+system + (question, answer) of turns < t + a new question. Turn t waits for turn t - 1 to end
+(`BenchRequest.previous`: sent at its arrival time or when the previous turn ends, whichever is
+later), and its answer is `output_len` tokens of words the request asks the engine to say
+(`BenchRequest.answer_ids`, a structured-output choice), so the next turn's history holds the
+engine's own output and every target sees the same prompts. A conversation starts over when its
+prompt would pass `max_context` tokens.
 
 Prompts are real text made with the real tokenizer: a sequence of single-token words (" word")
 and full stops drawn from the tokenizer's own vocabulary, so the text tokenizes back to exactly
@@ -114,6 +117,12 @@ class BenchRequest:
     max_tokens: int
     prefix_len: int
     """Tokens shared with the group (the system prompt)."""
+    previous: int = -1
+    """Multi-turn: the index of the conversation's previous turn, which ends before this one is
+    sent (-1: none)."""
+    answer_ids: tuple[int, ...] = ()
+    """Multi-turn: the answer the engine is asked to give (all `max_tokens` of it), which the
+    conversation's next turn carries in its history; empty: any output."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,12 @@ class Workload:
 
     def stage_requests(self, stage: int) -> list[BenchRequest]:
         return [r for r in self.requests if r.stage == stage]
+
+
+def answer_text(request: BenchRequest, tokenizer: TokenizerBundle) -> str | None:
+    """The answer `request` asks for, as text (it tokenizes back to exactly
+    `request.answer_ids`); None when it asks for none."""
+    return tokenizer.decode(list(request.answer_ids)) if request.answer_ids else None
 
 
 _WORDS: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -158,13 +173,18 @@ def random_text_ids(tokenizer: TokenizerBundle, length: int, rng: random.Random)
 
 
 class _Conversations:
-    """Multi-turn state per (group, user): the history after the system prompt."""
+    """Multi-turn state per (group, user): the history after the system prompt and the index of
+    the conversation's last turn."""
 
     def __init__(self, shape: SharedPrefixShape, tokenizer: TokenizerBundle, rng: random.Random):
         self.shape, self.tokenizer, self.rng = shape, tokenizer, rng
         self.history: dict[tuple[int, int], list[int]] = {}
+        self.last: dict[tuple[int, int], int] = {}
 
-    def next_prompt(self, system: list[int], group: int, user: int) -> tuple[int, ...]:
+    def next_turn(self, system: list[int], group: int, user: int, index: int
+                  ) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+        """Request `index` as the conversation's next turn: its prompt, the index of the turn
+        before it (-1: none) and the answer it asks for."""
         shape = self.shape
         history = self.history.setdefault((group, user), [])
         turn = shape.question_len + shape.output_len
@@ -172,9 +192,12 @@ class _Conversations:
             history.clear()
         question = random_text_ids(self.tokenizer, shape.question_len, self.rng)
         prompt = (*system, *history, *question)
+        answer = tuple(random_text_ids(self.tokenizer, shape.output_len, self.rng))
         history.extend(question)
-        history.extend(random_text_ids(self.tokenizer, shape.output_len, self.rng))
-        return prompt
+        history.extend(answer)
+        previous = self.last.get((group, user), -1)
+        self.last[(group, user)] = index
+        return prompt, previous, answer
 
 
 def build_workload(shape: SharedPrefixShape, qps: Sequence[float], stage_duration: float,
@@ -208,12 +231,15 @@ def build_workload(shape: SharedPrefixShape, qps: Sequence[float], stage_duratio
                     break
                 group = arrivals.randrange(shape.num_groups)
                 user = arrivals.randrange(shape.num_prompts_per_group)
+                previous, answer = -1, tuple[int, ...]()
                 if shape.multi_turn:
-                    prompt = conversations.next_prompt(systems[group], group, user)
+                    prompt, previous, answer = conversations.next_turn(
+                        systems[group], group, user, len(requests))
                 else:
                     prompt = (*systems[group], *questions[(group, user)])
                 requests.append(BenchRequest(len(requests), stage, float(rate), t, group, user,
-                                             prompt, shape.output_len, shape.system_prompt_len))
+                                             prompt, shape.output_len, shape.system_prompt_len,
+                                             previous, answer))
         start += stage_duration
     return Workload(shape, tuple(float(q) for q in qps), stage_duration, seed, tuple(requests),
                     tokenizer)

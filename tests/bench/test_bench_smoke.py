@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvswitch.bench.workloads import PRESETS, build_workload
+from kvswitch.bench.workloads import PRESETS, answer_text, build_workload
 from kvswitch.tokenization import load_tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -42,7 +42,21 @@ def test_multi_turn_prompts_grow_within_a_conversation() -> None:
     w = build_workload(shape, (5.0,), 4.0, load_tokenizer(None), seed=1)
     lengths = [len(r.prompt_ids) for r in w.requests[:4]]
     assert lengths[:3] == [72, 96, 120]
-    assert w.requests[1].prompt_ids[:72] == w.requests[0].prompt_ids
+    first, second = w.requests[0], w.requests[1]
+    assert second.prompt_ids[:72] == first.prompt_ids
+    # The next turn waits for this one and carries the answer it asks the engine to give.
+    assert (first.previous, second.previous) == (-1, 0)
+    assert len(first.answer_ids) == first.max_tokens == 16
+    assert second.prompt_ids[72:88] == first.answer_ids
+    answer = answer_text(first, w.tokenizer)
+    assert answer is not None
+    assert w.tokenizer.encode(answer) == list(first.answer_ids)
+
+
+def test_single_turn_requests_wait_for_nothing_and_ask_for_any_answer() -> None:
+    w = build_workload(PRESETS["tiny"].shape, (5.0,), 2.0, load_tokenizer(None), seed=1)
+    assert all(r.previous == -1 and not r.answer_ids for r in w.requests)
+    assert answer_text(w.requests[0], w.tokenizer) is None
 
 
 @pytest.mark.timeout(240)

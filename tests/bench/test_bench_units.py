@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,7 @@ from kvswitch.bench.engines import EngineCounters, parse_counters
 from kvswitch.bench.report import markdown, target_summary
 from kvswitch.bench.runner import TargetRun
 from kvswitch.bench.targets import GatewayTarget, bundled_config, make_target, safe_label
+from kvswitch.bench.workloads import answer_text
 from kvswitch.engine.request_log import RequestRecord
 
 
@@ -217,3 +220,96 @@ def test_markdown_compares_kvswitch_with_the_oracle_and_round_robin_per_step() -
                      target("round-robin", 100.0, 400.0)], [30.0])
     assert lines[-1] == "| 30 | 1.25x | 200x | 2.5x |"
     assert _ratios([target("oracle", 0.4, 1.0)], [30.0]) == []
+
+
+def _conversation() -> Any:
+    from kvswitch.bench.workloads import SharedPrefixShape, build_workload
+    from kvswitch.tokenization import load_tokenizer
+
+    # One conversation, a turn due every ~100 ms of simulated time.
+    shape = SharedPrefixShape(1, 1, 64, 8, 16, multi_turn=True)
+    return build_workload(shape, (10.0,), 1.0, load_tokenizer(None), seed=1)
+
+
+async def test_the_runner_sends_a_next_turn_after_its_previous_and_asks_for_its_answer(
+) -> None:
+    from kvswitch.bench.runner import _drive
+
+    workload = _conversation()
+    assert len(workload.requests) >= 4
+    log: list[tuple[str, int, float, str | None]] = []
+
+    class Answering:
+        """An OpenAI-HTTP-shaped target whose every answer takes 0.3 s (time scale 1)."""
+
+        name, text_prompts = "answering", False
+
+        def choose(self, request: Any) -> tuple[str, str]:
+            return "", ""
+
+        def finished(self, request: Any, result: RequestResult) -> None:
+            pass
+
+        async def send_request(self, request: Any, text: str, time_scale: float,
+                               timeout: float, stream: bool = True,
+                               answer: str | None = None) -> RequestResult:
+            loop = asyncio.get_running_loop()
+            log.append(("sent", request.index, loop.time(), answer))
+            await asyncio.sleep(0.3)
+            log.append(("ended", request.index, loop.time(), None))
+            return RequestResult(request.index, request.stage, request.qps, ok=True)
+
+    started = asyncio.get_running_loop().time()
+    results = await _drive(Answering(), workload, None, "run", 1.0,  # type: ignore[arg-type]
+                           30.0, 30.0, False, True, time.perf_counter())
+    assert [r.ok for r in results] == [True] * len(workload.requests)
+    at = {(kind, index): t for kind, index, t, _ in log}
+    for turn in workload.requests[1:]:
+        assert at[("sent", turn.index)] >= at[("ended", turn.previous)]
+    # Open loop would have sent them all within the 1 s of the schedule; closed, they queue.
+    assert at[("sent", workload.requests[-1].index)] - started >= 0.3 * (
+        len(workload.requests) - 1)
+    answers = {index: answer for kind, index, _, answer in log if kind == "sent"}
+    assert all(answers[r.index] == answer_text(r, workload.tokenizer) for r in workload.requests)
+
+
+def test_an_answer_is_asked_for_as_a_one_option_choice_or_a_literal_regex() -> None:
+    import re
+
+    from kvswitch.bench.client import generate_request
+
+    workload = _conversation()
+    first = workload.requests[0]
+    answer = answer_text(first, workload.tokenizer)
+    assert answer is not None
+    vllm = generate_request(first, "run", api="vllm", answer=answer)
+    assert list(vllm.sampling_params.choice.choices) == [answer]
+    sglang = generate_request(first, "run", api="sglang", answer=answer)
+    assert re.fullmatch(sglang.sampling_params.regex, answer)
+    assert sglang.sampling_params.regex == re.escape(answer)
+    plain = generate_request(first, "run", api="vllm")
+    assert plain.sampling_params.WhichOneof("constraint") is None
+
+
+async def test_the_simulated_engine_says_the_answer_and_the_next_turn_finds_it_cached() -> None:
+    import json
+
+    from tests.engine.sim.conftest import collect, make_engine, request, tokens_of
+
+    workload = _conversation()
+    first, second = workload.requests[0], workload.requests[1]
+    engine = make_engine(mode="random")
+    await engine.start()
+    try:
+        said = await collect(engine.generate(request(
+            "a", list(first.prompt_ids), max_tokens=first.max_tokens, ignore_eos=True,
+            temperature=0.0,
+            constraint=("choice", json.dumps([answer_text(first, workload.tokenizer)])))))
+        assert tokens_of(said) == list(first.answer_ids)
+        after = await collect(engine.generate(request("b", list(second.prompt_ids),
+                                                      max_tokens=1)))
+    finally:
+        await engine.stop()
+    # All of the first turn but its answer's last token (sampled, never fed back) is cached.
+    held = len(first.prompt_ids) + len(first.answer_ids) - 1
+    assert after[0].cached_tokens == held // 16 * 16

@@ -455,3 +455,23 @@ def test_without_queued_prompts_the_pushes_carry_load_only(shared_prefix: Any) -
     router.load_push = spy  # type: ignore[method-assign]
     run_fleet(shared_prefix, router, PROFILE, 4, load_push_seconds=0.005, queued_prompts=False)
     assert queued and not any(queued)
+
+
+def test_a_conversations_next_turn_waits_for_its_previous_and_finds_its_answer_cached() -> None:
+    # One conversation whose turns are due every ~50 ms, each answering 40 tokens (~1 s).
+    shape = SharedPrefixShape(1, 1, 256, 32, 40, multi_turn=True)
+    workload = build_workload(shape, (20.0,), 1.0, load_tokenizer(None), seed=2)
+    turns = list(workload.requests)
+    assert len(turns) >= 5 and all(t.previous == t.index - 1 for t in turns[1:])
+    result = run_fleet(workload, RoundRobin(), PROFILE, 1)
+    records = {int(r.request_id): r for r in result.records}
+    assert len(records) == len(turns)
+    block = PROFILE.block_size
+    for turn in turns[1:]:
+        before, now = records[turn.previous], records[turn.index]
+        assert now.arrival >= before.arrival + before.e2e_s - 1e-9
+        assert now.arrival > turn.send_at  # held past its due time
+        # The previous prompt and the answer the engine gave are cached in whole blocks, but
+        # for the answer's last token (sampled, never fed back, so it has no KV).
+        held = len(turns[turn.previous].prompt_ids) + len(turns[turn.previous].answer_ids) - 1
+        assert now.cached_tokens == held // block * block

@@ -18,7 +18,13 @@ from kvswitch.bench.trace import (
     load_trace,
     read_mooncake,
 )
-from kvswitch.bench.workloads import Arrivals, SharedPrefixShape, build_workload, word_token_ids
+from kvswitch.bench.workloads import (
+    Arrivals,
+    BenchRequest,
+    SharedPrefixShape,
+    build_workload,
+    word_token_ids,
+)
 from kvswitch.engine.sim.profiles import get_profile
 from kvswitch.tokenization import load_tokenizer
 
@@ -66,7 +72,12 @@ def test_ideal_hit_ratio_counts_leading_blocks_seen_before(tmp_path: Path) -> No
     # row 1 reuses blocks 0, 1 (1,024 tokens); row 2 reuses block 0 (512).
     assert ideal_hit_ratio(rows) == pytest.approx((1024 + 512) / (1000 + 1500 + 700))
     prompts = [(1, 2) * 16, (1, 2) * 16 + (3,) * 16, (5,) * 32]
-    assert ideal_prefix_hit_ratio(prompts, 16) == pytest.approx(32 / (32 + 48 + 32))
+    requests = [BenchRequest(i, 0, 1.0, 0.0, 0, 0, p, 1, 0) for i, p in enumerate(prompts)]
+    assert ideal_prefix_hit_ratio(requests, 16) == pytest.approx(32 / (32 + 48 + 32))
+    # An answer is cached with its prompt (but its last token): the next turn hits it too.
+    turn = BenchRequest(0, 0, 1.0, 0.0, 0, 0, (1, 2) * 16, 17, 0, answer_ids=(7,) * 17)
+    after = BenchRequest(1, 0, 1.0, 0.0, 0, 0, (1, 2) * 16 + (7,) * 17 + (8,) * 15, 1, 0, 0)
+    assert ideal_prefix_hit_ratio([turn, after], 16) == pytest.approx(48 / (32 + 64))
 
 
 @pytest.mark.parametrize("line, message", [

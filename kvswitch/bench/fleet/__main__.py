@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = build_workload(preset.shape, args.qps or preset.qps,
                                   args.duration or preset.stage_duration, tokenizer,
                                   seed=args.seed, arrivals_shape=Arrivals(args.arrivals))
-    ideal = ideal_prefix_hit_ratio(r.prompt_ids for r in workload.requests)
+    ideal = ideal_prefix_hit_ratio(workload.requests)
     print(f"{len(workload.requests)} requests; ideal prefix-hit ratio {ideal:.3f}")
     results = []
     for name in (n.strip() for n in args.routers.split(",") if n.strip()):

@@ -33,6 +33,7 @@ from kvswitch.engine.sim.profiles import SimProfile
 from kvswitch.engine.sim.request import SimSequence
 from kvswitch.engine.sim.sampler import StopChecker, TokenSource
 from kvswitch.engine.sim.scheduler import Scheduler, SchedulerLimits, StepResult
+from kvswitch.engine.sim.structured import force_output
 
 __all__ = ["Flight", "Replica"]
 
@@ -110,6 +111,8 @@ class Replica:
         seq = SimSequence(str(request.index), 0, list(request.prompt_ids), sampling,
                           request.max_tokens)
         self.tokens.init_sequence(seq, request.index, True)
+        if request.answer_ids:  # the structured-output choice a multi-turn request carries
+            force_output(seq, list(request.answer_ids))
         flight = Flight(request, self.index, now, seq)
         seq.owner = flight
         self.scheduler.add(seq)

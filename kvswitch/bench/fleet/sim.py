@@ -1,21 +1,22 @@
 """The fleet's discrete-event loop: arrivals, replica steps, KV-event batches, router timers.
 
 One heap of (virtual time, sequence, callback); same-time events run in the order they were
-scheduled, so every arrival already due runs before a replica's step at that instant (a burst
-lands in one step's waiting queue, as on a real engine that wakes after the arrivals). A
-replica's step runs `Scheduler.step()` when it starts and delivers its tokens when it ends
-(start + its `duration`), then publishes its KV events (`Replica.publish_step`); a pending
-coalesced batch gets a flush at its window's end. With a router holding two or more KV-event
-streams per replica (several EPPs), an arrival makes its replica push its load
-`load_push_seconds` later (at least `PUSH_INTERVAL_SECONDS` after its previous push), as
-`kvswitch.engine.sim.events` does (arrivals while a push is pending ride on it; a push whose
-routing core repeats the last load the replica delivered is not sent, as
-`kvswitch.engine.kv_events` does), with the prompts of the requests that arrived since
-the previous push whose prefill has not ended (`queued_prompts`; such a push always goes out).
-`on_step(replica, start, step)`, when given, sees each replica step (a `StepResult`: its
-duration, batch and outputs) as it starts, with the replica's waiting queue and KV cache then.
-The run ends when every request has finished or was rejected (then its timers run one more
-`REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual seconds (the rest are
+scheduled, so every arrival already due runs before a replica's step at that instant (a burst lands
+in one step's waiting queue, as on a real engine that wakes after the arrivals). A conversation's
+next turn (`previous` set) arrives at its time or when its previous turn ends (finished or
+rejected), whichever is later, and a replica says a request's `answer_ids` (the structured-output
+choice it carries). A replica's step runs `Scheduler.step()` when it starts and delivers its tokens
+when it ends (start + its `duration`), then publishes its KV events (`Replica.publish_step`); a
+pending coalesced batch gets a flush at its window's end. With a router holding two or more KV-event
+streams per replica (several EPPs), an arrival makes its replica push its load `load_push_seconds`
+later (at least `PUSH_INTERVAL_SECONDS` after its previous push), as `kvswitch.engine.sim.events`
+does (arrivals while a push is pending ride on it; a push whose routing core repeats the last load
+the replica delivered is not sent, as `kvswitch.engine.kv_events` does), with the prompts of the
+requests that arrived since the previous push whose prefill has not ended (`queued_prompts`; such a
+push always goes out). `on_step(replica, start, step)`, when given, sees each replica step (a
+`StepResult`: its duration, batch and outputs) as it starts, with the replica's waiting queue and KV
+cache then. The run ends when every request has finished or was rejected (then its timers run one
+more `REPORT_SECONDS`, so reports on their way arrive), or at `limit` virtual seconds (the rest are
 reported unfinished).
 """
 
@@ -103,6 +104,8 @@ class _Fleet:
         self.replica_of: dict[str, int] = {}
         self.rejected: list[tuple[int, str]] = []
         self.remaining = len(requests)
+        self._ended: set[int] = set()
+        self._after: dict[int, list[Any]] = {}
         self.ended_at = 0.0
 
     # -- FleetContext -----------------------------------------------------------------------
@@ -130,9 +133,14 @@ class _Fleet:
     def reject(self, request: Any, reason: str) -> None:
         self.rejected.append((request.index, reason))
         self.remaining -= 1
+        self._end(request.index)
 
     # -- events ------------------------------------------------------------------------------
     def _arrive(self, request: Any) -> None:
+        if request.previous >= 0 and request.previous not in self._ended:
+            # A conversation's next turn waits for its previous turn to end.
+            self._after.setdefault(request.previous, []).append(request)
+            return
         pick = self.router.route(request, self._now)
         if pick is not None:
             self.dispatch(request, pick)
@@ -163,6 +171,12 @@ class _Fleet:
         self.replica_of[record.request_id] = flight.replica
         self.remaining -= 1
         self.router.finished(request, flight.replica, self._now)
+        self._end(request.index)
+
+    def _end(self, index: int) -> None:
+        self._ended.add(index)
+        for later in self._after.pop(index, ()):
+            self.call_at(self._now, functools.partial(self._arrive, later))
 
     def _publish(self, i: int) -> None:
         rep = self.replicas[i]
