@@ -60,7 +60,10 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = DefaultsHelpFormatter
     parser.add_argument("--preset", default="shared-prefix-150x5-6000-1200-1000",
-                        choices=sorted(PRESETS), help="workload shape and default QPS ladder")
+                        choices=sorted(PRESETS),
+                        help="workload shape and default QPS ladder; a multi-turn preset's "
+                             "conversations run as user sessions: a next turn waits for the "
+                             "previous one and carries the answer the engine gave")
     parser.add_argument("--targets", default="kvswitch,round-robin,oracle",
                         help=f"comma-separated: {', '.join(TARGET_NAMES)}, or kvswitch:CONFIG; "
                              "@N after an EPP target runs N EPPs behind its Envoy (kvswitch@2)")
