@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.engine.test_sglang_smg import _answers, _models, _smg
 from tests.support.processes import free_port, kvswitch_argv, running
+from tests.support.smg import answers, served_models, smg_binary
 
 
 @pytest.mark.parametrize("api", ["vllm", "sglang"])
 def test_smg_passes_a_literal_regex_to_the_engine(api: str, tmp_path: Path) -> None:
-    smg = _smg()
+    smg = smg_binary()
     if smg is None:
         pytest.skip("smg is not installed")
     engine_port, smg_port = free_port(), free_port()
@@ -31,11 +31,12 @@ def test_smg_passes_a_literal_regex_to_the_engine(api: str, tmp_path: Path) -> N
     with running(engine, engine_port, tmp_path / "engine.log"), \
             running(gateway, smg_port, tmp_path / "smg.log", timeout=60.0):
         deadline = time.monotonic() + 60
-        while not _answers(smg_port):  # ready once a one-token completion succeeds
+        while not answers(smg_port):  # ready once a one-token completion succeeds
             assert time.monotonic() < deadline, "SMG never served the engine's model"
             time.sleep(0.1)
-        body = {"model": _models(smg_port)[0], "prompt": "The quick brown fox", "max_tokens": 4,
-                "temperature": 0.0, "ignore_eos": True, "regex": re.escape(said)}
+        body = {"model": served_models(smg_port)[0], "prompt": "The quick brown fox",
+                "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+                "regex": re.escape(said)}
         answer = httpx.post(f"http://127.0.0.1:{smg_port}/v1/completions", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"] == said

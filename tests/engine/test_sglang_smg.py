@@ -3,53 +3,21 @@ routes OpenAI requests to it over SGLang's gRPC API, reached here with the opena
 
 from __future__ import annotations
 
-import json
-import shutil
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
 from tests.support.processes import free_port, kvswitch_argv, running
+from tests.support.smg import answers, smg_binary
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
-def _smg() -> str | None:
-    beside = Path(sys.executable).parent / "smg"
-    return str(beside) if beside.exists() else shutil.which("smg")
-
-
-def _models(port: int) -> list[str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as answer:
-            return [m["id"] for m in json.loads(answer.read())["data"]]
-    except (urllib.error.URLError, OSError, KeyError, ValueError):
-        return []
-
-
-def _answers(port: int) -> bool:
-    models = _models(port)
-    if not models:
-        return False
-    body = json.dumps({"model": models[0], "prompt": "ready", "max_tokens": 1}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as answer:
-            return answer.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def smg_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    smg = _smg()
+    smg = smg_binary()
     if smg is None:
         pytest.skip("smg is not installed")
     tmp = tmp_path_factory.mktemp("sglang-smg")
@@ -66,7 +34,7 @@ def smg_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         deadline = time.monotonic() + 60
         # SMG lists the worker's model before its tokenizer is registered (it answers
         # "Tokenizer not yet registered" meanwhile): ready once a one-token completion succeeds.
-        while not _answers(smg_port):
+        while not answers(smg_port):
             assert time.monotonic() < deadline, "SMG never served the engine's model"
             time.sleep(0.1)
         yield f"http://127.0.0.1:{smg_port}/v1"

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,10 +25,10 @@ import pytest
 
 from tests.support.frontend_stack import ECHO_TEMPLATE, echo_template_tokenizer
 from tests.support.processes import free_port, kvswitch_argv, running
+from tests.support.smg import smg_binary
 
-SMG = Path(sys.executable).parent / "smg"
-pytestmark = pytest.mark.skipif(not SMG.exists() and shutil.which("smg") is None,
-                                reason="smg is not installed (the bench extra)")
+SMG = smg_binary()
+pytestmark = pytest.mark.skipif(SMG is None, reason="smg is not installed (the bench extra)")
 
 TOOLS: list[Any] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -87,7 +85,6 @@ def _gateways(logs: Path, reasoning: str, tools: tuple[str, str] = ("hermes", "q
     tokenizer = echo_template_tokenizer(logs / "tokenizer")
     (logs / "echo.jinja").write_text(ECHO_TEMPLATE)
     engine, frontend, smg = free_port(), free_port(), free_port()
-    smg_binary = str(SMG) if SMG.exists() else str(shutil.which("smg"))
     with running(kvswitch_argv("engine", "--port", str(engine), "--mode", "echo", "--profile",
                                "tiny", "--time-scale", "0.5", "--max-model-len", "4096",
                                "--num-gpu-blocks", "1024", "--log-level", "WARNING"),
@@ -97,7 +94,7 @@ def _gateways(logs: Path, reasoning: str, tools: tuple[str, str] = ("hermes", "q
                               "--tool-call-parser", tools[0], "--reasoning-parser", reasoning,
                               "--log-level", "warning"),
                 frontend, logs / "frontend.log", timeout=60), \
-        running([smg_binary, "launch", "--host", "127.0.0.1", "--port", str(smg),
+        running([str(SMG), "launch", "--host", "127.0.0.1", "--port", str(smg),
                  "--prometheus-port", str(free_port()), "--log-level", "warn",
                  "--worker-urls", f"grpc://127.0.0.1:{engine}",
                  "--chat-template", str(logs / "echo.jinja"),
