@@ -30,17 +30,12 @@ from kvswitch.engine.request_log import RequestRecord
 
 
 def previous_turns(workload: Any) -> dict[str, str]:
-    """Later turn's request id -> the request id of its conversation's previous turn."""
-    shape = workload.shape
-    first_turn = shape.system_prompt_len + shape.question_len
-    last: dict[tuple[int, int], str] = {}
-    previous: dict[str, str] = {}
-    for r in workload.requests:
-        key, rid = (r.group, r.user), str(r.index)
-        if key in last and len(r.prompt_ids) > first_turn:
-            previous[rid] = last[key]
-        last[key] = rid
-    return previous
+    """Later turn's request id -> the request id of its conversation's previous turn
+    (`BenchRequest.previous`), for the turns that still carry their history (a conversation
+    that started over is a first turn again)."""
+    first_turn = workload.shape.system_prompt_len + workload.shape.question_len
+    return {str(r.index): str(r.previous) for r in workload.requests
+            if r.previous >= 0 and len(r.prompt_ids) > first_turn}
 
 
 def tally(records: list[RequestRecord], previous: dict[str, str],
