@@ -203,9 +203,9 @@ class PrecisePrefixCacheScorer:
                 continue
             speculation = index.speculate(address, hashes, self.speculative_ttl, held=held)
             if self.prefill_ttl > 0:
-                ticket = index.await_prefill(address, hashes[-1],
+                ticket = index.await_prefill(address, hashes,
                                              (len(hashes) - held) * index.block_size,
-                                             self.prefill_ttl)
+                                             self.prefill_ttl, held)
                 if ticket is not None:
                     announced[(address, prompt.request_id)] = (ticket, speculation)
 
@@ -300,9 +300,9 @@ class PrecisePrefixCacheScorer:
             speculation = self.index.speculate(address, match.hashes, self.speculative_ttl,
                                                held=held)
         if held < len(match.hashes) and self.prefill_ttl > 0:
-            ticket = self.index.await_prefill(address, match.hashes[-1],
+            ticket = self.index.await_prefill(address, match.hashes,
                                               uncached_tokens(request, match, address),
-                                              self.prefill_ttl)
+                                              self.prefill_ttl, held)
         if ticket is not None or speculation is not None:
             self._awaited[request.request_id] = (ticket, speculation)
 

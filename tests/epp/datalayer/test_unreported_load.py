@@ -139,7 +139,7 @@ def test_prefill_in_progress_ends_when_the_prompts_last_block_is_stored() -> Non
     prompt = list(range(64))  # 4 blocks
     hashes = index.block_hashes(prompt)
     index.speculate("e:1", hashes, 2.0)
-    index.await_prefill("e:1", hashes[-1], 64, 30.0)
+    index.await_prefill("e:1", hashes, 64, 30.0)
     assert index.pending_prefill("e:1") == 64
     # The first chunk's blocks: still prefilling.
     index.apply("e:1", [BlocksStored(tuple(StoredBlock.of(i, prompt[i * 16:(i + 1) * 16])
@@ -157,13 +157,13 @@ def test_prefill_never_stored_expires_and_a_clear_drops_it() -> None:
     now = [0.0]
     index = KvBlockIndex(16, clock=lambda: now[0])
     index.add_endpoint("e:1")
-    index.await_prefill("e:1", 111, 500, 30.0)
-    index.await_prefill("e:1", 111, 200, 30.0)  # the same prompt twice
+    index.await_prefill("e:1", [111], 500, 30.0)
+    index.await_prefill("e:1", [111], 200, 30.0)  # the same prompt twice
     now[0] = 20.0
-    index.await_prefill("e:1", 222, 50, 30.0)
+    index.await_prefill("e:1", [222], 50, 30.0)
     assert index.pending_prefill("e:1") == 750
     now[0] = 31.0
-    index.await_prefill("e:1", 333, 1, 30.0)  # (expiry is checked on the next call)
+    index.await_prefill("e:1", [333], 1, 30.0)  # (expiry is checked on the next call)
     assert index.pending_prefill("e:1") == 51 and index.pending == {"e:1": 51}
     index.clear("e:1")
     assert index.pending_prefill("e:1") == 0 and not index.pending
@@ -188,11 +188,11 @@ def test_estimated_ttft_counts_prefill_the_engine_admitted() -> None:
 def test_no_prefill_is_awaited_where_events_cannot_be_indexed() -> None:
     index = KvBlockIndex(16)
     index.add_endpoint("e:1")
-    index.await_prefill("e:1", 111, 500, 30.0)
+    index.await_prefill("e:1", [111], 500, 30.0)
     index.set_indexed("e:1", False)  # another block size: no BlockStored will ever end it
     assert index.pending_prefill("e:1") == 0
-    index.await_prefill("e:1", 222, 500, 30.0)
+    index.await_prefill("e:1", [222], 500, 30.0)
     assert index.pending_prefill("e:1") == 0
     index.set_indexed("e:1", True)
-    index.await_prefill("e:1", 222, 500, 30.0)
+    index.await_prefill("e:1", [222], 500, 30.0)
     assert index.pending_prefill("e:1") == 500
