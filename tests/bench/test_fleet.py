@@ -183,6 +183,37 @@ def test_kv_batches_are_coalesced_per_window(shared_prefix: Any) -> None:
         assert all(b - a >= 0.05 - 1e-9 for a, b in itertools.pairwise(times))
 
 
+class _PendingRecorder(EppRouter):
+    """The kvswitch profile, recording the EPP's prefill in progress after each KV batch."""
+
+    def __init__(self) -> None:
+        from kvswitch.launcher import DEFAULT_EPP_CONFIG
+
+        super().__init__(DEFAULT_EPP_CONFIG, "pending")
+        self.pending: list[int] = []
+
+    def _deliver(self, replica: int, data: bytes) -> None:
+        super()._deliver(replica, data)
+        index = next(iter(self.subscribers[0].values())).index
+        self.pending.append(index.pending_prefill(self.addresses[replica]))
+
+
+def test_a_long_prompts_prefill_in_progress_falls_with_each_chunk() -> None:
+    import dataclasses
+
+    shape = SharedPrefixShape(1, 1, 30_000, 16, 4)  # ~30k tokens: 4 chunks of 8,192
+    workload = build_workload(shape, (4.0,), 1.0, load_tokenizer(None), seed=0)
+    workload = dataclasses.replace(workload, requests=workload.requests[:1])
+    router = _PendingRecorder()
+    result = run_fleet(workload, router, PROFILE, 1)
+    assert len(result.records) == 1
+    full = len(workload.requests[0].prompt_ids) // 16 * 16
+    # Between the chunks' batches the count falls by about a chunk each, to none at the end.
+    during = [p for p in router.pending if 0 < p < full]
+    assert len(during) >= 2 and during == sorted(during, reverse=True)
+    assert router.pending[-1] == 0
+
+
 def test_fleet_cli_runs_routers_and_writes_json(tmp_path: Any) -> None:
     import json
 
