@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -181,6 +182,29 @@ def test_kv_batches_are_coalesced_per_window(shared_prefix: Any) -> None:
     for replica in range(2):
         times = sorted(t for (r, _), t in router.published.items() if r == replica)
         assert all(b - a >= 0.05 - 1e-9 for a, b in itertools.pairwise(times))
+
+
+def test_the_defaults_new_prefix_groups_spread_evenly(shared_prefix: Any) -> None:
+    import copy
+
+    from kvswitch.launcher import DEFAULT_EPP_CONFIG
+
+    def groups_per_replica(config: Any, seed: int) -> list[int]:
+        result = run_fleet(shared_prefix, EppRouter(config, "g", seed=seed), PROFILE, 4,
+                           seed=seed)
+        first: dict[int, int] = {}
+        for r in sorted(shared_prefix.requests, key=lambda r: r.send_at):
+            first.setdefault(r.group, result.replica_of[str(r.index)])
+        return sorted(Counter(first.values()).values())
+
+    # 24 groups: each replica takes 6 groups' first requests, on every seed.
+    assert all(groups_per_replica(DEFAULT_EPP_CONFIG, seed) == [6] * 4 for seed in range(3))
+    # Placed by the load of the moment alone, they are not.
+    by_load = copy.deepcopy(DEFAULT_EPP_CONFIG)
+    for plugin in by_load["plugins"]:
+        if plugin["type"] == "max-score-picker":
+            plugin["parameters"].pop("newPrefixTolerance")
+    assert any(groups_per_replica(by_load, seed) != [6] * 4 for seed in range(3))
 
 
 class _PendingRecorder(EppRouter):

@@ -11,7 +11,9 @@ first request) brings the requests that will follow it, so with `newPrefixTolera
 goes, among the endpoints whose total is within t of the best, to the one this picker sent the
 fewest of its last NEW_PREFIX_WINDOW new prefixes, then the highest total, then at random: new
 groups spread evenly instead of following the load of the moment (SGLang's router likewise
-sends a prompt it holds too little of to the worker whose cache is smallest).
+sends a prompt it holds too little of to the worker whose cache is smallest). Only while some
+endpoint has nothing waiting (its last report shows no waiting request and nothing sent since):
+when every endpoint queues, the wait ahead decides, and the scores alone place it.
 Fallbacks follow in score order (equal scores in random order), up to `maxNumOfEndpoints` in all.
 Parameters: maxNumOfEndpoints (int >= 1, default 1, as upstream); tieTolerance (float >= 0,
 default 0: only equal totals tie); newPrefixTolerance (float >= 0, default 0: off).
@@ -89,7 +91,8 @@ class MaxScorePicker:
         n = self.max_endpoints
         if self.new_prefix_tolerance:
             match: PrefixMatch | None = state.get(STATE_KEY)
-            if match is not None and match.hashes and not match.matched:
+            if match is not None and match.hashes and not match.matched and any(
+                    not e.metrics.waiting and not e.unreported_tokens for e in endpoints):
                 return self._with_fallbacks(endpoints, scores,
                                             self._new_prefix_pick(endpoints, scores))
         if n == 1 and not self.tie_tolerance:
