@@ -104,6 +104,19 @@ def test_new_prefixes_spread_over_the_near_best_endpoints_evenly() -> None:
     assert max_score_picker.create("m", {}, HANDLE).pick(REQ, new, EPS, scores) == (EPS[1],)
 
 
+def test_a_new_prefix_goes_by_the_scores_alone_while_every_endpoint_queues() -> None:
+    eps = [Endpoint(EndpointSpec(f"10.0.2.{i}:8000")) for i in range(3)]
+    picker = MaxScorePicker("m", new_prefix_tolerance=0.05)
+    new = {STATE_KEY: PrefixMatch(tuple(range(10)), {})}
+    scores = [1.0, 0.98, 0.97]
+    assert [picker.pick(REQ, new, eps, scores)[0] for _ in range(3)] == [eps[0], eps[1], eps[2]]
+    for e in eps:
+        e.metrics = Metrics(waiting=2)
+    assert all(picker.pick(REQ, new, eps, scores) == (eps[0],) for _ in range(3))
+    eps[2].metrics = Metrics(waiting=0)  # room again: spread, the queued picks uncounted
+    assert [picker.pick(REQ, new, eps, scores)[0] for _ in range(2)] == [eps[0], eps[1]]
+
+
 def test_the_new_prefix_counts_cover_a_bounded_window() -> None:
     picker = MaxScorePicker("m", new_prefix_tolerance=0.1, rng=random.Random(3))
     new = {STATE_KEY: PrefixMatch(tuple(range(10)), {})}
