@@ -258,8 +258,8 @@ class IndexGauge(Collector):
     them: `count` names it, `num_blocks` (KV blocks held by the engines' KV events; EPPs that
     share a gateway see the same events, so their values agree within one KV-event batch),
     `num_speculative` (blocks routed there, or queued there by another EPP, that no KV event
-    has confirmed yet) or `pending_prefill` (uncached prompt tokens routed there whose prefill
-    has not ended); for these two, what has expired is dropped first."""
+    has confirmed yet) or `pending_prefill` (what is left to prefill of the uncached prompt
+    tokens routed there); for these two, what has expired is dropped first."""
 
     def __init__(self, name: str, documentation: str, registry: CollectorRegistry,
                  count: IndexCount = "num_blocks") -> None:
@@ -383,8 +383,8 @@ class EppMetrics:
             "confirmed by a KV event.", r, count="num_speculative")
         self.pending_prefill = IndexGauge(
             "kvswitch_epp_pending_prefill_tokens",
-            "Uncached prompt tokens routed to the endpoint (by this EPP, or by another as the "
-            "engine's queued prompts say) whose prefill has not ended by the KV events.", r,
+            "What is left to prefill, by the KV events, of the uncached prompt tokens routed to "
+            "the endpoint (by this EPP, or by another as the engine's queued prompts say).", r,
             count="pending_prefill")
         self.endpoint_requests = EndpointRequestsGauge(
             "kvswitch_epp_endpoint_requests",

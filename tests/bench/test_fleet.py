@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -181,6 +182,60 @@ def test_kv_batches_are_coalesced_per_window(shared_prefix: Any) -> None:
     for replica in range(2):
         times = sorted(t for (r, _), t in router.published.items() if r == replica)
         assert all(b - a >= 0.05 - 1e-9 for a, b in itertools.pairwise(times))
+
+
+def test_the_defaults_new_prefix_groups_spread_evenly(shared_prefix: Any) -> None:
+    import copy
+
+    from kvswitch.launcher import DEFAULT_EPP_CONFIG
+
+    def groups_per_replica(config: Any, seed: int) -> list[int]:
+        result = run_fleet(shared_prefix, EppRouter(config, "g", seed=seed), PROFILE, 4,
+                           seed=seed)
+        first: dict[int, int] = {}
+        for r in sorted(shared_prefix.requests, key=lambda r: r.send_at):
+            first.setdefault(r.group, result.replica_of[str(r.index)])
+        return sorted(Counter(first.values()).values())
+
+    # 24 groups: each replica takes 6 groups' first requests, on every seed.
+    assert all(groups_per_replica(DEFAULT_EPP_CONFIG, seed) == [6] * 4 for seed in range(3))
+    # Placed by the load of the moment alone, they are not.
+    by_load = copy.deepcopy(DEFAULT_EPP_CONFIG)
+    for plugin in by_load["plugins"]:
+        if plugin["type"] == "max-score-picker":
+            plugin["parameters"].pop("newPrefixTolerance")
+    assert any(groups_per_replica(by_load, seed) != [6] * 4 for seed in range(3))
+
+
+class _PendingRecorder(EppRouter):
+    """The kvswitch profile, recording the EPP's prefill in progress after each KV batch."""
+
+    def __init__(self) -> None:
+        from kvswitch.launcher import DEFAULT_EPP_CONFIG
+
+        super().__init__(DEFAULT_EPP_CONFIG, "pending")
+        self.pending: list[int] = []
+
+    def _deliver(self, replica: int, data: bytes) -> None:
+        super()._deliver(replica, data)
+        index = next(iter(self.subscribers[0].values())).index
+        self.pending.append(index.pending_prefill(self.addresses[replica]))
+
+
+def test_a_long_prompts_prefill_in_progress_falls_with_each_chunk() -> None:
+    import dataclasses
+
+    shape = SharedPrefixShape(1, 1, 30_000, 16, 4)  # ~30k tokens: 4 chunks of 8,192
+    workload = build_workload(shape, (4.0,), 1.0, load_tokenizer(None), seed=0)
+    workload = dataclasses.replace(workload, requests=workload.requests[:1])
+    router = _PendingRecorder()
+    result = run_fleet(workload, router, PROFILE, 1)
+    assert len(result.records) == 1
+    full = len(workload.requests[0].prompt_ids) // 16 * 16
+    # Between the chunks' batches the count falls by about a chunk each, to none at the end.
+    during = [p for p in router.pending if 0 < p < full]
+    assert len(during) >= 2 and during == sorted(during, reverse=True)
+    assert router.pending[-1] == 0
 
 
 def test_fleet_cli_runs_routers_and_writes_json(tmp_path: Any) -> None:

@@ -223,9 +223,9 @@ def test_end_prefill_drops_one_request_of_a_shared_last_block() -> None:
     now = [0.0]
     index = KvBlockIndex(16, clock=lambda: now[0])
     index.add_endpoint("e")
-    first = index.await_prefill("e", 7, 300, ttl=30.0)
-    index.await_prefill("e", 7, 100, ttl=30.0)  # the same prompt again
-    short = index.await_prefill("e", 9, 50, ttl=30.0)
+    first = index.await_prefill("e", [7], 300, ttl=30.0)
+    index.await_prefill("e", [7], 100, ttl=30.0)  # the same prompt again
+    short = index.await_prefill("e", [9], 50, ttl=30.0)
     assert (index.pending_prefill("e"), index.prefilling_requests("e")) == (450, 3)
     index.end_prefill(first)
     assert (index.pending_prefill("e"), index.prefilling_requests("e")) == (150, 2)
@@ -234,18 +234,18 @@ def test_end_prefill_drops_one_request_of_a_shared_last_block() -> None:
     assert (index.pending_prefill("e"), index.prefilling_requests("e")) == (100, 1)
     assert index.pending == {"e": 100} and index.prefilling == {"e": 1}
     now[0] = 31.0  # every TTL is up: the ended ones are not taken off again
-    index.await_prefill("e", 11, 10, ttl=30.0)
+    index.await_prefill("e", [11], 10, ttl=30.0)
     assert (index.pending_prefill("e"), index.prefilling_requests("e")) == (10, 1)
-    assert index.await_prefill("e", 12, 0, ttl=30.0) is None  # nothing to prefill
+    assert index.await_prefill("e", [12], 0, ttl=30.0) is None  # nothing to prefill
 
 
 def test_an_ended_prefill_never_ends_another_awaiting_the_same_block() -> None:
     now = [0.0]
     index = KvBlockIndex(16, clock=lambda: now[0])
     index.add_endpoint("e")
-    first = index.await_prefill("e", 7, 300, ttl=30.0)
+    first = index.await_prefill("e", [7], 300, ttl=30.0)
     now[0] = 10.0
-    index.await_prefill("e", 7, 100, ttl=30.0)  # the same prompt, routed later
+    index.await_prefill("e", [7], 100, ttl=30.0)  # the same prompt, routed later
     index.end_prefill(first)  # the first ends early (its answer came before the batch)
     now[0] = 31.0  # the first's ttl passes: the second, due at 40, still counts
     index.expire()
@@ -257,11 +257,11 @@ def test_an_ended_prefill_never_ends_another_awaiting_the_same_block() -> None:
     # request's ttl does not end the second's count.
     ids = list(range(1, 33))
     last = index.block_hashes(ids)[-1]
-    index.await_prefill("e", last, 32, ttl=30.0)
+    index.await_prefill("e", [last], 32, ttl=30.0)
     index.apply("e", [stored(ids)])
     assert index.pending_prefill("e") == 0
     now[0] = 50.0
-    index.await_prefill("e", last, 32, ttl=30.0)
+    index.await_prefill("e", [last], 32, ttl=30.0)
     now[0] = 70.0  # the first's ttl (due at 70) passes; the second's is due at 80
     index.expire()
     assert (index.pending_prefill("e"), index.prefilling_requests("e")) == (32, 1)

@@ -33,18 +33,21 @@ Both kinds set the endpoint's bit in the one holder table, so `match` costs the 
 Cost per request: O(blocks not already held), a few dict operations each, and at expiry
 O(blocks of the speculation) in C.
 
-Prefill in progress: `await_prefill(endpoint, last_hash, tokens, ttl)` counts a routed
+Prefill in progress: `await_prefill(endpoint, hashes, tokens, ttl, held)` counts a routed
 prompt's uncached tokens in `pending_prefill(endpoint)` (and the request in
 `prefilling_requests(endpoint)`) until the prompt's last full block is stored there (the engine
 stores a block once the step computing it ends, and the step that computes a prompt's last
 block ends its prefill), the request ends (`end_prefill`: its response may come before the
-KV-event batch that stores the block), or `ttl` passes. `await_prefill` returns the request's
-`PrefillTicket`, which `end_prefill` takes: a request ends once whichever comes first, and an
-end never reaches another request awaiting the same block (the same prompt twice, or a later
-one after the block was stored). The engine's own load report counts
-only waiting requests' prefill; this also covers requests admitted and still prefilling
-(chunked prefill of a long prompt). One dict test per newly real block. An endpoint whose
-events cannot be indexed (another block size, `set_indexed`) awaits nothing.
+KV-event batch that stores the block), or `ttl` passes. A long prompt is prefilled in chunks,
+one per step, and each chunk's blocks are stored as its step ends: every PROGRESS_BLOCKS-th
+uncached block is a checkpoint, and once one is stored at most the tokens of the blocks after
+it still count (so the count is what is left to prefill, to within PROGRESS_BLOCKS blocks).
+`await_prefill` returns the request's `PrefillTicket`, which `end_prefill` takes: a request ends
+once whichever comes first, and an end never reaches another request awaiting the same block
+(the same prompt twice, or a later one after the block was stored). The engine's own load
+report counts only waiting requests' prefill; this also covers requests admitted and still
+prefilling (chunked prefill of a long prompt). Two dict tests per newly real block. An endpoint
+whose events cannot be indexed (another block size, `set_indexed`) awaits nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvswitch.epp.kvindex.events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
 from kvswitch.epp.kvindex.hashing import chained_block_hashes, root_hash
@@ -87,8 +90,8 @@ class _EndpointBlocks:
     likely cache miss in a loaded EPP, whose tables are far larger than the CPU caches (4 x
     29k blocks: ~4 MB less), and no second copy of the same fact to keep in step."""
 
-    __slots__ = ("awaiting", "bit", "by_engine", "extra_copies", "extra_owns", "indexed",
-                 "pending", "prefilling", "real", "speculative")
+    __slots__ = ("awaiting", "bit", "by_engine", "checkpoints", "extra_copies", "extra_owns",
+                 "indexed", "pending", "prefilling", "real", "speculative")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
@@ -97,11 +100,15 @@ class _EndpointBlocks:
         self.extra_owns: dict[int, int] = {}
         self.speculative: dict[int, float] = {}
         self.real = 0
-        # Prefill in progress: a routed prompt's last block -> [its uncached tokens, requests,
-        # generation], until the block is stored (the step that computes a prompt's last block
-        # ends its prefill); the generation tells this entry from one before the block was
-        # stored, for the tickets of that one.
-        self.awaiting: dict[int, list[int]] = {}
+        # Prefill in progress: a routed prompt's last block -> [its uncached tokens left,
+        # requests, generation, the tokens as routed, its checkpoint blocks], until the block is
+        # stored (the step that computes a prompt's last block ends its prefill); the
+        # generation tells this entry from one before the block was stored, for the tickets of
+        # that one.
+        self.awaiting: dict[int, list[Any]] = {}
+        # A checkpoint block of an awaited prompt -> (its last block, the entry's generation,
+        # tokens per request after the checkpoint); dropped with the entry.
+        self.checkpoints: dict[int, tuple[int, int, int]] = {}
         self.pending = 0
         self.prefilling = 0
         # False while the endpoint's events cannot be indexed (another block size): no
@@ -131,9 +138,31 @@ def _drop_copy(counts: dict[int, int], key: int) -> None:
         del counts[key]
 
 
+def _progress(state: _EndpointBlocks, checkpoint: tuple[int, int, int]) -> None:
+    """A checkpoint block of an awaited prompt is stored: at most the tokens after it are left
+    per request."""
+    last_hash, generation, after = checkpoint
+    entry = state.awaiting.get(last_hash)
+    if entry is None or entry[2] != generation:
+        return
+    left = min(entry[0], entry[1] * after)
+    state.pending -= entry[0] - left
+    entry[0] = left
+
+
+def _drop_checkpoints(state: _EndpointBlocks, entry: list[Any]) -> None:
+    """An awaited prompt's count ended: forget its checkpoints (not a later entry's)."""
+    checkpoints, generation = state.checkpoints, entry[2]
+    for mark in entry[4]:
+        checkpoint = checkpoints.get(mark)
+        if checkpoint is not None and checkpoint[1] == generation:
+            del checkpoints[mark]
+
+
 # One speculation: (expiry, tie-break, endpoint state, the blocks it made speculative).
 Speculation = tuple[float, int, _EndpointBlocks, list[int]]
 MAX_SPECULATED_BLOCKS = 1 << 21  # block hashes listed by live speculations (~80 MB at most)
+PROGRESS_BLOCKS = 64  # an awaited prefill's progress is read every 64 blocks (1,024 tokens at 16)
 
 
 class KvBlockIndex:
@@ -206,6 +235,7 @@ class KvBlockIndex:
         state.speculative.clear()
         state.real = 0
         state.awaiting.clear()
+        state.checkpoints.clear()
         state.pending = state.prefilling = 0
         self.pending.pop(endpoint, None)
         self.prefilling.pop(endpoint, None)
@@ -316,10 +346,14 @@ class KvBlockIndex:
                 owns[parent] = owns.get(parent, 0) + 1
                 continue
             real += 1
-            if awaiting and parent in awaiting:
-                tokens, requests, _ = awaiting.pop(parent)
-                state.pending -= tokens
-                state.prefilling -= requests
+            if awaiting:
+                if parent in awaiting:
+                    entry = awaiting.pop(parent)
+                    state.pending -= entry[0]
+                    state.prefilling -= entry[1]
+                    _drop_checkpoints(state, entry)
+                elif parent in state.checkpoints:
+                    _progress(state, state.checkpoints.pop(parent))
         state.real += real
         return placed
 
@@ -422,23 +456,38 @@ class KvBlockIndex:
 
     # -- prefill in progress -----------------------------------------------------------------
 
-    def await_prefill(self, endpoint: str, last_hash: int, tokens: int,
-                      ttl: float) -> PrefillTicket | None:
-        """A prompt whose last full block is `last_hash` was routed to `endpoint` with `tokens`
-        to prefill: count them in `pending_prefill` until that block is stored there, the
-        request ends (`end_prefill` with the ticket returned), or `ttl` seconds pass (its events
-        were lost). None: not counted (an unknown or unindexed endpoint, nothing to prefill)."""
+    def await_prefill(self, endpoint: str, hashes: Sequence[int], tokens: int, ttl: float,
+                      held: int = 0) -> PrefillTicket | None:
+        """A prompt of full blocks `hashes`, `held` of them already held there, was routed to
+        `endpoint` with `tokens` to prefill: count them in `pending_prefill` until its last
+        block is stored there (each checkpoint block stored lowers the count to what is left),
+        the request ends (`end_prefill` with the ticket returned), or `ttl` seconds pass (its
+        events were lost). None: not counted (an unknown or unindexed endpoint, nothing to
+        prefill)."""
         state = self._endpoints.get(endpoint)
-        if state is None or tokens <= 0 or not state.indexed:
+        if state is None or tokens <= 0 or not state.indexed or not hashes:
             return None
         now = self.clock()
         self._expire_awaited(now)
+        last_hash = hashes[-1]
         entry = state.awaiting.get(last_hash)
         if entry is None:
-            entry = state.awaiting[last_hash] = [tokens, 1, next(self._generations)]
+            generation = next(self._generations)
+            marks = []
+            size, blocks = self.block_size, len(hashes)
+            checkpoints = state.checkpoints
+            # Positions p with p + 1 a multiple of PROGRESS_BLOCKS, past the held blocks and
+            # before the last: the blocks after p are what is left once p is stored.
+            for p in range(held + PROGRESS_BLOCKS - 1 - held % PROGRESS_BLOCKS, blocks - 1,
+                           PROGRESS_BLOCKS):
+                mark = hashes[p]
+                checkpoints[mark] = (last_hash, generation, (blocks - 1 - p) * size)
+                marks.append(mark)
+            entry = state.awaiting[last_hash] = [tokens, 1, generation, tokens, marks]
         else:
             entry[0] += tokens
             entry[1] += 1
+            entry[3] += tokens
         state.pending += tokens
         state.prefilling += 1
         self.pending[endpoint] = state.pending
@@ -462,15 +511,18 @@ class KvBlockIndex:
         entry = state.awaiting.get(block)
         if entry is None or entry[2] != ticket.generation:
             return  # stored already (or cleared): counted no more
-        if entry[1] > 1 and entry[0] > tokens:
-            entry[0] -= tokens
+        share = tokens * entry[0] // entry[3]  # this request's part of what is left
+        if entry[1] > 1 and entry[0] > share:
+            entry[0] -= share
             entry[1] -= 1
-            state.pending -= tokens
+            entry[3] -= tokens
+            state.pending -= share
             state.prefilling -= 1
         else:
             del state.awaiting[block]
             state.pending -= entry[0]
             state.prefilling -= entry[1]
+            _drop_checkpoints(state, entry)
         self.pending[ticket.endpoint] = state.pending
         self.prefilling[ticket.endpoint] = state.prefilling
 

@@ -10,9 +10,10 @@ work queued ahead of it plus its own uncached prefill. Per endpoint e, in prompt
                waiting(e) x P when the engine does not report tokens
     Ws(e)    = uncached prompt tokens the EPP routed to e that no report covers yet
                (`Endpoint.unreported_tokens`: a burst between two load reports)
-    Wp(e)    = uncached prompt tokens the EPP routed to e whose prefill has not ended, by the
-               KV events (`PrefixMatch.pending_prefill`; 0 without the precise index): unlike
-               Wq it counts requests the engine admitted that are still prefilling
+    Wp(e)    = what is left to prefill of the uncached prompt tokens the EPP routed to e, by
+               the KV events (`PrefixMatch.pending_prefill`: a chunk's stored blocks lower it;
+               0 without the precise index): unlike Wq it counts requests the engine admitted
+               that are still prefilling
     R(e)     = max(0, running(e) - unreported_requests(e) - unreported_ends(e) - C(e)): a
                request just sent is in Ws(e) until a report covers it, and may already show
                in running(e) (a report sampled within the proxy's hop of the send does not

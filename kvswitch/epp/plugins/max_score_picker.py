@@ -6,14 +6,23 @@ one holding the most leading blocks of this request's prompt wins (the prefix pr
 of copying the prefix elsewhere), then the one with the fewest requests in flight from this EPP,
 then one at random (a burst of equally scored requests then spreads instead of landing where the
 random draw happens to repeat).
+A new prefix (a prompt no endpoint holds a block of: a new prefix group's or conversation's
+first request) brings the requests that will follow it, so with `newPrefixTolerance` t > 0 it
+goes, among the endpoints whose total is within t of the best, to the one this picker sent the
+fewest of its last NEW_PREFIX_WINDOW new prefixes, then the highest total, then at random: new
+groups spread evenly instead of following the load of the moment (SGLang's router likewise
+sends a prompt it holds too little of to the worker whose cache is smallest). Only while some
+endpoint has nothing waiting (its last report shows no waiting request and nothing sent since):
+when every endpoint queues, the wait ahead decides, and the scores alone place it.
 Fallbacks follow in score order (equal scores in random order), up to `maxNumOfEndpoints` in all.
 Parameters: maxNumOfEndpoints (int >= 1, default 1, as upstream); tieTolerance (float >= 0,
-default 0: only equal totals tie).
+default 0: only equal totals tie); newPrefixTolerance (float >= 0, default 0: off).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,15 +32,41 @@ from kvswitch.epp.framework import ConfigError, CycleState, PluginHandle, max_en
 from kvswitch.epp.plugins.prefix_index import STATE_KEY, PrefixMatch
 
 TYPE = "max-score-picker"
+NEW_PREFIX_WINDOW = 1024  # the new prefixes whose placements are counted (memory bound)
 
 
 class MaxScorePicker:
     def __init__(self, name: str, max_endpoints: int = 1, rng: random.Random | None = None,
-                 tie_tolerance: float = 0.0) -> None:
+                 tie_tolerance: float = 0.0, new_prefix_tolerance: float = 0.0) -> None:
         self.name = name
         self.max_endpoints = max_endpoints
         self.tie_tolerance = tie_tolerance
+        self.new_prefix_tolerance = new_prefix_tolerance
         self.rng = rng or random.Random()  # public: a simulation seeds it so a run repeats
+        # The endpoints the last NEW_PREFIX_WINDOW new prefixes went to, and their counts.
+        self._new_prefixes: deque[str] = deque()
+        self._new_prefix_counts: Counter[str] = Counter()
+
+    def _new_prefix_pick(self, endpoints: Sequence[Endpoint], scores: Sequence[float]) -> int:
+        """Within newPrefixTolerance of the best total: the endpoint sent the fewest recent new
+        prefixes, then the highest total, then at random; counted as sent one more."""
+        floor = max(scores) - self.new_prefix_tolerance
+        counts = self._new_prefix_counts
+        near = [i for i, s in enumerate(scores) if s >= floor]
+        fewest = min([counts[endpoints[i].address] for i in near])
+        near = [i for i in near if counts[endpoints[i].address] == fewest]
+        best = max([scores[i] for i in near])
+        near = [i for i in near if scores[i] == best]
+        first = near[0] if len(near) == 1 else self.rng.choice(near)
+        address = endpoints[first].address
+        self._new_prefixes.append(address)
+        counts[address] += 1
+        if len(self._new_prefixes) > NEW_PREFIX_WINDOW:
+            oldest = self._new_prefixes.popleft()
+            counts[oldest] -= 1
+            if not counts[oldest]:
+                del counts[oldest]
+        return first
 
     def _tied_pick(self, endpoints: Sequence[Endpoint], ties: list[int],
                    state: CycleState) -> int:
@@ -54,6 +89,12 @@ class MaxScorePicker:
         if not endpoints:
             return ()
         n = self.max_endpoints
+        if self.new_prefix_tolerance:
+            match: PrefixMatch | None = state.get(STATE_KEY)
+            if match is not None and match.hashes and not match.matched and any(
+                    not e.metrics.waiting and not e.unreported_tokens for e in endpoints):
+                return self._with_fallbacks(endpoints, scores,
+                                            self._new_prefix_pick(endpoints, scores))
         if n == 1 and not self.tie_tolerance:
             best = max(scores)
             ties = [i for i, s in enumerate(scores) if s == best]
@@ -71,9 +112,14 @@ class MaxScorePicker:
         floor = top[0] - self.tie_tolerance
         ties = [i for i, s in enumerate(scores) if s >= floor]
         first = ties[0] if len(ties) == 1 else self._tied_pick(endpoints, ties, state)
+        return self._with_fallbacks(endpoints, scores, first)
+
+    def _with_fallbacks(self, endpoints: Sequence[Endpoint], scores: Sequence[float],
+                        first: int) -> tuple[Endpoint, ...]:
+        """`first`, then fallbacks in score order, equal scores in random order."""
+        n = self.max_endpoints
         if n == 1:
             return (endpoints[first],)
-        # Fallbacks in score order, equal scores in random order.
         rnd = self.rng.random
         order = sorted((i for i in range(len(endpoints)) if i != first),
                        key=lambda i: (scores[i], rnd()), reverse=True)
@@ -85,4 +131,7 @@ def create(name: str, parameters: Mapping[str, Any], handle: PluginHandle) -> Ma
     tolerance = param(parameters, "tieTolerance", float, 0.0)
     if tolerance < 0:
         raise ConfigError(f"parameters.tieTolerance: must be >= 0, got {tolerance}")
-    return MaxScorePicker(name, n, tie_tolerance=tolerance)
+    new_prefix = param(parameters, "newPrefixTolerance", float, 0.0)
+    if new_prefix < 0:
+        raise ConfigError(f"parameters.newPrefixTolerance: must be >= 0, got {new_prefix}")
+    return MaxScorePicker(name, n, tie_tolerance=tolerance, new_prefix_tolerance=new_prefix)

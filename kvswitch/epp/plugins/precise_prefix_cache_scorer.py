@@ -46,13 +46,14 @@ that count and drops its speculative blocks at once; the announced prefills are 
 this for prefillTtl, at most MAX_ANNOUNCED of them. Unwithdrawn, their blocks expire as
 unconfirmed ones do.
 Prefill in progress: the same hook counts the request's uncached prompt tokens in the index's
-`pending_prefill` for the picked endpoint until the engine stores the prompt's last full block
-(`KvBlockIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables) passes; the
-`PrefixMatch` it produces carries `pending_prefill` (and `prefilling`, the requests it counts)
-for estimated-ttft-scorer. As a `ResponseComplete` hook it stops counting a request when the
-request ends (`KvBlockIndex.end_prefill`): a short answer can end before the KV-event batch that
-stores its last block arrives (batches are coalesced over 50 ms), and its prefill must not hold
-its endpoint back from the next request of the conversation meanwhile.
+`pending_prefill` for the picked endpoint, less what the blocks the engine stores meanwhile say
+is done (a long prompt is prefilled a chunk per step), until the engine stores the prompt's last
+full block (`KvBlockIndex.await_prefill`), or prefillTtl (duration, default 30s; 0 disables)
+passes; the `PrefixMatch` it produces carries `pending_prefill` (and `prefilling`, the requests
+it counts) for estimated-ttft-scorer. As a `ResponseComplete` hook it stops counting a request
+when the request ends (`KvBlockIndex.end_prefill`): a short answer can end before the KV-event
+batch that stores its last block arrives (batches are coalesced over 50 ms), and its prefill
+must not hold its endpoint back from the next request of the conversation meanwhile.
 Lifecycle: the router calls `start()` (one HTTP/2 stream per endpoint of the datalayer) and
 `stop()`; afterwards subscriptions follow the endpoint set as scheduling cycles see it change.
 Push-based load: every `EngineLoad` record on a stream goes into the endpoint's metrics
@@ -203,9 +204,9 @@ class PrecisePrefixCacheScorer:
                 continue
             speculation = index.speculate(address, hashes, self.speculative_ttl, held=held)
             if self.prefill_ttl > 0:
-                ticket = index.await_prefill(address, hashes[-1],
+                ticket = index.await_prefill(address, hashes,
                                              (len(hashes) - held) * index.block_size,
-                                             self.prefill_ttl)
+                                             self.prefill_ttl, held)
                 if ticket is not None:
                     announced[(address, prompt.request_id)] = (ticket, speculation)
 
@@ -300,9 +301,9 @@ class PrecisePrefixCacheScorer:
             speculation = self.index.speculate(address, match.hashes, self.speculative_ttl,
                                                held=held)
         if held < len(match.hashes) and self.prefill_ttl > 0:
-            ticket = self.index.await_prefill(address, match.hashes[-1],
+            ticket = self.index.await_prefill(address, match.hashes,
                                               uncached_tokens(request, match, address),
-                                              self.prefill_ttl)
+                                              self.prefill_ttl, held)
         if ticket is not None or speculation is not None:
             self._awaited[request.request_id] = (ticket, speculation)
 

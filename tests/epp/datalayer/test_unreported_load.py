@@ -139,7 +139,7 @@ def test_prefill_in_progress_ends_when_the_prompts_last_block_is_stored() -> Non
     prompt = list(range(64))  # 4 blocks
     hashes = index.block_hashes(prompt)
     index.speculate("e:1", hashes, 2.0)
-    index.await_prefill("e:1", hashes[-1], 64, 30.0)
+    index.await_prefill("e:1", hashes, 64, 30.0)
     assert index.pending_prefill("e:1") == 64
     # The first chunk's blocks: still prefilling.
     index.apply("e:1", [BlocksStored(tuple(StoredBlock.of(i, prompt[i * 16:(i + 1) * 16])
@@ -153,17 +153,69 @@ def test_prefill_in_progress_ends_when_the_prompts_last_block_is_stored() -> Non
     assert index.pending_prefill("e:1") == 0 and index.pending == {"e:1": 0}
 
 
+def _store(index: KvBlockIndex, prompt: list[int], first: int, end: int) -> None:
+    """The engine stores blocks first..end-1 of `prompt` (one chunk's step)."""
+    index.apply("e:1", [BlocksStored(
+        tuple(StoredBlock.of(1000 + i, prompt[i * 16:(i + 1) * 16]) for i in range(first, end)),
+        1000 + first - 1 if first else None, 16)])
+
+
+def test_a_chunked_prefill_counts_what_is_left_as_its_chunks_are_stored() -> None:
+    index = KvBlockIndex(16)
+    index.add_endpoint("e:1")
+    prompt = list(range(200 * 16))  # 200 blocks: checkpoints at blocks 63, 127 and 191
+    hashes = index.block_hashes(prompt)
+    index.await_prefill("e:1", hashes, 3200, 30.0)
+    _store(index, prompt, 0, 100)  # a chunk past block 63: blocks 64-199 are left
+    assert index.pending_prefill("e:1") == 136 * 16 and index.prefilling_requests("e:1") == 1
+    _store(index, prompt, 100, 120)  # no checkpoint in it: the count stays
+    assert index.pending_prefill("e:1") == 136 * 16
+    _store(index, prompt, 120, 195)  # past block 191
+    assert index.pending_prefill("e:1") == 8 * 16
+    _store(index, prompt, 195, 200)  # the last block: the prefill is over
+    assert index.pending_prefill("e:1") == 0 and index.prefilling_requests("e:1") == 0
+
+
+def test_progress_starts_past_the_held_blocks_and_is_shared_by_the_same_prompt() -> None:
+    index = KvBlockIndex(16)
+    index.add_endpoint("e:1")
+    prompt = list(range(200 * 16))
+    hashes = index.block_hashes(prompt)
+    _store(index, prompt, 0, 70)  # held: 70 blocks, so the first checkpoint is block 127
+    first = index.await_prefill("e:1", hashes, 130 * 16, 30.0, held=70)
+    index.await_prefill("e:1", hashes, 130 * 16, 30.0, held=70)  # the same prompt again
+    _store(index, prompt, 70, 120)
+    assert index.pending_prefill("e:1") == 2 * 130 * 16
+    _store(index, prompt, 120, 130)
+    assert index.pending_prefill("e:1") == 2 * 72 * 16  # at most 72 blocks left each
+    index.end_prefill(first)  # one ends (its answer came first): its share of what is left
+    assert index.pending_prefill("e:1") == 72 * 16 and index.prefilling_requests("e:1") == 1
+
+
+def test_an_ended_count_leaves_the_checkpoints_a_longer_prompt_shares() -> None:
+    index = KvBlockIndex(16)
+    index.add_endpoint("e:1")
+    prompt = list(range(200 * 16))
+    hashes = index.block_hashes(prompt)
+    shorter = index.await_prefill("e:1", hashes[:150], 2400, 30.0)  # its first 150 blocks
+    index.await_prefill("e:1", hashes, 3200, 30.0)  # shares checkpoints 63 and 127
+    index.end_prefill(shorter)
+    assert index.pending_prefill("e:1") == 3200
+    _store(index, prompt, 0, 100)
+    assert index.pending_prefill("e:1") == 136 * 16
+
+
 def test_prefill_never_stored_expires_and_a_clear_drops_it() -> None:
     now = [0.0]
     index = KvBlockIndex(16, clock=lambda: now[0])
     index.add_endpoint("e:1")
-    index.await_prefill("e:1", 111, 500, 30.0)
-    index.await_prefill("e:1", 111, 200, 30.0)  # the same prompt twice
+    index.await_prefill("e:1", [111], 500, 30.0)
+    index.await_prefill("e:1", [111], 200, 30.0)  # the same prompt twice
     now[0] = 20.0
-    index.await_prefill("e:1", 222, 50, 30.0)
+    index.await_prefill("e:1", [222], 50, 30.0)
     assert index.pending_prefill("e:1") == 750
     now[0] = 31.0
-    index.await_prefill("e:1", 333, 1, 30.0)  # (expiry is checked on the next call)
+    index.await_prefill("e:1", [333], 1, 30.0)  # (expiry is checked on the next call)
     assert index.pending_prefill("e:1") == 51 and index.pending == {"e:1": 51}
     index.clear("e:1")
     assert index.pending_prefill("e:1") == 0 and not index.pending
@@ -188,11 +240,11 @@ def test_estimated_ttft_counts_prefill_the_engine_admitted() -> None:
 def test_no_prefill_is_awaited_where_events_cannot_be_indexed() -> None:
     index = KvBlockIndex(16)
     index.add_endpoint("e:1")
-    index.await_prefill("e:1", 111, 500, 30.0)
+    index.await_prefill("e:1", [111], 500, 30.0)
     index.set_indexed("e:1", False)  # another block size: no BlockStored will ever end it
     assert index.pending_prefill("e:1") == 0
-    index.await_prefill("e:1", 222, 500, 30.0)
+    index.await_prefill("e:1", [222], 500, 30.0)
     assert index.pending_prefill("e:1") == 0
     index.set_indexed("e:1", True)
-    index.await_prefill("e:1", 222, 500, 30.0)
+    index.await_prefill("e:1", [222], 500, 30.0)
     assert index.pending_prefill("e:1") == 500

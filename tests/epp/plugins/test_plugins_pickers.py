@@ -87,6 +87,54 @@ def test_max_score_gives_a_tie_to_the_longest_prefix_then_the_fewest_in_flight()
     assert MaxScorePicker("m").pick(REQ, state, eps, scores) == (eps[0],)
 
 
+def test_new_prefixes_spread_over_the_near_best_endpoints_evenly() -> None:
+    picker = max_score_picker.create("m", {"maxNumOfEndpoints": 2, "newPrefixTolerance": 0.05},
+                                     HANDLE)
+    new = {STATE_KEY: PrefixMatch(tuple(range(10)), {})}  # no endpoint holds a block of it
+    # 0, 1 and 3 are within 0.05 of the best; 2 is not, however few new prefixes it took.
+    scores = [0.97, 1.0, 0.5, 0.96]
+    firsts = [picker.pick(REQ, new, EPS, scores)[0] for _ in range(9)]
+    assert Counter(firsts) == {EPS[0]: 3, EPS[1]: 3, EPS[3]: 3}
+    assert firsts[0] == EPS[1]  # even counts: the highest total first
+    assert picker.pick(REQ, new, EPS, scores) == (EPS[1], EPS[0])  # fallbacks: score order
+    # A prompt some endpoint holds blocks of is not new: the best total, as without it.
+    held = {STATE_KEY: PrefixMatch(tuple(range(10)), {EPS[3].address: 2})}
+    assert all(picker.pick(REQ, held, EPS, scores)[0] == EPS[1] for _ in range(4))
+    # Off by default: a new prefix takes the best total too.
+    assert max_score_picker.create("m", {}, HANDLE).pick(REQ, new, EPS, scores) == (EPS[1],)
+
+
+def test_a_new_prefix_goes_by_the_scores_alone_while_every_endpoint_queues() -> None:
+    eps = [Endpoint(EndpointSpec(f"10.0.2.{i}:8000")) for i in range(3)]
+    picker = MaxScorePicker("m", new_prefix_tolerance=0.05)
+    new = {STATE_KEY: PrefixMatch(tuple(range(10)), {})}
+    scores = [1.0, 0.98, 0.97]
+    assert [picker.pick(REQ, new, eps, scores)[0] for _ in range(3)] == [eps[0], eps[1], eps[2]]
+    for e in eps:
+        e.metrics = Metrics(waiting=2)
+    assert all(picker.pick(REQ, new, eps, scores) == (eps[0],) for _ in range(3))
+    eps[2].metrics = Metrics(waiting=0)  # room again: spread, the queued picks uncounted
+    assert [picker.pick(REQ, new, eps, scores)[0] for _ in range(2)] == [eps[0], eps[1]]
+
+
+def test_the_new_prefix_counts_cover_a_bounded_window() -> None:
+    picker = MaxScorePicker("m", new_prefix_tolerance=0.1, rng=random.Random(3))
+    new = {STATE_KEY: PrefixMatch(tuple(range(10)), {})}
+    for _ in range(max_score_picker.NEW_PREFIX_WINDOW):
+        picker.pick(REQ, new, EPS[:1], [1.0])  # the only endpoint then
+    # EPS[0] holds the whole window: the others take the next ones until it slides.
+    firsts = Counter(picker.pick(REQ, new, EPS, [1.0] * 4)[0] for _ in range(30))
+    assert EPS[0] not in firsts and sum(firsts.values()) == 30
+    assert sum(picker._new_prefix_counts.values()) == max_score_picker.NEW_PREFIX_WINDOW
+
+
+def test_new_prefix_tolerance_must_not_be_negative() -> None:
+    from kvswitch.epp.framework import ConfigError
+
+    with pytest.raises(ConfigError, match="newPrefixTolerance: must be >= 0"):
+        max_score_picker.create("m", {"newPrefixTolerance": -0.1}, HANDLE)
+
+
 def test_weighted_random_follows_scores() -> None:
     picker = WeightedRandomPicker("w", rng=random.Random(2))
     seen = Counter(picker.pick(REQ, {}, EPS, [0.0, 3.0, 1.0, 0.0])[0].address
