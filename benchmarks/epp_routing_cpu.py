@@ -3,9 +3,8 @@
 Two measurements, each over many iterations with `time.process_time`:
 
 - routing: `EppRouter.route()` + `request_finished()` with `kvswitch up`'s default profile
-  (precise-prefix-cache-scorer 3, queue-scorer 2, kv-cache-utilization-scorer 2, max-score-picker
-  maxNumOfEndpoints 2; what benchmarks/gateway_throughput.py runs) over 4 and 16 endpoints with
-  varied load, for 128- and 1k-token tokenized prompts (a shared prefix per group + a unique
+  (`kvswitch.launcher.DEFAULT_EPP_CONFIG` of the checkout it runs in) over 4 and 16 endpoints
+  with varied load, for 128- and 1k-token tokenized prompts (a shared prefix per group + a unique
   tail, as in benchmarks/epp_scheduling.py), packed as the vllmgrpc parser hands them over
   (splitting them into blocks is routing's work; parsing is not measured here). The precise
   index knows every endpoint (as when subscribed) but gets no events here, so matches come

@@ -473,16 +473,17 @@ class KvBlockIndex:
         entry = state.awaiting.get(last_hash)
         if entry is None:
             generation = next(self._generations)
-            marks = []
-            size, blocks = self.block_size, len(hashes)
-            checkpoints = state.checkpoints
+            marks: list[int] = []
+            blocks = len(hashes)
             # Positions p with p + 1 a multiple of PROGRESS_BLOCKS, past the held blocks and
             # before the last: the blocks after p are what is left once p is stored.
-            for p in range(held + PROGRESS_BLOCKS - 1 - held % PROGRESS_BLOCKS, blocks - 1,
-                           PROGRESS_BLOCKS):
-                mark = hashes[p]
-                checkpoints[mark] = (last_hash, generation, (blocks - 1 - p) * size)
-                marks.append(mark)
+            first = held + PROGRESS_BLOCKS - 1 - held % PROGRESS_BLOCKS
+            if first < blocks - 1:  # (a short prompt has none)
+                size, checkpoints = self.block_size, state.checkpoints
+                for p in range(first, blocks - 1, PROGRESS_BLOCKS):
+                    mark = hashes[p]
+                    checkpoints[mark] = (last_hash, generation, (blocks - 1 - p) * size)
+                    marks.append(mark)
             entry = state.awaiting[last_hash] = [tokens, 1, generation, tokens, marks]
         else:
             entry[0] += tokens
