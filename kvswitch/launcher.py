@@ -85,8 +85,8 @@ DEFAULT_EPP_CONFIG = {
                         "cacheThreshold": 0.5, "hotPrefixShare": 0.125}},
         # The pick plus one fallback: Envoy retries a refused connection (a replica that died
         # before the EPP noticed) on the fallback instead of failing the request. A new prefix
-        # goes, within 0.05 of the best score, to the replica that took the fewest lately
-        # (while some replica has nothing waiting), so new prefix groups spread evenly.
+        # goes, within 0.05 of the best score, to the replica that took the fewest blocks of new
+        # prefixes lately (while some replica has nothing waiting): new groups spread evenly.
         {"name": "max-score-picker", "type": "max-score-picker",
          "parameters": {"maxNumOfEndpoints": 2, "newPrefixTolerance": 0.05}},
     ],

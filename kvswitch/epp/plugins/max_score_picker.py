@@ -9,9 +9,11 @@ random draw happens to repeat).
 A new prefix (a prompt no endpoint holds a block of: a new prefix group's or conversation's
 first request) brings the requests that will follow it, so with `newPrefixTolerance` t > 0 it
 goes, among the endpoints whose total is within t of the best, to the one this picker sent the
-fewest of its last NEW_PREFIX_WINDOW new prefixes, then the highest total, then at random: new
-groups spread evenly instead of following the load of the moment (SGLang's router likewise
-sends a prompt it holds too little of to the worker whose cache is smallest). Only while some
+fewest blocks of its last NEW_PREFIX_WINDOW new prefixes (each weighs its prompt's full
+blocks: prompts of many lengths balance by size, prompts of one length by number), then the
+highest total, then at random: new groups spread evenly instead of following the load of the
+moment (SGLang's router likewise sends a prompt it holds too little of to the worker whose
+cache is smallest). Only while some
 endpoint has nothing waiting (its last report shows no waiting request and nothing sent since):
 when every endpoint queues, the wait ahead decides, and the scores alone place it.
 Fallbacks follow in score order (equal scores in random order), up to `maxNumOfEndpoints` in all.
@@ -43,13 +45,16 @@ class MaxScorePicker:
         self.tie_tolerance = tie_tolerance
         self.new_prefix_tolerance = new_prefix_tolerance
         self.rng = rng or random.Random()  # public: a simulation seeds it so a run repeats
-        # The endpoints the last NEW_PREFIX_WINDOW new prefixes went to, and their counts.
-        self._new_prefixes: deque[str] = deque()
+        # The endpoints the last NEW_PREFIX_WINDOW new prefixes went to with their blocks, and
+        # each endpoint's sum of them.
+        self._new_prefixes: deque[tuple[str, int]] = deque()
         self._new_prefix_counts: Counter[str] = Counter()
 
-    def _new_prefix_pick(self, endpoints: Sequence[Endpoint], scores: Sequence[float]) -> int:
-        """Within newPrefixTolerance of the best total: the endpoint sent the fewest recent new
-        prefixes, then the highest total, then at random; counted as sent one more."""
+    def _new_prefix_pick(self, endpoints: Sequence[Endpoint], scores: Sequence[float],
+                         blocks: int) -> int:
+        """Within newPrefixTolerance of the best total: the endpoint sent the fewest blocks of
+        recent new prefixes, then the highest total, then at random; `blocks` (the prompt's)
+        added to its count."""
         floor = max(scores) - self.new_prefix_tolerance
         counts = self._new_prefix_counts
         near = [i for i, s in enumerate(scores) if s >= floor]
@@ -59,11 +64,11 @@ class MaxScorePicker:
         near = [i for i in near if scores[i] == best]
         first = near[0] if len(near) == 1 else self.rng.choice(near)
         address = endpoints[first].address
-        self._new_prefixes.append(address)
-        counts[address] += 1
+        self._new_prefixes.append((address, blocks))
+        counts[address] += blocks
         if len(self._new_prefixes) > NEW_PREFIX_WINDOW:
-            oldest = self._new_prefixes.popleft()
-            counts[oldest] -= 1
+            oldest, weight = self._new_prefixes.popleft()
+            counts[oldest] -= weight
             if not counts[oldest]:
                 del counts[oldest]
         return first
@@ -93,8 +98,8 @@ class MaxScorePicker:
             match: PrefixMatch | None = state.get(STATE_KEY)
             if match is not None and match.hashes and not match.matched and any(
                     not e.metrics.waiting and not e.unreported_tokens for e in endpoints):
-                return self._with_fallbacks(endpoints, scores,
-                                            self._new_prefix_pick(endpoints, scores))
+                return self._with_fallbacks(endpoints, scores, self._new_prefix_pick(
+                    endpoints, scores, len(match.hashes)))
         if n == 1 and not self.tie_tolerance:
             best = max(scores)
             ties = [i for i, s in enumerate(scores) if s == best]

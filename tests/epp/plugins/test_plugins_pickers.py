@@ -87,7 +87,7 @@ def test_max_score_gives_a_tie_to_the_longest_prefix_then_the_fewest_in_flight()
     assert MaxScorePicker("m").pick(REQ, state, eps, scores) == (eps[0],)
 
 
-def test_new_prefixes_spread_over_the_near_best_endpoints_evenly() -> None:
+def test_new_prefixes_of_one_length_spread_over_the_near_best_endpoints_evenly() -> None:
     picker = max_score_picker.create("m", {"maxNumOfEndpoints": 2, "newPrefixTolerance": 0.05},
                                      HANDLE)
     new = {STATE_KEY: PrefixMatch(tuple(range(10)), {})}  # no endpoint holds a block of it
@@ -125,7 +125,17 @@ def test_the_new_prefix_counts_cover_a_bounded_window() -> None:
     # EPS[0] holds the whole window: the others take the next ones until it slides.
     firsts = Counter(picker.pick(REQ, new, EPS, [1.0] * 4)[0] for _ in range(30))
     assert EPS[0] not in firsts and sum(firsts.values()) == 30
-    assert sum(picker._new_prefix_counts.values()) == max_score_picker.NEW_PREFIX_WINDOW
+    assert sum(picker._new_prefix_counts.values()) == 10 * max_score_picker.NEW_PREFIX_WINDOW
+
+
+def test_new_prefixes_balance_by_their_blocks() -> None:
+    picker = MaxScorePicker("m", new_prefix_tolerance=0.05)
+    long, short = PrefixMatch(tuple(range(40)), {}), PrefixMatch(tuple(range(10)), {})
+    assert picker.pick(REQ, {STATE_KEY: long}, EPS[:2], [1.0, 0.99])[0] == EPS[0]
+    # 40 blocks went to EPS[0]: the next four 10-block prompts go to EPS[1], then it is even.
+    firsts = [picker.pick(REQ, {STATE_KEY: short}, EPS[:2], [1.0, 0.99])[0] for _ in range(4)]
+    assert firsts == [EPS[1]] * 4
+    assert picker._new_prefix_counts == {EPS[0].address: 40, EPS[1].address: 40}
 
 
 def test_new_prefix_tolerance_must_not_be_negative() -> None:
